@@ -1,0 +1,163 @@
+"""kvstitch's attention function, registered with transformers as ``attn_implementation="kvstitch"``.
+
+transformers builds no mask for a custom attention implementation (``attention_mask`` is None), so
+this function derives the mask from *slots* (slot == global position in a `StitchCache`): a query at
+slot p sees keys at slots <= p (and > p - window on sliding-window layers).
+
+Cost follows causality: queries are sorted by slot and cut into groups; each group attends only to
+its causal prefix of keys (its window on sliding layers). One dense [n_sel, N] mask would make every
+selected query pay for all N keys — 2.4x instead of ~5x at 8K tokens and 20% recompute (DESIGN.md).
+A contiguous block of queries ending at the last key uses SDPA's causal kernel directly.
+
+A `ForwardPlan` passed as the ``kvstitch_plan`` keyword of the model's forward carries the query slots
+and optional hooks: attention probabilities for scoring (ProphetKV Stage I, A3, InfoFlow), early stop
+after a layer (CacheBlend/KVShare/A3 need only the first layers), observation-window query capture
+(SnapKV/PRKV), APE's temperature/scale, and a sparse decoder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPL = "kvstitch"
+
+
+class StopForward(Exception):
+    """Raised after `ForwardPlan.stop_after_layer` to end a scoring pass early."""
+
+
+@dataclass
+class ForwardPlan:
+    q_slots: torch.Tensor | None = None  # [q] sorted slots of the queries; None = the last q keys
+    # attention-probability hook: hook(layer, probs[Hq, q, n_keys] float32, values[Hkv, n_keys, d])
+    attn_hook: Callable | None = None
+    hook_layers: set[int] | None = None  # None = every layer
+    stop_after_layer: int | None = None
+    capture_queries: int = 0  # keep the last w post-RoPE queries per layer in `queries`
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    # APE (Yang et al. 2025): context attention of the queries scaled by `ape_scale` with logits divided
+    # by `ape_temperature`, on keys in slots [ape_ctx_start, ape_ctx_end).
+    ape: tuple[float, float, int, int] | None = None
+    decoder: object | None = None  # sparse decoder: attend(layer, q[Hq,1,d], scaling) -> [Hq,1,d]
+    group_queries: int = 0  # 0 = automatic
+
+
+def _mask(q_slots: torch.Tensor, lo: int, hi: int, window: int | None) -> torch.Tensor:
+    k = torch.arange(lo, hi, device=q_slots.device)
+    m = k[None, :] <= q_slots[:, None]
+    if window:
+        m &= k[None, :] > q_slots[:, None] - window
+    return m
+
+
+def _attend(q, k, v, mask, scaling, softcap, gqa):
+    """q [1,Hq,g,d], k/v [1,Hkv,n,d], mask [g,n] bool or None (causal) -> [1,Hq,g,d]."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.tanh((q @ k.transpose(-1, -2)) * scaling / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(v.dtype) @ v
+
+
+def _groups(q_slots: torch.Tensor, group: int):
+    """Split sorted query slots into ~16 groups: each pays only for its own causal prefix of keys."""
+    n = q_slots.numel()
+    if group <= 0:
+        group = max(32, math.ceil(n / 16))
+    start = 0
+    while start < n:
+        end = min(n, start + group)
+        yield start, end
+        start = end
+
+
+def _probs(q, k, slots, scaling, softcap, window) -> torch.Tensor:
+    """Explicit attention probabilities [Hq, q, n] (float32) for scoring hooks: O(|q| N) per layer."""
+    rep = q.shape[1] // k.shape[1]
+    kk = k[0].float().repeat_interleave(rep, 0)
+    s = (q[0].float() @ kk.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~_mask(slots, 0, k.shape[2], window), float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+def kvstitch_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                       sliding_window=None, softcap=None, kvstitch_plan: ForwardPlan | None = None, **kwargs):
+    """The transformers attention-interface entry point. query [1,Hq,q,d]; key/value [1,Hkv,n,d]."""
+    plan = kvstitch_plan or ForwardPlan()
+    layer = module.layer_idx
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    gqa = query.shape[1] != key.shape[1]
+    nq, nk = query.shape[2], key.shape[2]
+
+    if plan.decoder is not None and nq == 1:
+        out = plan.decoder.attend(layer, query[0], scaling)[None]
+        return out.transpose(1, 2).contiguous(), None
+
+    slots = plan.q_slots if plan.q_slots is not None else torch.arange(nk - nq, nk, device=query.device)
+    if plan.capture_queries:
+        plan.queries[layer] = query[0, :, -plan.capture_queries:].detach()
+    if plan.ape is not None:
+        out = _ape_attention(query, key, value, slots, scaling, sliding_window, plan.ape)
+    elif nq == nk and sliding_window is None and int(slots[0]) == 0 and int(slots[-1]) == nk - 1:
+        out = _attend(query, key, value, None, scaling, softcap, gqa)  # plain causal prefill
+    else:
+        parts = []
+        for a, b in _groups(slots, plan.group_queries):
+            s = slots[a:b]
+            hi = int(s[-1]) + 1
+            lo = max(0, int(s[0]) - sliding_window + 1) if sliding_window else 0
+            parts.append(_attend(query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi],
+                                 _mask(s, lo, hi, sliding_window), scaling, softcap, gqa))
+        out = torch.cat(parts, dim=2)
+    if plan.attn_hook is not None and (plan.hook_layers is None or layer in plan.hook_layers):
+        plan.attn_hook(layer, _probs(query, key, slots, scaling, softcap, sliding_window), value[0])
+    if plan.stop_after_layer is not None and layer >= plan.stop_after_layer:
+        raise StopForward(layer)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ape_attention(query, key, value, slots, scaling, window, ape):
+    """APE (Yang et al., ICLR 2025, Sec. 4): rescale attention to the parallel-encoded context.
+
+    Logits to context keys are divided by temperature T and their (unnormalised) weight multiplied by
+    scale S before the joint softmax: w_ctx = S * exp(s/T), w_other = exp(s). Done explicitly (|q| is
+    the suffix only, so O(|q| N))."""
+    temperature, scale, c0, c1 = ape
+    rep = query.shape[1] // key.shape[1]
+    k = key[0].float().repeat_interleave(rep, 0)
+    v = value[0].float().repeat_interleave(rep, 0)
+    s = (query[0].float() @ k.transpose(-1, -2)) * scaling
+    ctx = torch.zeros(key.shape[2], dtype=torch.bool, device=key.device)
+    ctx[c0:c1] = True
+    s = torch.where(ctx, s / temperature + math.log(scale), s)
+    s = s.masked_fill(~_mask(slots, 0, key.shape[2], window), float("-inf"))
+    out = torch.softmax(s, dim=-1) @ v
+    return out[None].to(query.dtype)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the attention function with transformers (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL, kvstitch_attention)
+    _registered = True

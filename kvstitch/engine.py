@@ -1,0 +1,303 @@
+"""`Engine`: load a model, precompute/stitch chunk caches, recompute a budget of tokens, decode."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import ForwardPlan, StopForward
+from .cache import StitchCache
+from .chunk import ChunkKV
+from .errors import InputError
+from .models import adapter_for, load_model
+from .prompt import PromptBuilder, PromptLayout
+from .rope import inv_freq_table, rerotate, self_check
+from .select import SelectionContext, make_selector, methods
+from .store import ChunkStore, chunk_key, open_store
+
+DEFAULT_METHOD = "prophet"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    ttft_s: float
+    recomputed: list[int]  # context-token indices (0-based within the context) that were recomputed
+    stats: dict
+    token_ids: list[int] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None  # logits of the first answer token (float32, cpu)
+    method: str = ""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    def __init__(self, model, tokenizer, weights_id: str, store: ChunkStore | None = None,
+                 check_rope: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = adapter_for(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.builder = PromptBuilder(tokenizer)
+        self.store = store if store is not None else open_store(None)
+        self.inv_freq = inv_freq_table(self.adapter).to(self.device)
+        self.fingerprint = self._fingerprint(weights_id)
+        self._prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.eos_ids = self._eos_ids()
+        self.rope_error = self_check(model, self.adapter, self._probe_ids()) if check_rope else None
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str | None = None, store=None, device: str | None = None,
+             dtype: str | torch.dtype | None = None, **kwargs) -> "Engine":
+        """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", an HF directory or a .gguf file.
+        ``store``: None (in-memory), a directory path, or "redis://host:port/db"."""
+        dev = torch.device(device) if device else default_device()
+        if dtype is None:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        elif isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model_, tok, weights_id = load_model(model, dev, dtype)
+        return cls(model_, tok, weights_id, store=open_store(store), **kwargs)
+
+    def _fingerprint(self, weights_id: str) -> str:
+        ad = self.adapter
+        desc = {"weights": weights_id, "dtype": str(self.dtype), "family": ad.family,
+                "rope": [ad.rope_parameters(i) for i in range(ad.num_layers)],
+                "layers": ad.num_layers, "kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim}
+        return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if src is None:
+                continue
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+        return ids
+
+    def _probe_ids(self) -> torch.Tensor:
+        ids = self.tokenizer.encode("The quick brown fox jumps over the lazy dog near the river bank.",
+                                    add_special_tokens=False)
+        return torch.tensor(ids[:16], dtype=torch.long)
+
+    # ---- low-level forward ----------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, cache: StitchCache, ids: torch.Tensor, slots: torch.Tensor, plan: ForwardPlan | None = None,
+                logits_to_keep: int = 1, write: bool = True) -> torch.Tensor | None:
+        """Run ``ids`` at global positions ``slots`` (sorted) over ``cache``; returns the last logits.
+        Returns None when the plan stopped the pass early (scoring passes)."""
+        plan = plan or ForwardPlan()
+        slots = slots.to(self.device)
+        plan.q_slots = slots
+        cache.slots, cache.write = slots, write
+        try:
+            out = self.model(input_ids=ids.view(1, -1).to(self.device), position_ids=slots.view(1, -1),
+                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                             kvstitch_plan=plan)
+            return out.logits[0].float()
+        except StopForward:
+            return None
+        finally:
+            cache.slots, cache.write = None, True
+
+    # ---- precompute -----------------------------------------------------------------------------
+    def prefix_kv(self, prefix_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the shared prefix (cached: identical for every request)."""
+        if self._prefix is None or not torch.equal(self._prefix[0], prefix_ids):
+            n = prefix_ids.numel()
+            cache = StitchCache.empty(self.adapter, n, self.device, self.dtype)
+            self.forward(cache, prefix_ids, torch.arange(n))
+            self._prefix = (prefix_ids.clone(), cache.stacked_keys(), cache.stacked_values())
+        return self._prefix[1], self._prefix[2]
+
+    def compute_chunk(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> ChunkKV:
+        """One chunk's K/V with the shared prefix as its only context (the attention sink)."""
+        pk, pv = self.prefix_kv(prefix_ids)
+        p, n = prefix_ids.numel(), chunk_ids.numel()
+        cache = StitchCache.from_stacked(pk, pv, capacity=p + n)
+        self.forward(cache, chunk_ids, torch.arange(p, p + n))
+        return ChunkKV(cache.stacked_keys(p, p + n).clone(), cache.stacked_values(p, p + n).clone(),
+                       chunk_ids.clone(), p, self.fingerprint)
+
+    def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str:
+        return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"))
+
+    def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None) -> list[ChunkKV]:
+        """Look every chunk up in the store; precompute and write back the misses."""
+        out, misses = [], 0
+        t0 = time.perf_counter()
+        for ids in layout.chunk_ids:
+            key = self.chunk_key(layout.prefix_ids, ids)
+            kv = self.store.lookup(key)
+            if kv is None or kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu()):
+                kv = self.compute_chunk(layout.prefix_ids, ids)
+                self.store.put(key, kv)
+                misses += 1
+            out.append(kv.to(self.device, self.dtype))
+        if stats is not None:
+            stats.update(store_hits=len(out) - misses, store_misses=misses,
+                         chunk_load_s=time.perf_counter() - t0)
+        return out
+
+    # ---- stitching ------------------------------------------------------------------------------
+    def stitch(self, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:
+        """Prefix K/V + every chunk's K/V, keys re-rotated from precompute to global positions."""
+        pk, pv = self.prefix_kv(layout.prefix_ids)
+        cache = StitchCache.from_stacked(pk, pv, capacity=layout.n_total + extra)
+        for start, kv in zip(layout.chunk_starts, chunks):
+            keys = rerotate(kv.keys, start - kv.start, self.inv_freq)
+            n = kv.n_tokens
+            for i, layer in enumerate(cache.layers):
+                layer.keys[0, :, start:start + n] = keys[i]
+                layer.values[0, :, start:start + n] = kv.values[i]
+        for layer in cache.layers:
+            layer.length = layout.context_end
+        return cache
+
+    # ---- recompute ------------------------------------------------------------------------------
+    def recompute(self, cache: StitchCache, layout: PromptLayout, indices: torch.Tensor,
+                  plan: ForwardPlan | None = None, logits_to_keep: int = 1) -> torch.Tensor:
+        """One pass of the selected context tokens plus the suffix, at their global positions, through
+        all layers; their fresh K/V overwrite the stitched cache. Returns the suffix's last logits."""
+        slots = torch.cat([indices.to(torch.long).cpu() + layout.context_start,
+                           torch.arange(layout.context_end, layout.n_total)])
+        ids = layout.ids[slots]
+        return self.forward(cache, ids, slots, plan, logits_to_keep=logits_to_keep)
+
+    def full_prefill(self, layout: PromptLayout, extra: int = 0, plan: ForwardPlan | None = None,
+                     logits_to_keep: int = 1) -> tuple[StitchCache, torch.Tensor]:
+        cache = StitchCache.empty(self.adapter, layout.n_total + extra, self.device, self.dtype)
+        logits = self.forward(cache, layout.ids, torch.arange(layout.n_total), plan, logits_to_keep)
+        return cache, logits
+
+    # ---- validation -----------------------------------------------------------------------------
+    def layout(self, question: str, chunks: list[str]) -> PromptLayout:
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("the question is empty")
+        if not chunks:
+            raise InputError("no chunks given: pass at least one passage")
+        for i, c in enumerate(chunks):
+            if not isinstance(c, str) or not c.strip():
+                raise InputError(f"chunk {i} is empty")
+        return self.builder.build(question, chunks)
+
+    def _check_request(self, layout: PromptLayout, method: str, ratio: float, max_new_tokens: int) -> None:
+        if method not in methods():
+            raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
+        if not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0.0 <= ratio <= 1.0:
+            raise InputError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        limit = self.adapter.max_positions
+        if layout.n_total + max_new_tokens > limit:
+            raise InputError(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
+                             f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
+
+    # ---- the public entry point -----------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
+                 recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                 method_options: dict | None = None, layout: PromptLayout | None = None) -> GenerationResult:
+        t_start = time.perf_counter()
+        layout = layout or self.layout(question, chunks)
+        self._check_request(layout, method, recompute_ratio, max_new_tokens)
+        selector = make_selector(method, **(method_options or {}))
+        stats: dict = {"method": method, "ratio": recompute_ratio, "prefix_tokens": layout.n_prefix,
+                       "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
+                       "chunks": len(layout.chunk_ids)}
+        t = time.perf_counter()
+        stats["tokenize_s"] = t - t_start
+        if selector.full_prefill:
+            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
+            indices = torch.arange(layout.n_context)
+        else:
+            kvs = self.chunk_kvs(layout, stats)
+            t1 = time.perf_counter()
+            cache = self.stitch(layout, kvs, extra=max_new_tokens)
+            _sync(self.device)
+            t2 = time.perf_counter()
+            budget = round(recompute_ratio * layout.n_context)
+            ctx = SelectionContext(self, cache, layout, budget, stats)
+            indices, _ = selector.select(ctx)
+            layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
+            _sync(self.device)
+            t3 = time.perf_counter()
+            logits = self.recompute(cache, layout, indices)
+            _sync(self.device)
+            t4 = time.perf_counter()
+            stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=t4 - t3)
+        first = self._sample(logits[-1], temperature, top_p, seed)
+        ttft = time.perf_counter() - t_start
+        stats["recomputed_tokens"] = int(indices.numel())
+        tokens, tpot = self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats)
+        stats["decode_tokens"] = len(tokens)
+        stats["tpot_s"] = tpot
+        stats["ttft_s"] = ttft
+        stats["order"] = layout.order
+        text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
+        return GenerationResult(text=text.strip(), ttft_s=ttft, recomputed=indices.tolist(), stats=stats,
+                                token_ids=tokens, first_logits=logits[-1].cpu(), method=method)
+
+    # ---- decoding -------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0) -> int:
+        if temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        if top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sp, 0) - sp < top_p
+            probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+        g = torch.Generator(device="cpu").manual_seed(seed * 100003 + step)
+        return int(torch.multinomial(probs.cpu(), 1, generator=g))
+
+    def _decode(self, cache: StitchCache, first: int, max_new_tokens: int, temperature: float, top_p: float,
+                seed: int, decode: str, kv_budget: int | None, stats: dict) -> tuple[list[int], float]:
+        tokens = [first]
+        plan = ForwardPlan()
+        if decode != "full":
+            plan.decoder = self._make_decoder(cache, decode, kv_budget, stats)
+            cache.decoder = plan.decoder
+        t0 = time.perf_counter()
+        step = 0
+        while tokens[-1] not in self.eos_ids and len(tokens) < max_new_tokens and not self._stop_text(tokens):
+            step += 1
+            pos = torch.tensor([cache.length])
+            logits = self.forward(cache, torch.tensor([tokens[-1]]), pos, plan) if plan.decoder is None else \
+                self._decoder_step(cache, tokens[-1], plan)
+            if plan.decoder is not None:
+                plan.decoder.end_step()
+            tokens.append(self._sample(logits[-1], temperature, top_p, seed, step))
+        _sync(self.device)
+        cache.decoder = None
+        return tokens, (time.perf_counter() - t0) / max(step, 1)
+
+    def _stop_text(self, tokens: list[int]) -> bool:
+        """Base models (no chat template) keep writing after the answer: stop at the first line break."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return False
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return "\n" in text.lstrip()
+
+    def _decoder_step(self, cache: StitchCache, token: int, plan: ForwardPlan) -> torch.Tensor:
+        pos = torch.tensor([[cache.length]], device=self.device)
+        cache.slots = None
+        out = self.model(input_ids=torch.tensor([[token]], device=self.device), position_ids=pos,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
+        return out.logits[0].float()
+
+    def _make_decoder(self, cache: StitchCache, decode: str, kv_budget: int | None, stats: dict):
+        raise InputError(f"decode policy {decode!r} is not available yet")

@@ -1,0 +1,6 @@
+"""Selection methods: which context tokens to recompute. Importing this package registers them all."""
+
+from . import basic  # noqa: F401  (registers full, naive, random)
+from .base import SELECTORS, SelectionContext, Selector, make_selector, methods, register, top_k_indices
+
+__all__ = ["SELECTORS", "SelectionContext", "Selector", "make_selector", "methods", "register", "top_k_indices"]

@@ -1,0 +1,89 @@
+"""The selection-method registry: small dataclasses with one signature (kvpress "presses" style).
+
+A selector gets a `SelectionContext` (the stitched cache, the layout, the engine to run scoring
+passes) and returns per-context-token scores; `Selector.select` turns them into exactly ``budget``
+sorted, unique context indices (0-based within the context). The engine does the recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..cache import StitchCache
+    from ..engine import Engine
+    from ..prompt import PromptLayout
+
+SELECTORS: dict[str, type["Selector"]] = {}
+
+
+def register(cls: type["Selector"]) -> type["Selector"]:
+    SELECTORS[cls.name] = cls
+    return cls
+
+
+def methods() -> list[str]:
+    """Names of the registered selection methods."""
+    return sorted(SELECTORS)
+
+
+def make_selector(name: str, **kwargs) -> "Selector":
+    from ..errors import InputError
+
+    if name not in SELECTORS:
+        raise InputError(f"unknown method {name!r}; known methods: {', '.join(methods())}")
+    try:
+        return SELECTORS[name](**kwargs)
+    except TypeError as e:
+        raise InputError(f"bad option for method {name!r}: {e}") from e
+
+
+@dataclass
+class SelectionContext:
+    engine: "Engine"
+    cache: "StitchCache"  # the naively stitched cache (prefix + re-rotated chunks; suffix slots empty)
+    layout: "PromptLayout"
+    budget: int
+    stats: dict = field(default_factory=dict)  # selectors may report what they measured
+
+    @property
+    def n_context(self) -> int:
+        return self.layout.n_context
+
+    @property
+    def context_slots(self) -> torch.Tensor:
+        return torch.arange(self.layout.context_start, self.layout.context_end, device=self.engine.device)
+
+    @property
+    def suffix_slots(self) -> torch.Tensor:
+        return torch.arange(self.layout.context_end, self.layout.n_total, device=self.engine.device)
+
+
+@dataclass
+class Selector:
+    """Base class. Subclasses set `name` and implement `score` (higher = recompute first)."""
+
+    name: ClassVar[str] = ""
+    full_prefill: ClassVar[bool] = False  # `full`: the engine prefills from scratch instead
+    needs_full_prefill: ClassVar[bool] = False  # `oracle`: scores need a full prefill (analysis only)
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        raise NotImplementedError  # abstract: every registered selector overrides it
+
+    def select(self, ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (sorted unique context indices, exactly ``ctx.budget`` of them; scores or None)."""
+        if ctx.budget <= 0:
+            return torch.zeros(0, dtype=torch.long), None
+        if ctx.budget >= ctx.n_context:
+            return torch.arange(ctx.n_context), None
+        scores = self.score(ctx).float().cpu()
+        return top_k_indices(scores, ctx.budget), scores
+
+
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Exactly k indices, ties broken by position (stable, deterministic), returned sorted."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[:k].sort().values

@@ -1,0 +1,138 @@
+"""The chunk-store interface and its content-addressed key.
+
+A key is the sha256 of everything that determines a chunk's K/V: the model fingerprint (weights hash,
+RoPE config, compute dtype), the shared-prefix ids, the chunk ids, the storage dtype and the layout
+version. Never Python's `hash()` (salted per process).
+
+Every backend keeps the same contract (LMCache's lesson: silent misses and silently wrong hits are the
+bugs that cost most): a corrupt, truncated or foreign entry is never returned. It is a miss, it is
+reported once (``store.problems`` + ``logging.warning``), and the next ``put`` overwrites it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..chunk import ChunkKV
+from ..errors import StoreError
+
+LAYOUT_VERSION = 1
+
+log = logging.getLogger("kvstitch.store")
+
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class InvalidKeyError(StoreError, ValueError):
+    """A key that is not 64 lowercase hex digits: refused, so no key can name a path outside the store."""
+
+
+def check_key(key) -> str:
+    """Return `key` if it is a valid chunk key (``^[0-9a-f]{64}$``), else raise `InvalidKeyError`."""
+    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
+        raise InvalidKeyError(f"invalid chunk key {key!r:.80}: expected 64 lowercase hex digits (see chunk_key)")
+    return key
+
+
+def _ids_bytes(ids) -> bytes:
+    t = torch.as_tensor(ids, dtype=torch.int64).flatten().cpu()
+    return t.numpy().tobytes()
+
+
+def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "float16") -> str:
+    h = hashlib.sha256()
+    for part in (f"kvstitch-layout-{LAYOUT_VERSION}".encode(), fingerprint.encode(), _ids_bytes(prefix_ids),
+                 _ids_bytes(chunk_ids), storage_dtype.encode()):
+        h.update(len(part).to_bytes(8, "little"))  # length-prefix: no ambiguity between parts
+        h.update(part)
+    return h.hexdigest()
+
+
+class ChunkStore(ABC):
+    """A key -> ChunkKV map. Implementations never return a corrupt or foreign entry: they return None
+    (a miss) and record the problem in `self.problems`.
+
+    `storage_dtype` is how entries are kept ("float16", "bfloat16", "float32" or "int8");
+    `compute_dtype` is the dtype `get` returns (None: the storage dtype, float32 for int8);
+    `fingerprint`, when set, is the model fingerprint every entry must carry (else: foreign, a miss).
+    """
+
+    storage_dtype: str = "float16"
+    compute_dtype: torch.dtype | None = None
+    fingerprint: str | None = None
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.bytes_loaded = 0
+        self._problems: list[str] = []
+        self._reported: set[tuple[str, str]] = set()
+
+    # -- the interface -------------------------------------------------------------------------
+    @abstractmethod
+    def get(self, key: str) -> ChunkKV | None: ...
+
+    @abstractmethod
+    def put(self, key: str, kv: ChunkKV) -> None: ...
+
+    @abstractmethod
+    def __contains__(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> bool:
+        """Remove one entry; True if it existed."""
+        raise NotImplementedError(f"{type(self).__name__} does not support delete")
+
+    def keys(self) -> list[str]:
+        """All stored keys (maintenance only: may scan)."""
+        raise NotImplementedError(f"{type(self).__name__} does not list keys")
+
+    def verify(self) -> list[tuple[str, str]]:
+        """Check every entry; return ``(key, problem)`` for each one that would not be served."""
+        return []
+
+    def gc(self, max_bytes: int) -> dict:
+        """Evict least-recently-used entries until at most `max_bytes` remain."""
+        raise NotImplementedError(f"{type(self).__name__} does not support gc")
+
+    def close(self) -> None:
+        """Release connections / handles (idempotent)."""
+
+    # -- shared behaviour ----------------------------------------------------------------------
+    @property
+    def problems(self) -> list[str]:
+        """One line per entry that was refused (``"<key>: <problem>"``), in the order met."""
+        return self._problems
+
+    def _report(self, key: str, problem: str) -> None:
+        """Record + log a refused entry once per (key, problem), however often it is looked up."""
+        if (key, problem) in self._reported:
+            return
+        self._reported.add((key, problem))
+        self._problems.append(f"{key}: {problem}")
+        log.warning("kvstitch store %s: entry %s not used (%s); it will be recomputed and overwritten",
+                    type(self).__name__, key, problem)
+
+    def lookup(self, key: str) -> ChunkKV | None:
+        """`get` plus hit/miss accounting (what the engine calls)."""
+        kv = self.get(key)
+        if kv is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self.bytes_loaded += kv.nbytes
+        return kv
+
+    def stats(self) -> dict:
+        return {"backend": type(self).__name__, "storage_dtype": self.storage_dtype, "hits": self.hits,
+                "misses": self.misses, "bytes_loaded": self.bytes_loaded, "problems": len(self.problems)}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
