@@ -19,6 +19,7 @@ from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
 from .select import SelectionContext, make_selector, methods
 from .store import ChunkStore, chunk_key, open_store
+from .store.codec import roundtrip
 
 DEFAULT_METHOD = "prophet"
 
@@ -145,6 +146,8 @@ class Engine:
             if kv is None or kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu()):
                 kv = self.compute_chunk(layout.prefix_ids, ids)
                 self.store.put(key, kv)
+                # use what a later hit will return (storage dtype), so cold and warm requests agree
+                kv = roundtrip(kv, getattr(self.store, "storage_dtype", "float32"), self.dtype)
                 misses += 1
             out.append(kv.to(self.device, self.dtype))
         if stats is not None:

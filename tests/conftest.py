@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random-initialised models of every supported family, and the real models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+from kvstitch import Engine  # noqa: E402
+from kvstitch.attention import ATTN_IMPL, register  # noqa: E402
+from kvstitch.models.loader import resolve_model  # noqa: E402
+from kvstitch.store import MemoryStore  # noqa: E402
+
+SAMPLE_CHUNKS = [
+    "Alice's house is in Paris. The summer festival had ten thousand visitors this year.",
+    "Bob lives in Rome, near the old bridge. The city library opens at nine in the morning.",
+    "The special magic number for Carol is 74123. Cats like to sleep in the afternoon sun.",
+    "A new coffee shop opened near the central park last week; it sells green tea as well.",
+]
+SAMPLE_QUESTION = "What is the special magic number for Carol?"
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+def tiny_configs() -> dict:
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": LlamaConfig(**_COMMON),
+        "llama-linear": LlamaConfig(**_COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 10000.0}),
+        "llama-llama3": LlamaConfig(**_COMMON, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256, "rope_theta": 500000.0}),
+        "llama-yarn": LlamaConfig(**_COMMON, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}),
+        "mistral-window": MistralConfig(**_COMMON, sliding_window=24),
+        "qwen2": Qwen2Config(**_COMMON),
+        "qwen3": Qwen3Config(**_COMMON),
+        "gemma3": Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 6}, sliding_window=24,
+                                   layer_types=["sliding_attention"] * 2 + ["full_attention"] +
+                                   ["sliding_attention"] * 2 + ["full_attention"]),
+    }
+
+
+TINY = sorted(tiny_configs())
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    from transformers import AutoTokenizer
+
+    path, _ = resolve_model("smollm2")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+_tiny_cache: dict = {}
+
+
+@pytest.fixture
+def tiny_engine(request, smollm_tokenizer):
+    """An Engine over a tiny random model of family `request.param` (SmolLM2's tokenizer)."""
+    return make_tiny_engine(request.param, smollm_tokenizer)
+
+
+def make_tiny_engine(name: str, tokenizer) -> Engine:
+    if name not in _tiny_cache:
+        from transformers import AutoModelForCausalLM
+
+        register()
+        cfg = tiny_configs()[name]
+        cfg.vocab_size = len(tokenizer)
+        cfg.pad_token_id = cfg.bos_token_id = tokenizer.bos_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPL, dtype=torch.float32).eval()
+        # random init gives near-uniform logits; sharpen so greedy answers are meaningful to compare
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.mul_(4.0)
+        # float32 storage: the exactness gates compare against full prefill at float32 precision
+        _tiny_cache[name] = Engine(model, tokenizer, weights_id=f"tiny-{name}",
+                                   store=MemoryStore(storage_dtype="float32"))
+    return _tiny_cache[name]
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    return Engine.load()
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    return Engine.load("gemma3")
