@@ -1,0 +1,89 @@
+"""TTFT benchmark: full prefill vs stitched reuse at a recompute ratio, measured in one process.
+
+Absolute times are noisy on shared machines, so every row reports ratios to the full-prefill time
+measured in the same run (interleaved repeats), next to the ideal 1/r of a perfect r-budget recompute.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from .engine import Engine
+from .prompt import PromptLayout
+
+
+def context_of_length(engine: Engine, n_tokens: int, chunk_tokens: int = 256, seed: int = 0,
+                      task: str = "niah_multikey") -> tuple[str, list[str]]:
+    """A RULER-style sample of about ``n_tokens`` context tokens (question, chunks)."""
+    from .eval.tasks import generate
+
+    def count(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    s = generate(task, n=1, length=n_tokens, chunk_tokens=chunk_tokens, seed=seed, count_tokens=count)[0]
+    return s.question, s.chunks
+
+
+def _time_ttft(engine: Engine, layout: PromptLayout, method: str, ratio: float) -> tuple[float, dict]:
+    res = engine.generate("", [], method=method, recompute_ratio=ratio, max_new_tokens=1, layout=layout)
+    return res.ttft_s, res.stats
+
+
+def bench_ttft(engine: Engine, lengths: list[int], methods: list[str], ratio: float = 0.2, repeats: int = 3,
+               chunk_tokens: int = 256, progress: bool = True) -> list[dict]:
+    """Rows: one per (length, method) with median/min TTFT, ratio to full, stage breakdown."""
+    rows = []
+    methods = [m for m in methods if m != "full"]
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task("bench ttft", total=len(lengths) * (repeats + 1) * (len(methods) + 1))
+        for n in lengths:
+            question, chunks = context_of_length(engine, n, chunk_tokens)
+            layout = engine.layout(question, chunks)
+            times: dict[str, list[float]] = {m: [] for m in ["full", *methods]}
+            stages: dict[str, list[dict]] = {m: [] for m in methods}
+            for rep in range(repeats + 1):  # repeat 0 warms up the model and the chunk store
+                for m in ["full", *methods]:
+                    t, st = _time_ttft(engine, layout, m, ratio)
+                    if rep:
+                        times[m].append(t)
+                        if m != "full":
+                            stages[m].append(st)
+                    bar.advance(task)
+            full_med = statistics.median(times["full"])
+            rows.append({"context_tokens": layout.n_context, "total_tokens": layout.n_total, "method": "full",
+                         "ratio": 1.0, "ttft_median_s": full_med, "ttft_min_s": min(times["full"]),
+                         "speedup": 1.0, "ideal_speedup": 1.0})
+            for m in methods:
+                med = statistics.median(times[m])
+                stage = {k: statistics.median(s[k] for s in stages[m])
+                         for k in ("chunk_load_s", "assemble_s", "select_s", "recompute_s") if k in stages[m][0]}
+                rows.append({"context_tokens": layout.n_context, "total_tokens": layout.n_total, "method": m,
+                             "ratio": ratio, "ttft_median_s": med, "ttft_min_s": min(times[m]),
+                             "speedup": full_med / med, "ideal_speedup": 1 / ratio if ratio else float("inf"),
+                             **stage})
+    return rows
+
+
+def ttft_table(rows: list[dict]) -> str:
+    head = "| context | method | r | TTFT median (s) | TTFT min (s) | speedup vs full | ideal 1/r | load | assemble | select | recompute |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        f = lambda k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
+        lines.append(f"| {r['context_tokens']} | {r['method']} | {r['ratio']:.2f} | {r['ttft_median_s']:.3f} | "
+                     f"{r['ttft_min_s']:.3f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.1f}x | {f('chunk_load_s')} | "
+                     f"{f('assemble_s')} | {f('select_s')} | {f('recompute_s')} |")
+    return "\n".join(lines)
+
+
+def write_results(rows: list[dict], out: Path, name: str, table: str, meta: dict | None = None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": {**(meta or {}), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    (out / f"{name}.md").write_text(table + "\n")

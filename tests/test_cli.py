@@ -1,0 +1,63 @@
+"""`kvstitch` CLI end to end on the embedded model, and its one-line errors."""
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstitch.cli import app
+
+from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def chunk_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chunks")
+    paths = []
+    for i, text in enumerate(SAMPLE_CHUNKS):
+        p = d / f"c{i}.txt"
+        p.write_text(text)
+        paths.append(str(p))
+    return paths
+
+
+def _chunk_args(paths):
+    return [a for p in paths for a in ("--chunk", p)]
+
+
+def test_methods_lists_registry():
+    r = runner.invoke(app, ["methods"])
+    assert r.exit_code == 0
+    for name in ("full", "naive", "random"):
+        assert name in r.output
+
+
+def test_ask_end_to_end_with_compare(chunk_files):
+    r = runner.invoke(app, ["ask", SAMPLE_QUESTION, *_chunk_args(chunk_files), "--method", "random",
+                            "--ratio", "0.5", "--compare", "full", "--max-new-tokens", "16"])
+    assert r.exit_code == 0, r.output
+    assert "74123" in r.output  # SmolLM2 finds the number with full prefill
+    assert "speedup of random over full" in r.output and "TTFT" in r.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["", "--method", "random"], "question is empty"),
+    (["Q?", "--method", "nope"], "unknown method 'nope'; known methods:"),
+    (["Q?", "--ratio", "1.5", "--method", "random"], "recompute_ratio must be in [0, 1]"),
+])
+def test_ask_bad_input_is_one_clear_line(args, message, chunk_files):
+    r = runner.invoke(app, ["ask", *args, *_chunk_args(chunk_files)])
+    assert r.exit_code == 2
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def test_ask_missing_chunk_file(tmp_path):
+    r = runner.invoke(app, ["ask", "Q?", "--chunk", str(tmp_path / "missing.txt"), "--method", "random"])
+    assert r.exit_code == 2 and "does not exist" in r.output and "Traceback" not in r.output
+
+
+def test_ask_unreadable_model_path(chunk_files, tmp_path):
+    r = runner.invoke(app, ["ask", "Q?", *_chunk_args(chunk_files), "--method", "random",
+                            "--model", str(tmp_path / "nowhere.gguf")])
+    assert r.exit_code == 2 and "does not exist" in r.output

@@ -1,0 +1,46 @@
+"""Bad requests raise typed errors with clear messages; nothing is silently truncated."""
+
+import pytest
+
+from kvstitch import InputError, ModelLoadError
+from kvstitch.engine import Engine
+
+from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(question="  "), "question is empty"),
+    (dict(chunks=[]), "no chunks"),
+    (dict(chunks=["fine", " \n"]), "chunk 1 is empty"),
+    (dict(method="bogus"), "unknown method 'bogus'"),
+    (dict(recompute_ratio=-0.1), "recompute_ratio"),
+    (dict(recompute_ratio=float("nan")), "recompute_ratio"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_requests(tiny_engine, kwargs, message):
+    args = dict(question=SAMPLE_QUESTION, chunks=SAMPLE_CHUNKS, method="random", recompute_ratio=0.2)
+    args.update(kwargs)
+    with pytest.raises(InputError, match=message.replace("(", r"\(")):
+        tiny_engine.generate(**args)
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_too_long_prompt_is_refused_not_truncated(tiny_engine):
+    limit = tiny_engine.adapter.max_positions
+    long_chunk = "word " * (limit + 10)
+    with pytest.raises(InputError, match="limit of"):
+        tiny_engine.generate(SAMPLE_QUESTION, [long_chunk], method="random")
+
+
+def test_unreadable_model_paths(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Engine.load(str(tmp_path / "missing"))
+    (tmp_path / "x.bin").write_text("nope")
+    with pytest.raises(ModelLoadError, match="neither a directory nor a .gguf"):
+        Engine.load(str(tmp_path / "x.bin"))
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(ModelLoadError, match="cannot load GGUF"):
+        Engine.load(str(tmp_path / "bad.gguf"))
+    with pytest.raises(ModelLoadError, match="not a Hugging Face model directory"):
+        Engine.load(str(tmp_path))
