@@ -209,51 +209,71 @@ class Engine:
             raise InputError(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
                              f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
 
-    # ---- the public entry point -----------------------------------------------------------------
+    # ---- the public entry points --------------------------------------------------------------
     @torch.no_grad()
     def generate(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
                  recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
                  method_options: dict | None = None, layout: PromptLayout | None = None) -> GenerationResult:
+        """Answer ``question`` over ``chunks`` (see `stream` for the arguments)."""
+        result = None
+        for event in self.stream(question, chunks, method, recompute_ratio, max_new_tokens, temperature, top_p,
+                                 seed, decode, kv_budget, method_options, layout):
+            if isinstance(event, GenerationResult):
+                result = event
+        return result
+
+    @torch.no_grad()
+    def stream(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
+               recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+               method_options: dict | None = None, layout: PromptLayout | None = None):
+        """Yield each generated token id (int) as it is produced, then the `GenerationResult`.
+
+        Input errors are raised before anything is computed. A consumer that stops iterating stops the
+        generation (servers use this when a client disconnects)."""
         t_start = time.perf_counter()
         layout = layout or self.layout(question, chunks)
         self._check_request(layout, method, recompute_ratio, max_new_tokens)
         selector = make_selector(method, **(method_options or {}))
         stats: dict = {"method": method, "ratio": recompute_ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
-                       "chunks": len(layout.chunk_ids)}
-        t = time.perf_counter()
-        stats["tokenize_s"] = t - t_start
-        if selector.full_prefill:
-            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
-            indices = torch.arange(layout.n_context)
-        else:
-            kvs = self.chunk_kvs(layout, stats)
-            t1 = time.perf_counter()
-            cache = self.stitch(layout, kvs, extra=max_new_tokens)
-            _sync(self.device)
-            t2 = time.perf_counter()
-            budget = round(recompute_ratio * layout.n_context)
-            ctx = SelectionContext(self, cache, layout, budget, stats)
-            indices, _ = selector.select(ctx)
-            layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
-            _sync(self.device)
-            t3 = time.perf_counter()
-            logits = self.recompute(cache, layout, indices)
-            _sync(self.device)
-            t4 = time.perf_counter()
-            stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=t4 - t3)
+                       "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
+        cache, layout, logits, indices = self._prefill(layout, selector, recompute_ratio, max_new_tokens, stats)
         first = self._sample(logits[-1], temperature, top_p, seed)
         ttft = time.perf_counter() - t_start
-        stats["recomputed_tokens"] = int(indices.numel())
-        tokens, tpot = self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats)
-        stats["decode_tokens"] = len(tokens)
-        stats["tpot_s"] = tpot
-        stats["ttft_s"] = ttft
-        stats["order"] = layout.order
+        stats.update(recomputed_tokens=int(indices.numel()), ttft_s=ttft, order=layout.order)
+        tokens = [first]
+        yield first
+        t0, steps = time.perf_counter(), 0
+        for tok in self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats):
+            tokens.append(tok)
+            steps += 1
+            yield tok
+        stats.update(decode_tokens=len(tokens), tpot_s=(time.perf_counter() - t0) / max(steps, 1))
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
-        return GenerationResult(text=text.strip(), ttft_s=ttft, recomputed=indices.tolist(), stats=stats,
-                                token_ids=tokens, first_logits=logits[-1].cpu(), method=method)
+        yield GenerationResult(text=text.strip(), ttft_s=ttft, recomputed=indices.tolist(), stats=stats,
+                               token_ids=tokens, first_logits=logits[-1].cpu(), method=method)
+
+    def _prefill(self, layout: PromptLayout, selector, ratio: float, max_new_tokens: int, stats: dict):
+        """-> (cache ready for decode, layout used, suffix logits, recomputed context indices)."""
+        if selector.full_prefill:
+            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
+            return cache, layout, logits, torch.arange(layout.n_context)
+        kvs = self.chunk_kvs(layout, stats)
+        t1 = time.perf_counter()
+        cache = self.stitch(layout, kvs, extra=max_new_tokens)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        ctx = SelectionContext(self, cache, layout, round(ratio * layout.n_context), stats)
+        indices, _ = selector.select(ctx)
+        layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
+        _sync(self.device)
+        t3 = time.perf_counter()
+        logits = self.recompute(cache, layout, indices)
+        _sync(self.device)
+        stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=time.perf_counter() - t3)
+        return cache, layout, logits, indices
 
     # ---- decoding -------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0) -> int:
@@ -268,25 +288,27 @@ class Engine:
         return int(torch.multinomial(probs.cpu(), 1, generator=g))
 
     def _decode(self, cache: StitchCache, first: int, max_new_tokens: int, temperature: float, top_p: float,
-                seed: int, decode: str, kv_budget: int | None, stats: dict) -> tuple[list[int], float]:
+                seed: int, decode: str, kv_budget: int | None, stats: dict):
+        """Yield tokens after the first until EOS / the cap / a base model's line break."""
         tokens = [first]
         plan = ForwardPlan()
         if decode != "full":
             plan.decoder = self._make_decoder(cache, decode, kv_budget, stats)
             cache.decoder = plan.decoder
-        t0 = time.perf_counter()
-        step = 0
-        while tokens[-1] not in self.eos_ids and len(tokens) < max_new_tokens and not self._stop_text(tokens):
-            step += 1
-            pos = torch.tensor([cache.length])
-            logits = self.forward(cache, torch.tensor([tokens[-1]]), pos, plan) if plan.decoder is None else \
-                self._decoder_step(cache, tokens[-1], plan)
-            if plan.decoder is not None:
-                plan.decoder.end_step()
-            tokens.append(self._sample(logits[-1], temperature, top_p, seed, step))
-        _sync(self.device)
-        cache.decoder = None
-        return tokens, (time.perf_counter() - t0) / max(step, 1)
+        try:
+            step = 0
+            while tokens[-1] not in self.eos_ids and len(tokens) < max_new_tokens and not self._stop_text(tokens):
+                step += 1
+                if plan.decoder is None:
+                    logits = self.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([cache.length]), plan)
+                else:
+                    logits = self._decoder_step(cache, tokens[-1], plan)
+                    plan.decoder.end_step()
+                tokens.append(self._sample(logits[-1], temperature, top_p, seed, step))
+                _sync(self.device)
+                yield tokens[-1]
+        finally:
+            cache.decoder = None
 
     def _stop_text(self, tokens: list[int]) -> bool:
         """Base models (no chat template) keep writing after the answer: stop at the first line break."""
