@@ -246,7 +246,11 @@ class Engine:
         tokens = [first]
         yield first
         t0, steps = time.perf_counter(), 0
-        for tok in self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats):
+        # after the first token: a method's decode plan (APE's attention, A3's KV eviction), if any
+        more = max_new_tokens > 1 and first not in self.eos_ids
+        dplan = selector.decode_plan(self, cache, layout, stats) if more else None
+        for tok in self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats,
+                                dplan):
             tokens.append(tok)
             steps += 1
             yield tok
@@ -254,6 +258,24 @@ class Engine:
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
         yield GenerationResult(text=text.strip(), ttft_s=ttft, recomputed=indices.tolist(), stats=stats,
                                token_ids=tokens, first_logits=logits[-1].cpu(), method=method)
+
+    @torch.no_grad()
+    def answer_logits(self, layout: PromptLayout, answer_ids: torch.Tensor, method: str,
+                      recompute_ratio: float = 0.2, method_options: dict | None = None):
+        """Teacher-forced next-token logits ``[T, V]`` for ``answer_ids`` (T tokens) after prefilling
+        ``layout`` with ``method`` — row i predicts answer token i. For fidelity metrics (KL vs full,
+        answer NLL). -> (logits, recomputed context indices, stats)."""
+        answer_ids = torch.as_tensor(answer_ids, dtype=torch.long).flatten()
+        self._check_request(layout, method, recompute_ratio, max(1, answer_ids.numel()))
+        stats: dict = {}
+        selector = make_selector(method, **(method_options or {}))
+        cache, layout, logits, indices = self._prefill(layout, selector, recompute_ratio, answer_ids.numel(), stats)
+        rows = [logits[-1:]]
+        if answer_ids.numel() > 1:
+            n = layout.n_total
+            rows.append(self.forward(cache, answer_ids[:-1], torch.arange(n, n + answer_ids.numel() - 1),
+                                     logits_to_keep=answer_ids.numel() - 1))
+        return torch.cat(rows).cpu(), indices, stats
 
     def _prefill(self, layout: PromptLayout, selector, ratio: float, max_new_tokens: int, stats: dict):
         """-> (cache ready for decode, layout used, suffix logits, recomputed context indices)."""
@@ -270,7 +292,7 @@ class Engine:
         layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
         _sync(self.device)
         t3 = time.perf_counter()
-        logits = self.recompute(cache, layout, indices)
+        logits = self.recompute(cache, layout, indices, selector.recompute_plan(ctx))
         _sync(self.device)
         stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=time.perf_counter() - t3)
         return cache, layout, logits, indices
@@ -288,10 +310,10 @@ class Engine:
         return int(torch.multinomial(probs.cpu(), 1, generator=g))
 
     def _decode(self, cache: StitchCache, first: int, max_new_tokens: int, temperature: float, top_p: float,
-                seed: int, decode: str, kv_budget: int | None, stats: dict):
+                seed: int, decode: str, kv_budget: int | None, stats: dict, plan: ForwardPlan | None = None):
         """Yield tokens after the first until EOS / the cap / a base model's line break."""
         tokens = [first]
-        plan = ForwardPlan()
+        plan = plan or ForwardPlan()
         if decode != "full":
             plan.decoder = self._make_decoder(cache, decode, kv_budget, stats)
             cache.decoder = plan.decoder

@@ -94,3 +94,18 @@ def test_real_models_full_recompute_equals_full_prefill(name, request):
     assert full.text == stitched.text
     naive = _gen(eng, "naive", 0.0, max_new_tokens=12)
     assert (full.first_logits - naive.first_logits).abs().max().item() > 0.05
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama", "gemma3"], indirect=True)
+def test_teacher_forced_answer_logits_match_generation(tiny_engine):
+    eng = tiny_engine
+    res = _gen(eng, "random", 0.3, max_new_tokens=6)
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    logits, idx, _ = eng.answer_logits(layout, torch.tensor(res.token_ids), "random", 0.3)
+    assert logits.shape[0] == len(res.token_ids)
+    assert idx.tolist() == res.recomputed
+    assert torch.allclose(logits[0], res.first_logits, atol=1e-4)
+    assert logits.argmax(-1).tolist() == res.token_ids  # greedy decode == teacher forcing on its own output
+    full_logits, _, _ = eng.answer_logits(layout, torch.tensor(res.token_ids), "random", 1.0)
+    ref, _, _ = eng.answer_logits(layout, torch.tensor(res.token_ids), "full")
+    assert (full_logits - ref).abs().max() <= ATOL

@@ -1,0 +1,277 @@
+"""Summaries and pictures of evaluation results, plus the JSON-lines log a resumable run appends to.
+
+A result row is a flat dict, one per (sample, method, ratio): `task, method, ratio, length, depth`,
+`score` in [0, 1], and where measured `kl, nll, nll_recovery, ttft_s, overlap`. Missing or None values
+are skipped in means, so rows from runs that measured different things can be mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REFERENCE_METHODS = ("full", "naive")
+_METHOD_ORDER = ("full", "naive", "random", "epic", "cacheblend", "kvshare", "a3", "prophet", "infoflow",
+                 "cacheclip", "oracle")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------------
+
+def _num(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(x) else x
+
+
+def _mean(values: Iterable[Any]) -> float:
+    xs = [x for x in map(_num, values) if x is not None]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _method_key(method: str) -> tuple[int, str]:
+    return (_METHOD_ORDER.index(method) if method in _METHOD_ORDER else len(_METHOD_ORDER), method)
+
+
+def _ratio_key(ratio: Any) -> float:
+    x = _num(ratio)
+    return -1.0 if x is None else x
+
+
+def _fmt(x: float, digits: int = 1) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _group(rows: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[tuple(r.get(k) for k in keys)].append(r)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------
+# Table
+# ---------------------------------------------------------------------------------------------------
+
+def summary_table(rows: Sequence[dict]) -> str:
+    """Markdown table per task / method / ratio: mean score x100, % of the `full` score on the same task,
+    mean KL vs full, mean NLL-gap recovery, mean TTFT. A final `avg` block averages the per-task means
+    (RULER's "Avg." column), with % of full taken over the same tasks."""
+    cells = {k: {"n": len(g), "score": 100 * _mean(r.get("score") for r in g),
+                 "kl": _mean(r.get("kl") for r in g), "rec": _mean(r.get("nll_recovery") for r in g),
+                 "ttft": _mean(r.get("ttft_s") for r in g)}
+             for k, g in _group(rows, "task", "method", "ratio").items()}
+    full_score = {task: 100 * _mean(r.get("score") for r in g)
+                  for (task,), g in _group((r for r in rows if r.get("method") == "full"), "task").items()}
+
+    def pct(score: float, ref: float | None) -> float:
+        return 100 * score / ref if ref is not None and not math.isnan(score) and ref and ref > 0 else math.nan
+
+    lines = ["| task | method | ratio | n | score | % full | KL | NLL rec. | TTFT (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def emit(task: str, method: str, ratio: Any, c: dict, ref: float | None) -> None:
+        lines.append(f"| {task} | {method} | {_fmt(_num(ratio), 2)} | {c['n']} | {_fmt(c['score'])} | "
+                     f"{_fmt(pct(c['score'], ref))} | {_fmt(c['kl'], 4)} | {_fmt(c['rec'], 2)} | "
+                     f"{_fmt(c['ttft'], 3)} |")
+
+    order = sorted(cells, key=lambda k: (str(k[0]), _method_key(str(k[1])), _ratio_key(k[2])))
+    for task, method, ratio in order:
+        emit(str(task), str(method), ratio, cells[(task, method, ratio)], full_score.get(task))
+
+    by_combo: dict[tuple, list[tuple]] = defaultdict(list)
+    for task, method, ratio in cells:
+        by_combo[(method, ratio)].append(task)
+    if len({k[0] for k in cells}) > 1:
+        for method, ratio in sorted(by_combo, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+            tasks = by_combo[(method, ratio)]
+            per = [cells[(t, method, ratio)] for t in tasks]
+            avg = {"n": sum(c["n"] for c in per), **{f: _mean(c[f] for c in per) for f in ("score", "kl", "rec", "ttft")}}
+            ref_tasks = [full_score[t] for t in tasks if t in full_score]
+            ref = _mean(ref_tasks) if len(ref_tasks) == len(tasks) else None
+            emit("avg", str(method), ratio, avg, ref)
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots (matplotlib Figure + Agg canvas: no pyplot global state, safe in workers and tests)
+# ---------------------------------------------------------------------------------------------------
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
+def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Path:
+    """ProphetKV Fig. 8 style: one panel per task, x = recompute ratio, score x100 per method; `full`
+    and `naive` are horizontal references (they have no ratio axis)."""
+    rows = [r for r in rows if _num(r.get("score")) is not None]
+    if not rows:
+        raise ValueError("no rows with a score to plot")
+    tasks = sorted({str(r["task"]) for r in rows})
+    ncols = min(4, len(tasks))
+    nrows = math.ceil(len(tasks) / ncols)
+    fig = _figure(4.0 * ncols, 3.2 * nrows)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    colors: dict[str, Any] = {}
+    palette = [f"C{i}" for i in range(10)]
+    handles: dict[str, Any] = {}
+    for ax, task in zip(axes, tasks):
+        by_method = _group((r for r in rows if str(r["task"]) == task), "method")
+        for (method,) in sorted(by_method, key=lambda k: _method_key(str(k[0]))):
+            method = str(method)
+            color = colors.setdefault(method, "black" if method == "full" else "gray" if method == "naive"
+                                      else palette[len([m for m in colors if m not in REFERENCE_METHODS]) % 10])
+            g = by_method[(method,)]
+            if method in REFERENCE_METHODS:
+                h = ax.axhline(100 * _mean(r["score"] for r in g), color=color, linestyle="--", linewidth=1.2,
+                               label=method)
+            else:
+                pts = sorted((_ratio_key(k[0]), 100 * _mean(r["score"] for r in gg))
+                             for k, gg in _group(g, "ratio").items() if _num(k[0]) is not None)
+                if not pts:
+                    continue
+                (h,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=method)
+            handles.setdefault(method, h)
+        ax.set_title(task)
+        ax.set_xlabel("recompute ratio")
+        ax.set_ylabel("score")
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
+    names = sorted(handles, key=_method_key)
+    fig.legend([handles[m] for m in names], names, loc="outside right upper")
+    return _save(fig, path)
+
+
+def plot_niah_heatmap(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequence[str] | None = None) -> Path:
+    """Depth x length grid of mean score x100 (RULER / needle-test style), one panel per method/ratio.
+    Averages over the NIAH tasks unless `tasks` says otherwise."""
+    keep = [r for r in rows
+            if (str(r.get("task", "")).startswith("niah") if tasks is None else r.get("task") in tasks)
+            and _num(r.get("depth")) is not None and _num(r.get("length")) is not None
+            and _num(r.get("score")) is not None]
+    if not keep:
+        raise ValueError("no rows with task, depth, length and score to plot")
+    depths = sorted({round(float(r["depth"]), 3) for r in keep})
+    lengths = sorted({int(r["length"]) for r in keep})
+    panels = sorted(_group(keep, "method", "ratio"), key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1])))
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = _figure(1.0 + 0.9 * len(lengths) * ncols + 1.0, 0.9 + 0.45 * len(depths) * nrows + 0.4)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    groups = _group(keep, "method", "ratio")
+    im = None
+    for ax, key in zip(axes, panels):
+        grid = [[math.nan] * len(lengths) for _ in depths]
+        acc: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for r in groups[key]:
+            acc[(depths.index(round(float(r["depth"]), 3)), lengths.index(int(r["length"])))].append(float(r["score"]))
+        for (i, j), v in acc.items():
+            grid[i][j] = 100 * sum(v) / len(v)
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto", origin="upper")
+        for (i, j), _ in acc.items():
+            ax.text(j, i, f"{grid[i][j]:.0f}", ha="center", va="center", fontsize=7)
+        method, ratio = key
+        ax.set_title(f"{method}" + (f" r={_num(ratio):g}" if _num(ratio) is not None else ""))
+        ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.colorbar(im, ax=list(axes[:len(panels)]), label="score", shrink=0.8)
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# JSON lines (resumable runs)
+# ---------------------------------------------------------------------------------------------------
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):  # numpy / torch scalars
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, os.PathLike):
+        return os.fspath(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _drop_partial_tail(path: Path) -> None:
+    """Cut a last line that a killed run left without its newline, so the next row starts cleanly."""
+    with open(path, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = size
+        while pos > 0:
+            step = min(4096, pos)
+            f.seek(pos - step)
+            block = f.read(step)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                f.truncate(pos - step + nl + 1)
+                return
+            pos -= step
+        f.truncate(0)
+
+
+def append_jsonl(path: str | os.PathLike, row: dict) -> None:
+    """Append one row as a JSON line (flushed), first dropping a truncated last line if one is there."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(row, default=_json_default, ensure_ascii=False) + "\n"
+    if path.exists():
+        _drop_partial_tail(path)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """All rows of a JSON-lines file ([] if it does not exist). An unparsable *last* line is a write the
+    run did not finish and is skipped; an unparsable line elsewhere is corruption and raises."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    rows: list[dict] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: corrupt JSON line ({err.msg})") from err
+    return rows

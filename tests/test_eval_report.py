@@ -1,0 +1,105 @@
+"""Summary table, plots (PNG files written) and resumable JSON-lines logs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvstitch.eval.report import (append_jsonl, plot_accuracy_vs_ratio, plot_niah_heatmap, read_jsonl,
+                                  summary_table)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _rows() -> list[dict]:
+    rows = []
+    for task in ("niah_multikey", "vt"):
+        for length in (1024, 2048):
+            for depth in (0.0, 0.5, 1.0):
+                rows.append(dict(task=task, method="full", ratio=None, length=length, depth=depth, score=1.0,
+                                 kl=0.0, ttft_s=2.0))
+                rows.append(dict(task=task, method="naive", ratio=0.0, length=length, depth=depth, score=0.0,
+                                 kl=0.4, nll_recovery=0.0, ttft_s=0.1))
+                for ratio in (0.1, 0.2):
+                    rows.append(dict(task=task, method="prophet", ratio=ratio, length=length, depth=depth,
+                                     score=1.0 if depth < 1.0 else 0.0, kl=0.1 / ratio / 10,
+                                     nll_recovery=2 * ratio, ttft_s=0.5))
+    return rows
+
+
+def _cells(table: str, task: str, method: str, ratio: str) -> list[str]:
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[:3] == [task, method, ratio]:
+            return cells
+    raise AssertionError(f"no row {task}/{method}/{ratio} in\n{table}")
+
+
+def test_summary_table_values():
+    table = summary_table(_rows())
+    assert table.splitlines()[0].startswith("| task | method | ratio |")
+    full = _cells(table, "vt", "full", "–")
+    assert full[3:6] == ["6", "100.0", "100.0"]
+    naive = _cells(table, "vt", "naive", "0.00")
+    assert naive[4:7] == ["0.0", "0.0", "0.4000"]
+    prophet = _cells(table, "niah_multikey", "prophet", "0.20")
+    assert prophet[4] == "66.7" and prophet[5] == "66.7"  # 2 of 3 depths answered; full scores 100
+    assert prophet[6] == "0.0500" and prophet[7] == "0.40" and prophet[8] == "0.500"
+    avg = _cells(table, "avg", "prophet", "0.10")
+    assert avg[3] == "12" and avg[4] == "66.7"
+    # methods are ordered full, naive, then the rest
+    methods = [line.split("|")[2].strip() for line in table.splitlines()[2:] if line.split("|")[1].strip() == "vt"]
+    assert methods[:2] == ["full", "naive"]
+
+
+def test_summary_table_without_full_leaves_percent_empty():
+    rows = [r for r in _rows() if r["method"] != "full"]
+    assert _cells(summary_table(rows), "vt", "naive", "0.00")[5] == "–"
+
+
+def test_plots_are_written_as_png(tmp_path):
+    rows = _rows()
+    for fn, name in ((plot_accuracy_vs_ratio, "acc.png"), (plot_niah_heatmap, "sub/heat.png")):
+        path = fn(rows, tmp_path / name)
+        data = path.read_bytes()
+        assert path == tmp_path / name
+        assert data[:8] == PNG and len(data) > 5_000
+
+
+def test_heatmap_needs_depth_rows(tmp_path):
+    rows = [dict(r, task="vt") for r in _rows()]  # no niah rows
+    with pytest.raises(ValueError):
+        plot_niah_heatmap(rows, tmp_path / "h.png")
+    assert plot_niah_heatmap(rows, tmp_path / "h.png", tasks=["vt"]).stat().st_size > 0
+
+
+def test_jsonl_roundtrip_and_missing_file(tmp_path):
+    path = tmp_path / "runs" / "r.jsonl"
+    assert read_jsonl(path) == []
+    rows = [{"task": "vt", "score": 1.0, "kl": math.nan}, {"task": "cwe", "score": 0.5, "ids": (1, 2)}]
+    for r in rows:
+        append_jsonl(path, r)
+    back = read_jsonl(path)
+    assert back[1] == {"task": "cwe", "score": 0.5, "ids": [1, 2]}
+    assert math.isnan(back[0]["kl"])
+
+
+def test_jsonl_tolerates_truncated_last_line_and_resumes_cleanly(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_jsonl(path, {"i": 0})
+    append_jsonl(path, {"i": 1})
+    with open(path, "a") as f:
+        f.write('{"i": 2, "sco')  # the run was killed mid-write
+    assert read_jsonl(path) == [{"i": 0}, {"i": 1}]
+    append_jsonl(path, {"i": 2})
+    assert read_jsonl(path) == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_jsonl_corruption_in_the_middle_raises(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"i": 0}\n{"i": \n{"i": 2}\n')
+    with pytest.raises(ValueError, match=":2:"):
+        read_jsonl(path)

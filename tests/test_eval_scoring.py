@@ -1,0 +1,53 @@
+"""RULER scorers: known values, case-insensitivity, task -> scorer mapping, end-to-end with generated samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstitch.eval.scoring import (SCORERS, aggregate, score, scorer_for, string_match_all,
+                                   string_match_part)
+from kvstitch.eval.tasks import TASKS, generate
+
+
+def test_string_match_all_is_fraction_of_refs_found():
+    assert string_match_all("The numbers are 123 and 456.", ["123", "456", "789", "000"]) == 0.5
+    assert string_match_all("nothing here", ["123"]) == 0.0
+    assert string_match_all("ABCDE, fghij", ["abcde", "FGHIJ"]) == 1.0
+
+
+def test_string_match_part_is_any_ref_found():
+    assert string_match_part("I think it is Paris", ["London", "paris"]) == 1.0
+    assert string_match_part("I think it is Rome", ["London", "Paris"]) == 0.0
+
+
+def test_empty_refs_are_an_error():
+    with pytest.raises(ValueError):
+        string_match_all("x", [])
+    with pytest.raises(ValueError):
+        string_match_part("x", [])
+
+
+def test_task_to_scorer_mapping_follows_ruler():
+    assert set(TASKS) <= set(SCORERS)
+    assert scorer_for("two_hop") is string_match_part
+    assert scorer_for("qa_1") is string_match_part  # RULER's qa family
+    for t in ("niah_multikey", "niah_multivalue", "vt", "cwe", "fwe"):
+        assert scorer_for(t) is string_match_all
+    assert scorer_for("some_new_task") is string_match_all
+    assert score("niah_multivalue", "1111111 and 2222222", ["1111111", "2222222", "3333333", "4444444"]) == 0.5
+    assert score("two_hop", "Paris or London", ["London"]) == 1.0
+
+
+def test_aggregate_is_mean_times_100_skipping_missing():
+    assert aggregate([1.0, 0.5, 0.0, 0.5]) == 50.0
+    assert aggregate([1.0, None, math.nan]) == 100.0
+    assert math.isnan(aggregate([]))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_gold_answers_score_full_marks_and_empty_scores_zero(task):
+    s = generate(task, 1, 1024, 256, seed=0)[0]
+    assert score(task, " ".join(s.answers), s.answers) == 1.0
+    assert score(task, "I don't know.", s.answers) == 0.0
