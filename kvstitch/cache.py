@@ -72,14 +72,15 @@ class StitchCache(Cache):
                     for _ in range(adapter.num_layers)])
 
     @classmethod
-    def from_stacked(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> "StitchCache":
-        """From ``[L, H, n, d]`` tensors; slots ``n..capacity-1`` are zero and not yet valid."""
+    def from_stacked(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int, batch: int = 1) -> "StitchCache":
+        """From ``[L, H, n, d]`` tensors (copied into every batch row); slots ``n..capacity-1`` are zero
+        and not yet valid."""
         L, H, n, d = keys.shape
         layers = []
         for i in range(L):
-            k = keys.new_zeros(1, H, max(capacity, n), d)
+            k = keys.new_zeros(batch, H, max(capacity, n), d)
             v = torch.zeros_like(k)
-            k[0, :, :n], v[0, :, :n] = keys[i], values[i]
+            k[:, :, :n], v[:, :, :n] = keys[i], values[i]
             layers.append(StitchLayer(k, v, n))
         return cls(layers)
 
@@ -118,13 +119,16 @@ class StitchCache(Cache):
     def length(self) -> int:
         return self.layers[0].length
 
-    def stacked_keys(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        return torch.stack([layer.keys[0, :, start:end if end is not None else layer.length]
-                            for layer in self.layers])
+    def stacked_keys(self, start: int = 0, end: int | None = None, batch: bool = False) -> torch.Tensor:
+        """``[L, H, n, d]`` (batch row 0), or ``[B, L, H, n, d]`` with ``batch=True``."""
+        return self._stacked("keys", start, end, batch)
 
-    def stacked_values(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        return torch.stack([layer.values[0, :, start:end if end is not None else layer.length]
-                            for layer in self.layers])
+    def stacked_values(self, start: int = 0, end: int | None = None, batch: bool = False) -> torch.Tensor:
+        return self._stacked("values", start, end, batch)
+
+    def _stacked(self, what: str, start: int, end: int | None, batch: bool) -> torch.Tensor:
+        parts = [getattr(layer, what)[:, :, start:end if end is not None else layer.length] for layer in self.layers]
+        return torch.stack(parts, dim=1) if batch else torch.stack([t[0] for t in parts])
 
     def truncate(self, length: int) -> None:
         for layer in self.layers:

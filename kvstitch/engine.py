@@ -105,10 +105,11 @@ class Engine:
         plan.q_slots = slots
         cache.slots, cache.write = slots, write
         try:
-            out = self.model(input_ids=ids.view(1, -1).to(self.device), position_ids=slots.view(1, -1),
+            ids = ids.view(1, -1) if ids.dim() == 1 else ids
+            out = self.model(input_ids=ids.to(self.device), position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
                              past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
                              kvstitch_plan=plan)
-            return out.logits[0].float()
+            return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()
         except StopForward:
             return None
         finally:
@@ -126,34 +127,54 @@ class Engine:
 
     def compute_chunk(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> ChunkKV:
         """One chunk's K/V with the shared prefix as its only context (the attention sink)."""
+        return self.compute_chunks(prefix_ids, [chunk_ids])[0]
+
+    def compute_chunks(self, prefix_ids: torch.Tensor, chunks: list[torch.Tensor], batch_size: int = 8) -> list[ChunkKV]:
+        """Precompute several chunks, ``batch_size`` per forward. Chunks of a batch are right-padded to
+        one length; causal masks keep every real token blind to the padding after it."""
         pk, pv = self.prefix_kv(prefix_ids)
-        p, n = prefix_ids.numel(), chunk_ids.numel()
-        cache = StitchCache.from_stacked(pk, pv, capacity=p + n)
-        self.forward(cache, chunk_ids, torch.arange(p, p + n))
-        return ChunkKV(cache.stacked_keys(p, p + n).clone(), cache.stacked_values(p, p + n).clone(),
-                       chunk_ids.clone(), p, self.fingerprint)
+        p = prefix_ids.numel()
+        out: list[ChunkKV] = []
+        for b0 in range(0, len(chunks), batch_size):
+            batch = chunks[b0:b0 + batch_size]
+            n = max(c.numel() for c in batch)
+            ids = torch.full((len(batch), n), int(batch[0][0]), dtype=torch.long)
+            for i, c in enumerate(batch):
+                ids[i, :c.numel()] = c
+            cache = StitchCache.from_stacked(pk, pv, capacity=p + n, batch=len(batch))
+            self.forward(cache, ids, torch.arange(p, p + n))
+            keys, values = cache.stacked_keys(p, p + n, batch=True), cache.stacked_values(p, p + n, batch=True)
+            for i, c in enumerate(batch):
+                m = c.numel()
+                out.append(ChunkKV(keys[i, :, :, :m].clone(), values[i, :, :, :m].clone(), c.clone().cpu(), p,
+                                   self.fingerprint))
+        return out
 
     def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str:
         return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"))
 
     def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None) -> list[ChunkKV]:
-        """Look every chunk up in the store; precompute and write back the misses."""
-        out, misses = [], 0
+        """Look every chunk up in the store; precompute the misses (batched) and write them back."""
         t0 = time.perf_counter()
-        for ids in layout.chunk_ids:
-            key = self.chunk_key(layout.prefix_ids, ids)
+        keys = [self.chunk_key(layout.prefix_ids, ids) for ids in layout.chunk_ids]
+        found: list[ChunkKV | None] = []
+        for key, ids in zip(keys, layout.chunk_ids):
             kv = self.store.lookup(key)
-            if kv is None or kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu()):
-                kv = self.compute_chunk(layout.prefix_ids, ids)
-                self.store.put(key, kv)
+            if kv is not None and (kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu())):
+                kv = None  # a key collision or a foreign entry: never use it
+            found.append(kv)
+        miss = [i for i, kv in enumerate(found) if kv is None]
+        if miss:
+            fresh = self.compute_chunks(layout.prefix_ids, [layout.chunk_ids[i] for i in miss])
+            storage = getattr(self.store, "storage_dtype", "float32")
+            for i, kv in zip(miss, fresh):
+                self.store.put(keys[i], kv)
                 # use what a later hit will return (storage dtype), so cold and warm requests agree
-                kv = roundtrip(kv, getattr(self.store, "storage_dtype", "float32"), self.dtype)
-                misses += 1
-            out.append(kv.to(self.device, self.dtype))
+                found[i] = roundtrip(kv, storage, self.dtype)
         if stats is not None:
-            stats.update(store_hits=len(out) - misses, store_misses=misses,
+            stats.update(store_hits=len(found) - len(miss), store_misses=len(miss),
                          chunk_load_s=time.perf_counter() - t0)
-        return out
+        return [kv.to(self.device, self.dtype) for kv in found]
 
     # ---- stitching ------------------------------------------------------------------------------
     def stitch(self, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:

@@ -109,3 +109,15 @@ def test_teacher_forced_answer_logits_match_generation(tiny_engine):
     full_logits, _, _ = eng.answer_logits(layout, torch.tensor(res.token_ids), "random", 1.0)
     ref, _, _ = eng.answer_logits(layout, torch.tensor(res.token_ids), "full")
     assert (full_logits - ref).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama", "gemma3"], indirect=True)
+def test_batched_precompute_equals_one_by_one(tiny_engine):
+    eng = tiny_engine
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)  # chunks of different lengths -> padding
+    assert len({c.numel() for c in layout.chunk_ids}) > 1
+    batched = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids, batch_size=4)
+    for ids, kv in zip(layout.chunk_ids, batched):
+        one = eng.compute_chunk(layout.prefix_ids, ids)
+        assert kv.keys.shape == one.keys.shape and torch.equal(kv.token_ids, ids)
+        assert (kv.keys - one.keys).abs().max() < 1e-4 and (kv.values - one.values).abs().max() < 1e-4
