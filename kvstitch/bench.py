@@ -20,8 +20,11 @@ from .prompt import PromptLayout
 
 def context_of_length(engine: Engine, n_tokens: int, chunk_tokens: int = 256, seed: int = 0,
                       task: str = "niah_multikey") -> tuple[str, list[str]]:
-    """A RULER-style sample of about ``n_tokens`` context tokens (question, chunks)."""
+    """A RULER-style sample of about ``n_tokens`` context tokens (question, chunks). The context is
+    capped so that prefix + context + question fit the model's positions (8192 for SmolLM2)."""
     from .eval.tasks import generate
+
+    n_tokens = min(n_tokens, engine.adapter.max_positions - 256)
 
     def count(text: str) -> int:
         return len(engine.tokenizer.encode(text, add_special_tokens=False))

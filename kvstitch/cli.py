@@ -63,17 +63,35 @@ def methods() -> None:
 @app.command()
 @friendly_errors
 def ask(question: str = typer.Argument(..., help="the question"),
-        chunk: list[Path] = typer.Option(..., "--chunk", "-c", help="a passage file (repeatable, in order)"),
+        chunk: Optional[list[Path]] = typer.Option(None, "--chunk", "-c",
+                                                   help="a passage file (repeatable, in order)"),
+        collection: Optional[str] = typer.Option(None, "--collection",
+                                                 help="retrieve the passages from this collection (`kvstitch index`)"),
+        top_k: int = typer.Option(4, "--top-k", help="chunks to retrieve with --collection"),
+        collections_dir: Optional[Path] = typer.Option(
+            None, "--collections-dir", help="where collections live (default: STORE/collections or "
+                                            "$KVSTITCH_CACHE/collections)"),
         method: str = typer.Option("prophet", help="selection method (see `kvstitch methods`)"),
         ratio: float = typer.Option(0.2, help="recompute ratio in [0, 1]"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
         max_new_tokens: int = typer.Option(32, help="answer length cap"),
         model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
-    """Answer QUESTION over the given passage files with stitched reuse."""
+    """Answer QUESTION over passage files (--chunk) or the top-k chunks of an indexed collection (--collection)."""
     from .errors import InputError
 
+    if bool(chunk) == bool(collection):
+        raise InputError("pass passage files with --chunk, or an indexed collection with --collection (one of them)")
     texts = []
-    for p in chunk:
+    if collection:
+        from .retrieval import collections_root, retrieve
+
+        hits = retrieve(question, collection, collections_root(store, collections_dir), top_k)
+        if not hits:
+            raise InputError(f"collection {collection!r} is empty")
+        texts = [h.text for h in hits]
+        for h in hits:
+            console.print(f"[dim]#{h.rank + 1} {h.id} (score {h.score:.3f})[/]", highlight=False)
+    for p in chunk or []:
         if not p.is_file():
             raise InputError(f"chunk file {str(p)!r} does not exist or is not a file")
         texts.append(p.read_text(encoding="utf-8", errors="replace"))
@@ -139,8 +157,55 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
     console.print(f"written: {out / 'bench_ttft.json'}, {out / 'bench_ttft.md'}")
 
 
+@app.command()
+@friendly_errors
+def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md documents"),
+               store: str = typer.Option(..., "--store", help="store directory or redis://host:port/db"),
+               chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
+               overlap: int = typer.Option(0, help="tokens of trailing sentences repeated in the next chunk"),
+               batch_size: int = typer.Option(8, help="chunks per forward"),
+               storage_dtype: str = typer.Option("float16", help="float16, bfloat16, float32 or int8"),
+               model: Optional[str] = ModelOpt) -> None:
+    """Chunk DOCS_DIR and precompute every chunk's KV cache into the store (skips what is stored)."""
+    from .engine import Engine
+    from .errors import InputError
+    from .precompute import precompute_directory
+
+    if not docs_dir.is_dir():
+        raise InputError(f"{str(docs_dir)!r} is not a directory")
+    with console.status("loading model ..."):
+        eng = Engine.load(model, store=store, storage_dtype=storage_dtype)
+    rep, _ = precompute_directory(eng, docs_dir, chunk_tokens, overlap, batch_size)
+    console.print(f"{rep.chunks} chunks: {rep.computed} computed, {rep.skipped} already stored; "
+                  f"{rep.tokens} tokens in {rep.seconds:.1f} s ({rep.tokens_per_s:,.0f} tok/s)", highlight=False)
+
+
+@bench_app.command("store")
+@friendly_errors
+def bench_store_cmd(path: Path = typer.Option(Path("/tmp/kvstitch-bench-store"), help="disk store directory"),
+                    redis: Optional[str] = typer.Option(None, help="redis://host:port/db to include"),
+                    out: Path = typer.Option(Path("docs/results"), help="output directory")) -> None:
+    """Store load throughput (GB/s, warm and cold page cache) and bytes/token per storage dtype."""
+    from .bench import write_results
+    from .store.bench import bench_store, format_rows
+
+    specs = ["memory", str(path)] + ([redis] if redis else [])
+    rows = bench_store(specs)
+    console.print(format_rows(rows))
+    cols = list(rows[0])
+    table = "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] +
+                      ["| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
+                       for r in rows])
+    write_results(rows, out, "bench_store", table)
+
+
 def _mount_optional() -> None:
     """Sub-apps owned by other modules (added as they land)."""
+    from .retrieval import index_command
+    from .server import serve_command
+
+    app.command("index")(friendly_errors(index_command))
+    app.command("serve")(friendly_errors(serve_command))
     try:
         from .store.cli import store_app
 

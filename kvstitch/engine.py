@@ -53,9 +53,11 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.builder = PromptBuilder(tokenizer)
-        self.store = store if store is not None else open_store(None)
+        self.store = store if store is not None else open_store(None, compute_dtype=self.dtype)
         self.inv_freq = inv_freq_table(self.adapter).to(self.device)
         self.fingerprint = self._fingerprint(weights_id)
+        if getattr(self.store, "fingerprint", None) is None and hasattr(self.store, "fingerprint"):
+            self.store.fingerprint = self.fingerprint  # entries of another model are reported, never used
         self._prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.eos_ids = self._eos_ids()
         self.rope_error = self_check(model, self.adapter, self._probe_ids()) if check_rope else None
@@ -63,16 +65,18 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str | None = None, store=None, device: str | None = None,
-             dtype: str | torch.dtype | None = None, **kwargs) -> "Engine":
+             dtype: str | torch.dtype | None = None, storage_dtype: str = "float16", **kwargs) -> "Engine":
         """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", an HF directory or a .gguf file.
-        ``store``: None (in-memory), a directory path, or "redis://host:port/db"."""
+        ``store``: None (in-memory), a directory path, "redis://host:port/db" or "tiered:A,B"; chunk K/V
+        are kept in ``storage_dtype`` (float16, bfloat16, float32 or int8)."""
         dev = torch.device(device) if device else default_device()
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         elif isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
         model_, tok, weights_id = load_model(model, dev, dtype)
-        return cls(model_, tok, weights_id, store=open_store(store), **kwargs)
+        return cls(model_, tok, weights_id, store=store_, **kwargs)
 
     def _fingerprint(self, weights_id: str) -> str:
         ad = self.adapter

@@ -117,6 +117,10 @@ class PromptBuilder:
         where, sep = self.separator
         return sep + text.strip() if where == "lead" else text.strip() + sep
 
+    def encode_chunk(self, text: str) -> torch.Tensor:
+        """The ids a chunk has inside any prompt (what the store keys and caches)."""
+        return self._encode(self.chunk_piece(text))
+
     def suffix_text(self, question: str) -> str:
         where, sep = self.separator
         suffix = self._raw_suffix.replace(_Q, question.strip())
@@ -124,7 +128,7 @@ class PromptBuilder:
 
     def build(self, question: str, chunks: list[str]) -> PromptLayout:
         return PromptLayout(self._encode(self.prefix_text, first=True),
-                            [self._encode(self.chunk_piece(c)) for c in chunks],
+                            [self.encode_chunk(c) for c in chunks],
                             self._encode(self.suffix_text(question)))
 
     def joint_ids(self, question: str, chunks: list[str]) -> torch.Tensor:

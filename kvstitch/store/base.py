@@ -108,6 +108,11 @@ class ChunkStore(ABC):
         """One line per entry that was refused (``"<key>: <problem>"``), in the order met."""
         return self._problems
 
+    @problems.setter
+    def problems(self, value: list[str]) -> None:
+        self._problems = list(value)
+        self._reported = set()
+
     def _report(self, key: str, problem: str) -> None:
         """Record + log a refused entry once per (key, problem), however often it is looked up."""
         if (key, problem) in self._reported:

@@ -1,0 +1,962 @@
+"""An OpenAI-compatible HTTP server over one `Engine` (FastAPI + uvicorn).
+
+    kvstitch serve --model ... --store DIR --method prophet --ratio 0.2 --port 8000
+
+Endpoints
+    POST /v1/chat/completions   OpenAI chat completions (JSON, or SSE with ``"stream": true``)
+    GET  /v1/models             the served model (+ methods, defaults and collections as an extension)
+    GET  /v1/collections        the indexed collections this server can retrieve from
+    GET  /health                {"status": "ok", ...}; 503 when the engine worker is dead
+    GET  /metrics               Prometheus text format
+
+Request extensions (top-level JSON fields; the OpenAI Python client sends them with ``extra_body=``):
+    documents: [str]            the retrieved passages, in prompt order ...
+    collection: str, top_k: int ... or retrieve the top-k chunks of an indexed collection (`kvstitch index`)
+    method, ratio (or recompute_ratio), decode, kv_budget, method_options: per-request overrides
+The question is the content of the last ``user`` message. ``system`` messages and earlier turns are not
+part of the prompt (the passages prompt has its own instruction; see `kvstitch.prompt`). ``temperature``
+defaults to 0 (greedy, as `Engine.generate`), ``seed`` to 0. ``n`` > 1, ``stop``, ``logprobs`` and
+``tools`` are refused with a 400 rather than silently ignored.
+
+The response carries OpenAI's ``usage`` plus ``kvstitch: {ttft_s, queue_wait_s, store_hits, store_misses,
+recomputed_tokens, context_tokens, method, ratio, decode, retrieved}`` (in the last SSE chunk when
+streaming). Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Concurrency: the model is not thread-safe, so one worker thread owns the engine and serves jobs in
+arrival order, one model step (`Engine.stream` token) at a time; between steps it checks the job's
+cancelled flag, which is set when the client disconnects (SSE: the response task is cancelled; JSON:
+``request.is_disconnected()`` is polled while waiting). Behind the running job at most ``max_queue`` jobs
+wait; more are refused with 429 and a ``Retry-After`` estimated from recent service times.
+"""
+
+import asyncio
+import json
+import math
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands other than serve stay light
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+from .engine import GenerationResult
+from .errors import InputError, KVStitchError
+from .retrieval import CollectionCache, CollectionNotFound, collections_root
+from .select import methods as registered_methods
+
+DEFAULT_MAX_TOKENS = 256
+MAX_TOP_K = 64
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> "JSONResponse":
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _input_error(e: Exception) -> ApiError:
+    """Map an engine `InputError` to a 400 with an OpenAI-style code."""
+    msg = str(e)
+    if "positions" in msg and "limit" in msg:
+        return ApiError(400, msg, code="context_length_exceeded", param="messages")
+    if msg.startswith("unknown method") or msg.startswith("bad option for method"):
+        return ApiError(400, msg, code="invalid_method", param="method")
+    if "decode policy" in msg:
+        return ApiError(400, msg, code="invalid_decode", param="decode")
+    return ApiError(400, msg, code="invalid_request")
+
+
+# ---- metrics (Prometheus text, written by hand) ----------------------------------------------------
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+class _Histogram:
+    def __init__(self, buckets):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.sum += v
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    esc = (lambda v: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"'))
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _num(v: float) -> str:
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "+Inf" if v > 0 else "-Inf"
+        return repr(v)
+    return str(v)
+
+
+class Metrics:
+    """Counters, gauges and histograms, thread-safe; `render()` gives the Prometheus text format."""
+
+    HELP = {
+        "kvstitch_http_requests_total": ("counter", "HTTP requests by path and status code"),
+        "kvstitch_chat_requests_total": ("counter", "chat completions by outcome "
+                                                    "(ok, invalid, rejected, cancelled, error)"),
+        "kvstitch_chat_method_total": ("counter", "answered chat completions by selection method"),
+        "kvstitch_rejected_total": ("counter", "requests refused with 429 (queue full)"),
+        "kvstitch_cancelled_total": ("counter", "jobs stopped because the client disconnected"),
+        "kvstitch_generated_tokens_total": ("counter", "tokens generated by the engine (cancelled jobs included)"),
+        "kvstitch_prompt_tokens_total": ("counter", "prompt tokens of answered requests"),
+        "kvstitch_completion_tokens_total": ("counter", "completion tokens of answered requests"),
+        "kvstitch_store_hits_total": ("counter", "chunk caches found in the store"),
+        "kvstitch_store_misses_total": ("counter", "chunk caches computed (not in the store)"),
+        "kvstitch_recomputed_tokens_total": ("counter", "context tokens recomputed"),
+        "kvstitch_context_tokens_total": ("counter", "context (passage) tokens served"),
+        "kvstitch_queue_depth": ("gauge", "jobs waiting for the engine"),
+        "kvstitch_busy": ("gauge", "1 while the engine is running a job"),
+        "kvstitch_max_queue": ("gauge", "queue depth past which requests get 429"),
+        "kvstitch_ttft_seconds": ("histogram", "engine time to first token (prefill: load, stitch, select, "
+                                               "recompute), excluding the queue wait"),
+        "kvstitch_queue_wait_seconds": ("histogram", "time a job waited in the queue"),
+        "kvstitch_request_duration_seconds": ("histogram", "engine time of a whole answered job"),
+        "kvstitch_recompute_ratio": ("histogram", "recomputed / context tokens per answered request"),
+    }
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.counters: dict[tuple[str, tuple], float] = {}
+        self.gauges: dict[str, Any] = {}  # name -> callable or value
+        self.hists = {"kvstitch_ttft_seconds": _Histogram(TTFT_BUCKETS),
+                      "kvstitch_queue_wait_seconds": _Histogram(WAIT_BUCKETS),
+                      "kvstitch_request_duration_seconds": _Histogram(TTFT_BUCKETS + (60.0, 120.0)),
+                      "kvstitch_recompute_ratio": _Histogram(RATIO_BUCKETS)}
+
+    def inc(self, name: str, value: float = 1, **labels) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self.counters[key] = self.counters.get(key, 0) + value
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            self.hists[name].observe(value)
+
+    def get(self, name: str, **labels) -> float:
+        with self._lock:
+            return self.counters.get((name, tuple(sorted(labels.items()))), 0)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        with self._lock:
+            counters = dict(self.counters)
+            hists = {k: (h.buckets, list(h.counts), h.sum, h.count) for k, h in self.hists.items()}
+        gauges = {k: (v() if callable(v) else v) for k, v in self.gauges.items()}
+        names = sorted({k[0] for k in counters} | set(gauges) | set(hists)
+                       | {n for n, (t, _) in self.HELP.items() if t == "counter"})
+        for name in names:
+            typ, help_ = self.HELP.get(name, ("gauge" if name in gauges else "counter", name))
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}"]
+            if name in hists:
+                buckets, counts, s, c = hists[name]
+                for b, n in zip(buckets, counts):
+                    lines.append(f'{name}_bucket{{le="{_num(float(b))}"}} {n}')
+                lines += [f'{name}_bucket{{le="+Inf"}} {c}', f"{name}_sum {_num(float(s))}", f"{name}_count {c}"]
+            elif name in gauges:
+                lines.append(f"{name} {_num(gauges[name])}")
+            else:
+                series = [(lab, v) for (n, lab), v in counters.items() if n == name] or [((), 0)]
+                for lab, v in sorted(series):
+                    lines.append(f"{name}{_labels(dict(lab))} {_num(v)}")
+        return "\n".join(lines) + "\n"
+
+
+# ---- the engine worker -----------------------------------------------------------------------------
+_DONE = object()
+
+
+@dataclass
+class Job:
+    kwargs: dict  # Engine.stream arguments
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    tokens: int = 0
+    checked_at: float = field(default_factory=time.monotonic)  # last client-disconnect check
+
+    def emit(self, kind: str, value=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited or ran."""
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"queue full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class EngineWorker:
+    """One thread owns the engine: FIFO jobs, each advanced one `Engine.stream` step at a time."""
+
+    def __init__(self, engine, max_queue: int, metrics: Metrics, warmup: bool = False):
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self.engine, self.max_queue, self.metrics, self.warmup = engine, max_queue, metrics, warmup
+        self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.current: Job | None = None
+        self._service_ema: float | None = None  # seconds per job
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.ready = threading.Event()
+
+    # -- admission (event-loop thread) ---------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._stopping:
+                raise QueueFull(5)
+            # in the system: the waiting jobs + the running one; max_queue of them may wait behind a running job
+            if self.waiting + (self.current is not None) > self.max_queue:
+                raise QueueFull(self._retry_after())
+            self.waiting += 1
+        self._q.put(job)
+
+    def _retry_after(self) -> int:
+        per_job = self._service_ema if self._service_ema is not None else 1.0
+        return int(min(60, max(1, math.ceil(per_job * (self.waiting + 1)))))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvstitch-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+        cur = self.current
+        if cur is not None:
+            cur.cancel()
+        # cancel everything still queued, then the sentinel
+        while True:
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.emit("error", ApiError(503, "the server is shutting down", "server_error", "shutting_down"))
+                job.emit("done")
+        self._q.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the worker thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.warmup:
+            try:
+                self.engine.generate("What is this?", ["A short passage to warm the model up."],
+                                     method="naive", max_new_tokens=2)
+            except Exception:  # noqa: BLE001 - warm-up is best effort
+                pass
+        self.ready.set()
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            with self._lock:
+                self.waiting -= 1
+                self.current = job
+            try:
+                self._execute(job)
+            finally:
+                with self._lock:
+                    self.current = None
+
+    def _execute(self, job: Job) -> None:
+        job.started_at = time.perf_counter()
+        wait = job.started_at - job.enqueued_at
+        if job.cancelled.is_set():
+            self.metrics.inc("kvstitch_cancelled_total")
+            job.emit("done")
+            return
+        self.metrics.observe("kvstitch_queue_wait_seconds", wait)
+        job.emit("started", wait)
+        gen = None
+        try:
+            gen = self.engine.stream(**job.kwargs)
+            for ev in gen:
+                if isinstance(ev, GenerationResult):
+                    dt = time.perf_counter() - job.started_at
+                    self._service_ema = dt if self._service_ema is None else 0.8 * self._service_ema + 0.2 * dt
+                    self.metrics.observe("kvstitch_request_duration_seconds", dt)
+                    job.emit("result", ev)
+                    break
+                job.tokens += 1
+                self.metrics.inc("kvstitch_generated_tokens_total")
+                job.emit("token", ev)
+                if job.cancelled.is_set():  # checked between model steps
+                    self.metrics.inc("kvstitch_cancelled_total")
+                    break
+        except InputError as e:
+            job.emit("error", _input_error(e))
+        except KVStitchError as e:
+            job.emit("error", ApiError(500, str(e), "server_error", type(e).__name__))
+        except Exception as e:  # noqa: BLE001 - one bad request must not kill the worker
+            job.emit("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
+                                       "internal_error"))
+        finally:
+            if gen is not None:
+                gen.close()  # stops the engine's generator (no more model steps)
+            job.emit("done")
+
+
+# ---- request parsing -------------------------------------------------------------------------------
+@dataclass
+class ChatRequest:
+    question: str
+    documents: list[str] | None
+    collection: str | None
+    top_k: int
+    method: str
+    ratio: float
+    decode: str
+    kv_budget: int | None
+    method_options: dict | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stream: bool
+    include_usage: bool
+    model: str | None
+
+
+def _bad(msg: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, msg, code=code, param=param)
+
+
+def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+    v = body.get(name, None)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise _bad(f"'{name}' must be an integer, got {v!r:.60}", name)
+    v = int(v)
+    if lo is not None and v < lo:
+        raise _bad(f"'{name}' must be >= {lo}, got {v}", name)
+    if hi is not None and v > hi:
+        raise _bad(f"'{name}' must be <= {hi}, got {v}", name)
+    return v
+
+
+def _float(body: dict, name: str, default, lo: float, hi: float):
+    v = body.get(name, None)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        raise _bad(f"'{name}' must be a number, got {v!r:.60}", name)
+    if not lo <= v <= hi:
+        raise _bad(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def _text_content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise _bad(f"{where}: only text content parts are supported", "messages")
+        return "\n".join(parts)
+    raise _bad(f"{where}: 'content' must be a string or a list of text parts", "messages")
+
+
+def parse_chat_request(body, default_method: str, default_ratio: float, default_decode: str,
+                       default_max_tokens: int, decode_policies: set[str]) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("'messages' is required: a non-empty list of {role, content} objects", "messages")
+    question = None
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a 'role' and a 'content'", "messages")
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"messages[{i}]: unknown role {m['role']!r:.40}", "messages")
+        if m["role"] == "user":
+            question = _text_content(m.get("content"), f"messages[{i}]")
+    if question is None:
+        raise _bad("no 'user' message: the question is the content of the last user message", "messages")
+    if not question.strip():
+        raise _bad("the question (last user message) is empty", "messages")
+
+    for name, ok in (("n", lambda v: v in (None, 1)), ("stop", lambda v: v in (None, [], "")),
+                     ("logprobs", lambda v: v in (None, False)), ("tools", lambda v: v in (None, [])),
+                     ("functions", lambda v: v in (None, []))):
+        if not ok(body.get(name)):
+            raise _bad(f"'{name}' is not supported by this server", name, code="unsupported_parameter")
+
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+            raise _bad("'documents' must be a list of strings (the passages)", "documents")
+        if not documents:
+            raise _bad("'documents' is empty: pass at least one passage", "documents")
+        for i, d in enumerate(documents):
+            if not d.strip():
+                raise _bad(f"documents[{i}] is empty", "documents")
+    collection = body.get("collection")
+    if collection is not None and (not isinstance(collection, str) or not collection):
+        raise _bad("'collection' must be a collection name (string)", "collection")
+    if documents is None and collection is None:
+        raise _bad("no passages: pass 'documents' (a list of strings) or 'collection' (an indexed collection "
+                   "name)", "documents")
+    if documents is not None and collection is not None:
+        raise _bad("pass either 'documents' or 'collection', not both", "collection")
+    top_k = _int(body, "top_k", 4, 1, MAX_TOP_K)
+
+    method = body.get("method", default_method)
+    if not isinstance(method, str):
+        raise _bad(f"'method' must be a string, got {method!r:.60}", "method")
+    known = registered_methods()
+    if method not in known:
+        raise _bad(f"unknown method {method!r:.60}; known methods: {', '.join(known)}", "method", "invalid_method")
+    if "ratio" in body and "recompute_ratio" in body:
+        raise _bad("pass 'ratio' or 'recompute_ratio', not both", "ratio")
+    ratio = _float(body, "ratio" if "ratio" in body else "recompute_ratio", default_ratio, 0.0, 1.0)
+    decode = body.get("decode", default_decode)
+    if not isinstance(decode, str) or decode not in decode_policies:
+        raise _bad(f"unknown decode policy {decode!r:.60}; known: {', '.join(sorted(decode_policies))}",
+                   "decode", "invalid_decode")
+    kv_budget = _int(body, "kv_budget", None, 1)
+    method_options = body.get("method_options")
+    if method_options is not None and not isinstance(method_options, dict):
+        raise _bad("'method_options' must be an object", "method_options")
+
+    if "max_tokens" in body and "max_completion_tokens" in body and \
+            body["max_tokens"] != body["max_completion_tokens"]:
+        raise _bad("'max_tokens' and 'max_completion_tokens' disagree", "max_tokens")
+    mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, mt_name, default_max_tokens, 1)
+    temperature = _float(body, "temperature", 0.0, 0.0, 2.0)
+    top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise _bad("'top_p' must be > 0", "top_p")
+    seed = _int(body, "seed", 0)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    model = body.get("model")
+    return ChatRequest(question=question, documents=documents, collection=collection, top_k=top_k, method=method,
+                       ratio=ratio, decode=decode, kv_budget=kv_budget, method_options=method_options,
+                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
+                       include_usage=bool(opts.get("include_usage", False)),
+                       model=model if isinstance(model, str) else None)
+
+
+def _decode_policies() -> set[str]:
+    names = {"full"}
+    try:
+        from .decode import DECODE_POLICIES
+
+        names |= set(DECODE_POLICIES)
+    except Exception:  # noqa: BLE001 - the decode package is optional for the server
+        pass
+    return names
+
+
+# ---- detokenization for SSE ------------------------------------------------------------------------
+class TextStream:
+    """Incremental text of a token stream whose concatenated deltas equal the engine's final text
+    (``decode(tokens minus EOS, skip_special_tokens=True).strip()``): leading whitespace is dropped,
+    trailing whitespace and incomplete UTF-8 are held back until more text follows."""
+
+    def __init__(self, tokenizer, eos_ids):
+        self.tok, self.eos = tokenizer, set(eos_ids)
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        if token in self.eos:
+            return ""
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True).lstrip()
+        safe = text.rstrip("\ufffd").rstrip()
+        if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def finish(self, final: str) -> str:
+        if final.startswith(self.sent):
+            delta, self.sent = final[len(self.sent):], final
+            return delta
+        return ""  # cannot happen for prefix-stable tokenizers; never resend text
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+_KNOWN_PATHS = ("/v1/chat/completions", "/v1/models", "/v1/collections", "/health", "/metrics")
+
+
+class _StatusCounter:
+    """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnects): count status codes."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        path = path if path in _KNOWN_PATHS else "other"
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                self.metrics.inc("kvstitch_http_requests_total", path=path, code=str(message["status"]))
+            await send(message)
+
+        return await self.app(scope, receive, send_wrapper)
+
+
+def create_app(engine, default_method: str = "prophet", default_ratio: float = 0.2, max_queue: int = 16,
+               collections_dir: str | Path | None = None, default_decode: str = "full",
+               max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
+               disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20) -> "FastAPI":
+    """The FastAPI app serving `engine`. `collections_dir`: where `kvstitch index` put collections (None:
+    requests naming a collection get 404). The engine worker starts with the app (lifespan)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    if default_method not in registered_methods():
+        raise InputError(f"unknown method {default_method!r}; known methods: {', '.join(registered_methods())}")
+    if not 0.0 <= default_ratio <= 1.0:
+        raise InputError(f"ratio must be in [0, 1], got {default_ratio}")
+    policies = _decode_policies()
+    if default_decode not in policies:
+        raise InputError(f"unknown decode policy {default_decode!r}; known: {', '.join(sorted(policies))}")
+    metrics = Metrics()
+    worker = EngineWorker(engine, max_queue, metrics, warmup=warmup)
+    collections = CollectionCache(collections_dir)
+    model_id = model_name or getattr(engine, "model_name", None) or "kvstitch"
+    created = int(time.time())
+    store = engine.store
+    metrics.gauges.update({"kvstitch_queue_depth": lambda: worker.waiting,
+                           "kvstitch_busy": lambda: int(worker.busy),
+                           "kvstitch_max_queue": max_queue})
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+
+    app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan)
+    app.state.worker, app.state.metrics, app.state.engine, app.state.collections = worker, metrics, engine, collections
+    app.add_middleware(_StatusCounter, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return ApiError(exc.status_code, msg, "invalid_request_error", kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
+                        "internal_error").response()
+
+    # -- simple endpoints ----------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        ok = worker.alive
+        body = {"status": "ok" if ok else "unavailable", "model": model_id, "worker_alive": ok,
+                "ready": worker.ready.is_set(), "busy": worker.busy, "queue_depth": worker.waiting,
+                "max_queue": max_queue}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_id, "object": "model", "created": created, "owned_by": "kvstitch",
+            "kvstitch": {"methods": registered_methods(), "default_method": default_method,
+                         "default_ratio": default_ratio, "default_decode": default_decode,
+                         "decode_policies": sorted(policies), "collections": collections.names(),
+                         "max_positions": getattr(getattr(engine, "adapter", None), "max_positions", None)}}]}
+
+    @app.get("/v1/collections")
+    async def list_cols():
+        return {"object": "list", "data": [{"id": n, "object": "collection"} for n in collections.names()]}
+
+    @app.get("/metrics")
+    async def prom():
+        text = metrics.render()
+        try:
+            s = store.stats()
+            text += ("# HELP kvstitch_store_entries_loaded_bytes_total bytes of chunk caches loaded from the store\n"
+                     "# TYPE kvstitch_store_entries_loaded_bytes_total counter\n"
+                     f"kvstitch_store_entries_loaded_bytes_total {int(s.get('bytes_loaded', 0))}\n"
+                     "# HELP kvstitch_store_problems entries refused by the store (corrupt/foreign)\n"
+                     "# TYPE kvstitch_store_problems gauge\n"
+                     f"kvstitch_store_problems {int(s.get('problems', 0))}\n")
+        except Exception:  # noqa: BLE001 - a store without stats must not break /metrics
+            pass
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- chat completions ----------------------------------------------------------------------
+    async def next_event(job: Job, request: Request | None):
+        """The job's next event; while waiting, a disconnected client cancels the job (JSON path)."""
+        while True:
+            if request is not None and time.monotonic() - job.checked_at >= disconnect_poll_s:
+                job.checked_at = time.monotonic()  # by time, not by idleness: tokens may arrive continuously
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=disconnect_poll_s)
+            except asyncio.TimeoutError:
+                continue
+
+    def _ext(req: ChatRequest, res: GenerationResult | None, wait: float, retrieved) -> dict:
+        st = res.stats if res is not None else {}
+        return {"ttft_s": round(res.ttft_s, 6) if res is not None else None, "queue_wait_s": round(wait, 6),
+                "store_hits": st.get("store_hits", 0), "store_misses": st.get("store_misses", 0),
+                "recomputed_tokens": st.get("recomputed_tokens", 0), "context_tokens": st.get("context_tokens", 0),
+                "method": req.method, "ratio": req.ratio, "decode": req.decode,
+                "retrieved": retrieved,
+                "timings_s": {k: round(st[k], 6) for k in ("tokenize_s", "chunk_load_s", "assemble_s", "select_s",
+                                                            "recompute_s", "tpot_s") if k in st}}
+
+    def _usage(res: GenerationResult) -> dict:
+        st = res.stats
+        p = int(st.get("prefix_tokens", 0) + st.get("context_tokens", 0) + st.get("suffix_tokens", 0))
+        c = len(res.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _finish_reason(req: ChatRequest, res: GenerationResult) -> str:
+        if res.token_ids and res.token_ids[-1] in engine.eos_ids:
+            return "stop"
+        return "length" if len(res.token_ids) >= req.max_tokens else "stop"
+
+    def _record(req: ChatRequest, res: GenerationResult) -> None:
+        st = res.stats
+        metrics.inc("kvstitch_chat_requests_total", outcome="ok")
+        metrics.inc("kvstitch_chat_method_total", method=req.method)
+        metrics.observe("kvstitch_ttft_seconds", res.ttft_s)
+        u = _usage(res)
+        metrics.inc("kvstitch_prompt_tokens_total", u["prompt_tokens"])
+        metrics.inc("kvstitch_completion_tokens_total", u["completion_tokens"])
+        metrics.inc("kvstitch_store_hits_total", st.get("store_hits", 0))
+        metrics.inc("kvstitch_store_misses_total", st.get("store_misses", 0))
+        ctx, rec = st.get("context_tokens", 0), st.get("recomputed_tokens", 0)
+        metrics.inc("kvstitch_recomputed_tokens_total", rec)
+        metrics.inc("kvstitch_context_tokens_total", ctx)
+        if ctx:
+            metrics.observe("kvstitch_recompute_ratio", rec / ctx)
+
+    async def retrieve(req: ChatRequest) -> tuple[list[str], list[dict]]:
+        try:
+            col = await run_in_threadpool(collections.get, req.collection)
+        except CollectionNotFound as e:
+            raise ApiError(404, str(e), code="collection_not_found", param="collection") from None
+        except InputError as e:
+            raise ApiError(400, str(e), code="invalid_collection", param="collection") from None
+        except KVStitchError as e:
+            raise ApiError(500, str(e), "server_error", "collection_unreadable") from None
+        hits = await run_in_threadpool(col.search, req.question, req.top_k)
+        if not hits:
+            raise ApiError(400, f"collection {req.collection!r} is empty", code="empty_collection",
+                           param="collection")
+        return [h.text for h in hits], [h.as_dict() for h in hits]
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        try:
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+                raise ApiError(413, f"request body too large ({declared} bytes > {max_body_bytes})",
+                               code="body_too_large")
+            raw = await request.body()
+            if len(raw) > max_body_bytes:
+                raise ApiError(413, f"request body too large ({len(raw)} bytes > {max_body_bytes})",
+                               code="body_too_large")
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+            req = parse_chat_request(body, default_method, default_ratio, default_decode, max_tokens, policies)
+            retrieved = None
+            docs = req.documents
+            if req.collection is not None:
+                docs, retrieved = await retrieve(req)
+        except ApiError as e:
+            metrics.inc("kvstitch_chat_requests_total", outcome="invalid")
+            return e.response()
+
+        kwargs = dict(question=req.question, chunks=docs, method=req.method, recompute_ratio=req.ratio,
+                      max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                      decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options)
+        job = Job(kwargs, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except QueueFull as e:
+            metrics.inc("kvstitch_chat_requests_total", outcome="rejected")
+            metrics.inc("kvstitch_rejected_total")
+            return ApiError(429, f"the server is busy: {worker.waiting} requests are already waiting (max_queue="
+                                 f"{max_queue}); retry after {e.retry_after} s", "rate_limit_error", "queue_full",
+                            headers={"Retry-After": str(e.retry_after)}).response()
+
+        rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        # wait for the first event: an input error becomes a 4xx even for a streaming request
+        wait = 0.0
+        try:
+            while True:
+                kind, value = await next_event(job, request)
+                if kind == "started":
+                    wait = value
+                    continue
+                break
+        except (ClientGone, asyncio.CancelledError) as e:
+            job.cancel()
+            metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return ApiError(499, "client disconnected", "invalid_request_error", "cancelled").response()
+        if kind == "error":
+            metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if value.status < 500 else "error")
+            return value.response()
+        if kind == "done":  # cancelled before it started
+            metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+            return ApiError(499, "request cancelled", "invalid_request_error", "cancelled").response()
+
+        if req.stream:
+            return StreamingResponse(sse(req, job, kind, value, rid, created_at, wait, retrieved),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        # JSON: collect to the result
+        result, error = None, None
+        try:
+            while kind != "done":
+                if kind == "result":
+                    result = value
+                elif kind == "error":
+                    error = value
+                kind, value = await next_event(job, request)
+        except (ClientGone, asyncio.CancelledError) as e:
+            job.cancel()
+            metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return ApiError(499, "client disconnected", "invalid_request_error", "cancelled").response()
+        if error is not None or result is None:
+            error = error or ApiError(500, "generation ended without a result", "server_error", "internal_error")
+            metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if error.status < 500 else "error")
+            return error.response()
+        _record(req, result)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created_at, "model": model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "logprobs": None, "finish_reason": _finish_reason(req, result)}],
+            "usage": _usage(result), "kvstitch": _ext(req, result, wait, retrieved)})
+
+    def _chunk(rid, created_at, delta: dict, finish=None, **extra) -> str:
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def sse(req: ChatRequest, job: Job, kind, value, rid, created_at, wait, retrieved):
+        text = TextStream(engine.tokenizer, engine.eos_ids)
+        finished = False
+        try:
+            yield _chunk(rid, created_at, {"role": "assistant", "content": ""})
+            while True:
+                if kind == "token":
+                    delta = text.push(value)
+                    if delta:
+                        yield _chunk(rid, created_at, {"content": delta})
+                elif kind == "result":
+                    tail = text.finish(value.text)
+                    if tail:
+                        yield _chunk(rid, created_at, {"content": tail})
+                    _record(req, value)
+                    finished = True
+                    yield _chunk(rid, created_at, {}, _finish_reason(req, value),
+                                 kvstitch=_ext(req, value, wait, retrieved))
+                    if req.include_usage:
+                        obj = {"id": rid, "object": "chat.completion.chunk", "created": created_at,
+                               "model": model_id, "choices": [], "usage": _usage(value)}
+                        yield f"data: {json.dumps(obj)}\n\n"
+                elif kind == "error":
+                    finished = True
+                    metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if value.status < 500 else "error")
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                elif kind == "done":
+                    break
+                kind, value = await next_event(job, None)  # disconnects cancel this task (see below)
+            yield "data: [DONE]\n\n"
+        finally:
+            # reached on normal end, and on client disconnect (Starlette cancels the response task, or the
+            # generator is closed): stop the engine at its next step
+            if not finished:
+                job.cancel()
+                metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+
+    return app
+
+
+# ---- running it ------------------------------------------------------------------------------------
+class ServerThread:
+    """Run an app with uvicorn in a background thread on a loopback port (tests, notebooks).
+
+        with ServerThread(app) as srv:
+            httpx.get(f"{srv.url}/health")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = self._sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                                    timeout_graceful_shutdown=5, backlog=512))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                       name="kvstitch-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_command(
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="embedded name (smollm2, gemma3), HF directory or .gguf file"),
+    store: Optional[str] = typer.Option(None, "--store",
+                                        help="chunk store: a directory, redis://host:port/db, or none (memory)"),
+    method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
+    ratio: float = typer.Option(0.2, "--ratio", help="default recompute ratio (per-request: 'ratio')"),
+    decode: str = typer.Option("full", "--decode", help="default decode policy (per-request: 'decode')"),
+    host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
+    port: int = typer.Option(8000, "--port", help="port to bind"),
+    max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="default max_tokens"),
+    collections_dir: Optional[Path] = typer.Option(
+        None, "--collections-dir", help="indexed collections (default: STORE/collections or "
+                                        "$KVSTITCH_CACHE/collections)"),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+) -> None:
+    """Serve the OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, /health, /metrics)."""
+    import uvicorn
+    from rich.console import Console
+
+    from .engine import Engine
+
+    console = Console(stderr=True)
+    if method not in registered_methods():  # before the (slow) model load
+        raise InputError(f"unknown method {method!r}; known methods: {', '.join(registered_methods())}")
+    if max_queue < 0:
+        raise InputError(f"--max-queue must be >= 0, got {max_queue}")
+    with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
+        eng = Engine.load(model, store=store)
+    root = collections_root(store if store is not None else eng.store, collections_dir)
+    app = create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue, collections_dir=root,
+                     default_decode=decode, max_tokens=max_tokens, model_name=_model_id(model), warmup=True)
+    console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} (method {method}, ratio {ratio}, "
+                  f"store {eng.store!r}, collections {root})", highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def _model_id(model: str | None) -> str:
+    if model is None:
+        return "smollm2"
+    return Path(model).name or str(model)
