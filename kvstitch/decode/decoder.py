@@ -1,0 +1,254 @@
+"""`SparseDecoder`: per-layer paged KV with offloading and budgeted sparse attention (PRKV Sec. 4).
+
+Per layer it keeps a `HostPool` (everything, the offload tier), a `DevicePool` (working set), and the
+key bounding boxes (`PageBounds`, on the device). Each decode step, per layer:
+
+1. ``append``: the new token goes to the host pool (source of truth), its page's box, and the device
+   copy of its page if resident;
+2. ``attend``: static policies refresh their static set every T steps (Alg. 1); the `PagePlan` splits
+   the budget into front (sinks + static), dynamic and local pages; the policy ranks the candidate
+   pages per KV head; missing (page, head) blocks come over in one batched transfer (Sec. 4.2); GQA
+   attention runs over the selected pages only. With ``diagnostic`` set, dense attention runs too
+   and the recall (Eq. 3) is recorded.
+
+``kv_budget`` counts attended tokens per layer and KV head, sinks and local window included (both are
+rounded out to whole pages, see `plan`). The page choice is made on the host (its page ids decide what
+to copy), so each sparse step has one device -> host sync per layer, as in ArkVale / PRKV.
+
+Layers with a ``sliding_window`` (Gemma 3 local layers) attend densely over exactly their window: it is
+smaller than any useful budget, so there is nothing to select (their host pool still keeps every token).
+One sequence per decoder (batch size 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InputError
+from .attention import grouped_attention
+from .plan import PagePlan, check_budget, front_pages, pages_for, plan_step
+from .policies import DecodePolicy, get_policy
+from .pool import K, V, DevicePool, HostPool, PageBounds
+from .recall import RecallMeter, attention_recall, oracle_recall
+from .scoring import group_mean, observation_probs
+from .static import online_static_ratio, pool_in_token_order, static_permutation
+from .transfer import BatchedTransfer
+
+
+@dataclass
+class _LayerState:
+    host: HostPool
+    device: DevicePool
+    bounds: PageBounds
+    sliding_window: int | None
+    front: int                       # pages [0, front) always attended (sinks + static set)
+    static_ratio: float | None = None
+    obs_q: torch.Tensor | None = None  # [Hq, w, D]: queries of the last w tokens (static policies)
+    static_steps: list[int] = field(default_factory=list)  # steps at which the static set was chosen
+    selected: torch.Tensor | None = None  # last step's page table [Hkv, M]
+
+
+class SparseDecoder:
+    """See the module docstring; build one with `make_decoder`."""
+
+    def __init__(self, policy: DecodePolicy, kv_budget: int, num_layers: int, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int = 16, device="cpu",
+                 dtype: torch.dtype = torch.float32, device_pages: int | None = None,
+                 scaling: float | None = None) -> None:
+        if num_q_heads % num_kv_heads:
+            raise InputError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if page_size < 1 or kv_budget < 1:
+            raise InputError(f"page_size and kv_budget must be positive, got {page_size}, {kv_budget}")
+        self.policy, self.kv_budget, self.page_size = policy, kv_budget, page_size
+        self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim = (
+            num_layers, num_q_heads, num_kv_heads, head_dim)
+        self.device, self.dtype = torch.device(device), dtype
+        self.sinks, self.window = policy.fixed_tokens(page_size)
+        if not policy.select_all():
+            check_budget(kv_budget, page_size, self.sinks, self.window)
+        self.device_pages = device_pages or 2 * pages_for(kv_budget, page_size)
+        self.scaling = scaling if scaling is not None else head_dim ** -0.5
+        self.layers: list[_LayerState | None] = [None] * num_layers
+        self.transfer = BatchedTransfer(self.device)
+        self.recall = RecallMeter(num_layers)
+        self.diagnostic = False
+        self.step = 0
+        self._clock = 0  # one tick per attend: the device pools' LRU stamp
+        self._attends = 0
+        self._selected_tokens = 0
+        self._refresh_bytes = 0
+
+    # ----------------------------------------------------------------------------------- prefill
+    def load_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                     obs_queries: torch.Tensor | None = None, sliding_window: int | None = None,
+                     scaling: float | None = None) -> None:
+        """Take a layer's prefill K/V ``[Hkv, n, D]`` (post-RoPE) and the observation queries ``[Hq, w, D]``
+        of the last ``w`` prompt tokens (needed by static policies: `snapkv`, `prkv`). ``scaling`` (the
+        model's attention scaling, default ``head_dim ** -0.5``) is used for the observation scores."""
+        if scaling is not None:
+            self.scaling = scaling
+        Hkv, n, D = keys.shape
+        if (Hkv, D) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
+            raise InputError(f"layer {layer}: prefill K/V {tuple(keys.shape)} / {tuple(values.shape)} do not match "
+                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+        keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
+        host = HostPool(Hkv, self.page_size, D, self.dtype, capacity_tokens=n + 256)
+        slots = pages_for(sliding_window, self.page_size) + 1 if sliding_window else self.device_pages
+        st = _LayerState(host, DevicePool(Hkv, self.page_size, D, self.dtype, self.device, slots),
+                         PageBounds(Hkv, self.page_size, D, self.device), sliding_window,
+                         front=pages_for(self.sinks, self.page_size))
+        host.load(keys, values)
+        st.bounds.rebuild(keys)
+        self.layers[layer] = st
+        if self.policy.static and sliding_window is None:
+            if obs_queries is None or obs_queries.shape[1] == 0:
+                raise InputError(f"policy {self.policy.name!r} needs the observation-window queries at prefill")
+            # the observation tokens must lie in the local window, which restructuring never moves
+            st.obs_q = obs_queries[:, -self.window:].to(self.device)
+            ratio = self.policy.static_ratio
+            st.static_ratio = None if ratio == "auto" else float(ratio)
+            self._select_static(st, keys)
+
+    # ------------------------------------------------------------------------------ static set
+    def _select_static(self, st: _LayerState, keys: torch.Tensor) -> None:
+        """PRKV Alg. 1: score [0, R) with the observation queries, move sinks + top tokens to the front
+        pages, rebuild those pages' boxes, drop stale device copies. R = local-window page start."""
+        P, host = self.page_size, st.host
+        n = host.n_tokens
+        R = (max(0, n - self.window) // P) * P
+        probs = observation_probs(st.obs_q, keys, self.scaling)  # [Hq, w, n]
+        if st.static_ratio is None:  # "auto": chosen once, at prefill (App. G)
+            st.static_ratio = online_static_ratio(probs[..., :R], self.kv_budget, P)
+        n_static = min(front_pages(self.kv_budget, P, self.sinks, self.window, st.static_ratio), R // P) * P
+        st.front = max(n_static // P, pages_for(self.sinks, P))  # sinks stay first in any storage order
+        st.static_steps.append(self.step)
+        if n_static == 0:
+            return
+        pos = host.token_pos[:, :R]
+        scores = pool_in_token_order(group_mean(probs[..., :R], self.num_kv_heads), pos, self.policy.kernel_size)
+        perm = static_permutation(scores, pos, n_static, self.sinks)
+        new_keys = keys[:, :R].gather(1, perm.unsqueeze(-1).expand(-1, -1, self.head_dim))
+        perm = perm.cpu()
+        new_values = host.rows(V, R).gather(1, perm.unsqueeze(-1).expand(-1, -1, self.head_dim))
+        new_pos = pos.gather(1, perm)
+        stale = (new_pos != pos).view(self.num_kv_heads, R // P, P).any(dim=-1)
+        host.write_prefix(new_keys, new_values, new_pos)
+        st.bounds.rebuild(new_keys)
+        st.device.invalidate(stale)
+
+    # ---------------------------------------------------------------------------------- decode
+    def _layer(self, layer: int) -> _LayerState:
+        st = self.layers[layer]
+        if st is None:
+            raise InputError(f"layer {layer} has no prefill: call load_prefill first")
+        return st
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append the new token's K/V ``[Hkv, 1, D]`` (post-RoPE) to the layer's cache."""
+        st = self._layer(layer)
+        page, offset = st.host.append(k, v)
+        st.bounds.add_token(page, offset, k)
+        st.device.write_token(page, offset, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of ``q [Hq, 1, D]`` over the selected tokens of the layer -> ``[Hq, 1, D]``."""
+        st = self._layer(layer)
+        self.scaling = scaling
+        if st.obs_q is not None:
+            self._observe(st, q)
+        plan = plan_step(st.host.n_tokens, self.page_size, self.kv_budget, st.front, self.window,
+                         select_all=self.policy.select_all(), sliding_window=st.sliding_window)
+        st.selected = self._select_pages(st, plan, q)
+        keys, values, tokens = self._gather(st, st.selected)
+        valid = (tokens >= plan.lo) & (tokens < plan.n_tokens)
+        out, _ = grouped_attention(q, keys, values, scaling, valid)
+        self._attends += 1
+        self._selected_tokens += plan.selected_tokens
+        if self.diagnostic:
+            self._record_recall(layer, st, plan, q, scaling, out, tokens, valid)
+        return out
+
+    def _observe(self, st: _LayerState, q: torch.Tensor) -> None:
+        """Slide the observation window over the new query; re-select the static set every T steps."""
+        st.obs_q = torch.cat([st.obs_q[:, 1:], q.to(st.obs_q)], dim=1)
+        if self.step > 0 and self.step % self.policy.refresh_interval == 0 and st.static_steps[-1] != self.step:
+            keys = st.host.rows(K).to(self.device)  # re-scoring reads every key (amortized over T)
+            self._refresh_bytes += keys.numel() * keys.element_size()
+            self._select_static(st, keys)
+
+    def _gather(self, st: _LayerState, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Make ``pages [Hkv, M]`` resident (one batched transfer) and read them from the device pool:
+        keys and values ``[Hkv, M*P, D]`` and the storage index of every row ``[Hkv, M*P]``."""
+        self._clock += 1
+        slots = st.device.fetch(pages, st.host, self.transfer, self._clock)
+        keys, values = (st.device.gather(slots, kind) for kind in (K, V))
+        tokens = pages.to(self.device).unsqueeze(-1) * self.page_size + torch.arange(self.page_size, device=self.device)
+        return keys, values, tokens.flatten(1)
+
+    def _select_pages(self, st: _LayerState, plan: PagePlan, q: torch.Tensor) -> torch.Tensor:
+        """Page table ``[Hkv, M]`` (CPU): front pages, the dynamic pages of each KV head, local pages."""
+        H = self.num_kv_heads
+        front = torch.arange(plan.front).expand(H, -1)
+        local = torch.arange(plan.local_start, plan.n_pages).expand(H, -1)
+        if plan.n_dynamic == plan.n_candidates:
+            dynamic = torch.arange(plan.front, plan.local_start).expand(H, -1)
+        elif plan.n_dynamic == 0:
+            dynamic = torch.empty(H, 0, dtype=torch.long)
+        else:
+            kmin, kmax = st.bounds.pages(plan.front, plan.local_start)
+            scores = self.policy.page_scores(q.to(self.device).view(H, -1, self.head_dim), kmin, kmax, plan.front)
+            dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
+        return torch.cat([front, dynamic, local], dim=1)
+
+    def _record_recall(self, layer, st, plan, q, scaling, out, tokens, valid) -> None:
+        """Diagnostic mode: dense attention over the whole (windowed) cache, recall of the selection."""
+        n = plan.n_tokens
+        dense_valid = (torch.arange(n, device=self.device) >= plan.lo).expand(self.num_kv_heads, n)
+        dense_out, dense_probs = grouped_attention(q, st.host.rows(K).to(self.device),
+                                                   st.host.rows(V).to(self.device), scaling, dense_valid)
+        self.recall.record(layer, attention_recall(dense_probs, tokens, valid),
+                           oracle_recall(dense_probs, plan.selected_tokens),
+                           (out.float() - dense_out.float()).abs().max().item())
+
+    def end_step(self) -> None:
+        """Once per generated token, after every layer attended: advances the refresh counter."""
+        self.step += 1
+
+    # ----------------------------------------------------------------------------------- report
+    def static_ratios(self) -> list[float | None]:
+        return [st.static_ratio if st else None for st in self.layers]
+
+    def stats(self) -> dict:
+        """Transfers, selection size, static-set refreshes and (diagnostic mode) recall."""
+        out = {
+            "policy": self.policy.name,
+            "kv_budget": self.kv_budget,
+            "page_size": self.page_size,
+            "steps": self.step,
+            "pages_copied": self.transfer.pages,  # (page, KV head) blocks, host -> device
+            "bytes_copied": self.transfer.bytes,
+            "transfers": self.transfer.copies,    # bulk copies (at most one per attend)
+            "mean_selected_tokens": self._selected_tokens / self._attends if self._attends else 0.0,
+            "static_refreshes": sum(max(0, len(st.static_steps) - 1) for st in self.layers if st),
+            "static_refresh_bytes": self._refresh_bytes,  # keys read to re-score the static set
+            "static_ratio": self.static_ratios(),
+        }
+        if any(self.recall.history):
+            out.update(self.recall.summary())
+        return out
+
+
+def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int = 1024, *, num_layers: int,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16, device="cpu",
+                 dtype: torch.dtype = torch.float32, device_pages: int | None = None,
+                 scaling: float | None = None, **policy_kwargs) -> SparseDecoder:
+    """A `SparseDecoder` for a registered policy name (``policy_kwargs`` are the policy's fields, e.g.
+    ``static_ratio``, ``refresh_interval``, ``window``, ``sinks``) or a policy instance.
+
+    ``device_pages``: device-pool slots per layer and KV head (default twice the budget's pages; grows
+    when a step needs more, e.g. for ``full``).
+    """
+    return SparseDecoder(get_policy(policy, **policy_kwargs), kv_budget, num_layers, num_q_heads, num_kv_heads,
+                         head_dim, page_size, device, dtype, device_pages, scaling)

@@ -1,0 +1,193 @@
+"""Decode-time KV selection policies: small dataclasses registered by name (like kvpress presses).
+
+A policy only decides; `SparseDecoder` owns the pools and the state. What a policy says:
+
+- ``sinks`` / ``window``: tokens always attended at the start / end of the cache (rounded out to pages);
+- ``static``: whether it keeps a static set restructured to the front (`static_ratio` of the budget,
+  refreshed every ``refresh_interval`` steps, PRKV Alg. 1), and how the static scores are pooled;
+- `page_scores`: how the remaining pages are ranked each step (``None`` from `select_all` = all).
+
+| name      | static set                     | dynamic pages                                  |
+|-----------|--------------------------------|------------------------------------------------|
+| `full`    | -                              | all (dense reference)                          |
+| `snapkv`  | S = 1 (SnapKV+, PRKV Sec. 5.3) | most recent (only the slack of the page rounding) |
+| `quest`   | -                              | top by bound, per KV head                      |
+| `arkvale` | -                              | top by bound, shared by a group of KV heads    |
+| `prkv`    | S = 0.25 or online (App. G)    | top by bound (group mean), per KV head         |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import InputError
+from .scoring import bound_scores
+
+DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
+
+
+def register(cls: type["DecodePolicy"]) -> type["DecodePolicy"]:
+    DECODE_POLICIES[cls.name] = cls
+    return cls
+
+
+def get_policy(policy: "str | DecodePolicy", **kwargs) -> "DecodePolicy":
+    """A policy instance from a registered name (``kwargs`` are its fields) or an instance as is."""
+    if isinstance(policy, DecodePolicy):
+        if kwargs:
+            raise InputError(f"policy options {sorted(kwargs)} given with a policy instance")
+        return policy
+    if policy not in DECODE_POLICIES:
+        raise InputError(f"unknown decode policy {policy!r}; known: {', '.join(sorted(DECODE_POLICIES))}")
+    try:
+        return DECODE_POLICIES[policy](**kwargs)
+    except TypeError as err:
+        raise InputError(f"bad options for decode policy {policy!r}: {err}") from None
+
+
+@dataclass
+class DecodePolicy:
+    """Base: sinks + local window + pages chosen by `page_scores` (PRKV Sec. 3.4: local tokens always help)."""
+
+    name: ClassVar[str] = ""
+    static: ClassVar[bool] = False
+    sinks: int = 4
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.window < 1:
+            raise InputError(f"{self.name}: sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
+
+    def fixed_tokens(self, page_size: int) -> tuple[int, int]:
+        """(sink tokens, local-window tokens) for this page size."""
+        return self.sinks, self.window
+
+    def select_all(self) -> bool:
+        return False
+
+    def page_scores(self, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first_page: int) -> torch.Tensor:
+        """Rank candidate pages ``first_page, first_page + 1, ...``: ``q [Hkv, G, D]`` (the step's query,
+        grouped by KV head), boxes ``[Hkv, C, D]`` -> scores ``[Hkv, C]``, higher = attend."""
+        raise NotImplementedError
+
+
+@register
+@dataclass
+class FullPolicy(DecodePolicy):
+    """Dense attention over the whole cache: the reference every other policy is measured against."""
+
+    name: ClassVar[str] = "full"
+
+    def select_all(self) -> bool:
+        return True
+
+
+@dataclass
+class BoundPolicy(DecodePolicy):
+    """Pages ranked by the bounding-box upper bound Σ max(q·kmin, q·kmax), combined over the query heads
+    of a KV group by ``group_reduce`` ("max": the bound of the group's best head; "mean"; "sum")."""
+
+    group_reduce: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.group_reduce not in ("max", "mean", "sum"):
+            raise InputError(f"{self.name}: group_reduce must be max, mean or sum, got {self.group_reduce!r}")
+
+    def page_scores(self, q, kmin, kmax, first_page):
+        per_head = bound_scores(q, kmin, kmax)  # [Hkv, G, C]
+        if self.group_reduce == "max":
+            return per_head.amax(dim=1)
+        return per_head.mean(dim=1) if self.group_reduce == "mean" else per_head.sum(dim=1)
+
+
+@register
+@dataclass
+class QuestPolicy(BoundPolicy):
+    """Quest (Tang et al., 2024): top pages per KV head by the bounding-box upper bound of q·k."""
+
+    name: ClassVar[str] = "quest"
+
+
+@register
+@dataclass
+class ArkValePolicy(BoundPolicy):
+    """ArkVale (Chen et al., 2024): sink and window *pages* plus top pages by the cuboid digest, recalled
+    from the host pool. Its pages hold every head (NHD), so ``kv_head_groups`` groups of KV heads share
+    one page choice (1 = all heads, ArkVale's default); scores are summed within a group."""
+
+    name: ClassVar[str] = "arkvale"
+    sink_pages: int = 2
+    window_pages: int = 2
+    kv_head_groups: int = 1
+    group_reduce: str = "sum"
+
+    def fixed_tokens(self, page_size):
+        return self.sink_pages * page_size, self.window_pages * page_size
+
+    def page_scores(self, q, kmin, kmax, first_page):
+        per_kv_head = super().page_scores(q, kmin, kmax, first_page)  # [Hkv, C]
+        Hkv, C = per_kv_head.shape
+        if Hkv % self.kv_head_groups:
+            raise InputError(f"arkvale: kv_head_groups={self.kv_head_groups} does not divide {Hkv} KV heads")
+        shared = per_kv_head.view(self.kv_head_groups, -1, C).sum(dim=1, keepdim=True)
+        return shared.expand(self.kv_head_groups, Hkv // self.kv_head_groups, C).reshape(Hkv, C)
+
+
+@dataclass
+class StaticSet:
+    """Fields of the policies with a static set (PRKV Alg. 1): its share of the budget (a ratio, or
+    "auto" for the online choice of App. G), the refresh interval T and SnapKV's score pooling."""
+
+    static: ClassVar[bool] = True
+    static_ratio: float | str = 0.25
+    refresh_interval: int = 128
+    kernel_size: int = 1
+
+    def check_static(self) -> None:
+        auto = self.static_ratio == "auto"
+        if not auto and not (isinstance(self.static_ratio, (int, float)) and 0 <= self.static_ratio <= 1):
+            raise InputError(f"{self.name}: static_ratio must be in [0, 1] or 'auto', got {self.static_ratio!r}")
+        if self.refresh_interval < 1:
+            raise InputError(f"{self.name}: refresh_interval must be >= 1, got {self.refresh_interval}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise InputError(f"{self.name}: kernel_size must be odd, got {self.kernel_size}")
+
+
+@register
+@dataclass
+class SnapKVPolicy(StaticSet, DecodePolicy):
+    """SnapKV (Li et al., 2024) for decoding, as PRKV evaluates it (SnapKV+, Sec. 5.1/5.3): the whole
+    budget is the static set (observation-window attention, pooled) refreshed every T steps, plus the
+    local window; the page-rounding slack goes to the most recent pages."""
+
+    name: ClassVar[str] = "snapkv"
+    static_ratio: float | str = 1.0
+    kernel_size: int = 5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_static()
+
+    def page_scores(self, q, kmin, kmax, first_page):
+        C = kmin.shape[1]
+        recency = torch.arange(first_page, first_page + C, device=kmin.device, dtype=torch.float32)
+        return recency.expand(kmin.shape[0], C)
+
+
+@register
+@dataclass
+class PRKVPolicy(StaticSet, BoundPolicy):
+    """PRKV (Sec. 4.1): static tokens (ratio S of the budget, top by GQA-aware observation attention,
+    restructured to the front and refreshed every T = 128 steps) + dynamic pages by the bounding box
+    + local window (64) + sinks. ``static_ratio="auto"`` chooses S per layer at prefill (App. G)."""
+
+    name: ClassVar[str] = "prkv"
+    group_reduce: str = "mean"  # the paper's GQA rule (Sec. 4.1): score per query head, average in the group
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_static()

@@ -1,0 +1,249 @@
+"""Paged KV pools in HND layout and the per-page key bounding boxes (PRKV Sec. 4.1-4.2, App. I).
+
+One layer's cache is a tensor of pages ``(pages, kv_heads, 2, page_size, head_dim)``: the HND layout
+puts one head's K and V of a page in one contiguous block, so retrieval is per (page, head)
+without searching (Sec. 4.2 "Contiguous Memory Indexing").
+
+- `HostPool` is the offload tier: it holds every token of the layer (pinned when CUDA is present) and
+  is the source of truth; appends and restructures write here first.
+- `DevicePool` is the working set on the compute device: a fixed number of slots per KV head, a
+  page -> slot table per head and LRU eviction. A page already resident is never copied again.
+- `PageBounds` is the page representation kept on the device: per page and KV head, the min and max
+  of the page's keys (the bounding box of Quest / ArkVale, used by every dynamic policy).
+
+On a CPU-only machine both pools live in host memory and the "transfer" is a memcpy, so the code path
+is the same one that runs with an accelerator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .transfer import BatchedTransfer
+
+K, V = 0, 1  # index of keys / values in the HND page's "2" axis
+
+
+def _pages_for(n_tokens: int, page_size: int) -> int:
+    return -(-n_tokens // page_size)
+
+
+def _grown(t: torch.Tensor, size: int, fill: float = 0, dim: int = 0) -> torch.Tensor:
+    """``t`` extended along ``dim`` to at least ``size`` entries (at least doubling), new ones = ``fill``."""
+    have = t.shape[dim]
+    if size <= have:
+        return t
+    shape = list(t.shape)
+    shape[dim] = max(size, 2 * have) - have
+    return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
+
+
+class HostPool:
+    """Every K/V of one layer, paged HND; also the storage position -> original token position map.
+
+    PRKV restructures the cache (static tokens moved to the front), so storage order differs from token
+    order; ``token_pos[h, j]`` is the original position of the token stored at index ``j`` for KV head h.
+    """
+
+    def __init__(self, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 capacity_tokens: int = 0, pin: bool | None = None) -> None:
+        self.num_kv_heads, self.page_size, self.head_dim, self.dtype = num_kv_heads, page_size, head_dim, dtype
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.n_tokens = 0
+        self.data = self._alloc(max(1, _pages_for(capacity_tokens, page_size)))
+        self.token_pos = torch.zeros(num_kv_heads, self.data.shape[0] * page_size, dtype=torch.long)
+
+    def _alloc(self, pages: int) -> torch.Tensor:
+        shape = (pages, self.num_kv_heads, 2, self.page_size, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin)
+
+    @property
+    def n_pages(self) -> int:
+        return _pages_for(self.n_tokens, self.page_size)
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.data.shape[0]
+
+    def reserve(self, n_tokens: int) -> None:
+        """Grow (doubling) so that `n_tokens` fit; existing pages keep their indices."""
+        need = _pages_for(n_tokens, self.page_size)
+        if need <= self.capacity_pages:
+            return
+        data = self._alloc(max(need, 2 * self.capacity_pages))  # pinned: not a torch.cat
+        data[: self.capacity_pages].copy_(self.data)
+        self.data = data
+        self.token_pos = _grown(self.token_pos, data.shape[0] * self.page_size, dim=1)
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the contents with `keys`/`values` ``[kv_heads, n, head_dim]`` in token order."""
+        n = keys.shape[1]
+        self.n_tokens = 0
+        self.reserve(n)
+        self.write_prefix(keys, values, torch.arange(n).expand(self.num_kv_heads, n))
+        self.n_tokens = n
+
+    def write_prefix(self, keys: torch.Tensor, values: torch.Tensor, token_pos: torch.Tensor) -> None:
+        """Overwrite storage ``[0, n)`` (per head) with the given K/V rows and their token positions."""
+        n, P = keys.shape[1], self.page_size
+        pages = _pages_for(n, P)
+        for kind, rows in ((K, keys), (V, values)):
+            padded = torch.zeros(self.num_kv_heads, pages * P, self.head_dim, dtype=self.dtype)
+            padded[:, :n] = rows.to("cpu", self.dtype)
+            self.data[:pages, :, kind] = padded.view(self.num_kv_heads, pages, P, self.head_dim).transpose(0, 1)
+        self.token_pos[:, :n] = token_pos
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+        """Append one token (``[kv_heads, 1, head_dim]``); returns its (page, offset in page)."""
+        self.reserve(self.n_tokens + 1)
+        page, off = divmod(self.n_tokens, self.page_size)
+        self.data[page, :, K, off] = k[:, 0].to("cpu", self.dtype)
+        self.data[page, :, V, off] = v[:, 0].to("cpu", self.dtype)
+        self.token_pos[:, self.n_tokens] = self.n_tokens
+        self.n_tokens += 1
+        return page, off
+
+    def rows(self, kind: int, end: int | None = None) -> torch.Tensor:
+        """K (kind=0) or V (kind=1) of storage ``[0, end)`` as ``[kv_heads, end, head_dim]`` (a copy)."""
+        end = self.n_tokens if end is None else end
+        pages = _pages_for(end, self.page_size)
+        block = self.data[:pages, :, kind].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)
+        return block[:, :end]
+
+
+class DevicePool:
+    """The device working set of one layer: ``slots`` page slots per KV head, LRU-evicted.
+
+    ``data[s, h]`` holds, for KV head h, the page ``slot_page[h, s]`` of the host pool (HND, so each head
+    is an independent block). `fetch` makes a set of (head, page) resident with one batched transfer.
+    """
+
+    def __init__(self, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, slots: int) -> None:
+        self.num_kv_heads, self.page_size, self.head_dim = num_kv_heads, page_size, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.data = torch.zeros((slots, num_kv_heads, 2, page_size, head_dim), dtype=dtype, device=self.device)
+        self.slot_page = torch.full((num_kv_heads, slots), -1, dtype=torch.long)
+        self.last_used = torch.full((num_kv_heads, slots), -1, dtype=torch.long)
+        self.page_slot = torch.full((num_kv_heads, 1), -1, dtype=torch.long)
+
+    @property
+    def slots(self) -> int:
+        return self.data.shape[0]
+
+    def _grow_pages(self, n_pages: int) -> None:
+        self.page_slot = _grown(self.page_slot, n_pages, fill=-1, dim=1)
+
+    def _grow_slots(self, slots: int) -> None:
+        self.data = _grown(self.data, slots)
+        self.slot_page = _grown(self.slot_page, slots, fill=-1, dim=1)
+        self.last_used = _grown(self.last_used, slots, fill=-1, dim=1)
+
+    def fetch(self, pages: torch.Tensor, host: HostPool, transfer: BatchedTransfer, clock: int) -> torch.Tensor:
+        """Make ``pages`` (``[kv_heads, M]`` host page ids, distinct per row, CPU) resident; return their slots.
+
+        Hits are only re-stamped; all misses move in one `BatchedTransfer.fetch` (Sec. 4.2). The pool grows
+        when one step needs more than ``slots`` pages per head (dense layers, ``full``).
+        """
+        H, M = pages.shape
+        self._grow_pages(host.capacity_pages)
+        self._grow_slots(M)
+        heads = torch.arange(H).unsqueeze(1).expand(H, M)
+        slots = self.page_slot.gather(1, pages)
+        hit = slots >= 0
+        self.last_used[heads[hit], slots[hit]] = clock  # `clock` is unique per call: hits sort last below
+        miss = ~hit
+        if miss.any():
+            rank = miss.long().cumsum(1) - 1  # i-th miss of a head takes that head's i-th stalest slot
+            lru_order = self.last_used.argsort(dim=1, stable=True)  # free (-1) and stalest first
+            victims = lru_order.gather(1, rank.clamp(min=0))
+            mh, mp, ms = heads[miss], pages[miss], victims[miss]
+            old = self.slot_page[mh, ms]
+            evicted = old >= 0
+            self.page_slot[mh[evicted], old[evicted]] = -1
+            self.slot_page[mh, ms] = mp
+            self.page_slot[mh, mp] = ms
+            self.last_used[mh, ms] = clock
+            transfer.fetch(host.data, mp, mh, self.data, ms)
+            slots = torch.where(miss, victims, slots)
+        return slots
+
+    def gather(self, slots: torch.Tensor, kind: int) -> torch.Tensor:
+        """K (kind=0) or V (kind=1) of ``slots [kv_heads, M]`` (row h read for head h) as a contiguous
+        ``[kv_heads, M * page_size, head_dim]``: one index_select over the (slot, head) blocks."""
+        H, M = slots.shape
+        index = (slots * H + torch.arange(H).unsqueeze(1)).flatten().to(self.device)
+        rows = self.data[:, :, kind].flatten(0, 1).index_select(0, index)  # [H * M, P, D]
+        return rows.view(H, M * self.page_size, self.head_dim)
+
+    def write_token(self, page: int, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write-through of an appended token for the heads whose copy of `page` is resident."""
+        if page >= self.page_slot.shape[1]:
+            return
+        slot = self.page_slot[:, page]
+        heads = (slot >= 0).nonzero().flatten()
+        if heads.numel():
+            s, h = slot[heads].to(self.device), heads.to(self.device)
+            self.data[s, h, K, offset] = k[h, 0].to(self.dtype)
+            self.data[s, h, V, offset] = v[h, 0].to(self.dtype)
+
+    def invalidate(self, stale: torch.Tensor) -> None:
+        """Drop resident copies of the (head, page) pairs marked in ``stale`` (``[kv_heads, pages]`` bool)."""
+        self._grow_pages(stale.shape[1])
+        table = self.page_slot[:, : stale.shape[1]]
+        drop = stale & (table >= 0)
+        h, p = drop.nonzero(as_tuple=True)
+        s = table[h, p]
+        self.slot_page[h, s] = -1
+        self.last_used[h, s] = -1
+        table[h, p] = -1
+
+    def resident(self) -> list[tuple[int, int, int]]:
+        """(head, page, slot) triples currently resident (for consistency checks)."""
+        h, s = (self.slot_page >= 0).nonzero(as_tuple=True)
+        return list(zip(h.tolist(), self.slot_page[h, s].tolist(), s.tolist()))
+
+
+class PageBounds:
+    """Per page and KV head, the min / max of the page's keys: ``kmin, kmax`` ``[pages, kv_heads, head_dim]``.
+
+    The bounding box of Quest and ArkVale's cuboid digest; PRKV recomputes it for the restructured pages
+    (Alg. 1 line 14). Kept on the compute device; a partially filled page bounds its filled tokens only.
+    """
+
+    def __init__(self, num_kv_heads: int, page_size: int, head_dim: int, device: torch.device) -> None:
+        self.page_size, self.device = page_size, torch.device(device)
+        self.kmin = torch.zeros((1, num_kv_heads, head_dim), device=self.device)
+        self.kmax = torch.zeros((1, num_kv_heads, head_dim), device=self.device)
+
+    def _reserve(self, pages: int) -> None:
+        self.kmin, self.kmax = _grown(self.kmin, pages), _grown(self.kmax, pages)
+
+    def rebuild(self, keys: torch.Tensor) -> None:
+        """Recompute the pages covering ``keys`` (``[kv_heads, n, head_dim]``, storage ``[0, n)``)."""
+        H, n, D = keys.shape
+        P = self.page_size
+        full, rest = divmod(n, P)
+        self._reserve(full + (rest > 0))
+        k = keys.to(self.device, torch.float32)
+        if full:
+            paged = k[:, : full * P].reshape(H, full, P, D)
+            self.kmin[:full] = paged.amin(2).transpose(0, 1)
+            self.kmax[:full] = paged.amax(2).transpose(0, 1)
+        if rest:
+            tail = k[:, full * P:]
+            self.kmin[full], self.kmax[full] = tail.amin(1), tail.amax(1)
+
+    def add_token(self, page: int, offset: int, k: torch.Tensor) -> None:
+        """Extend page `page`'s box with one key ``[kv_heads, 1, head_dim]`` (a new page starts at it)."""
+        self._reserve(page + 1)
+        k = k[:, 0].to(self.device, torch.float32)
+        if offset == 0:
+            self.kmin[page], self.kmax[page] = k, k
+        else:
+            self.kmin[page] = torch.minimum(self.kmin[page], k)
+            self.kmax[page] = torch.maximum(self.kmax[page], k)
+
+    def pages(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Boxes of pages ``[start, end)`` as ``[kv_heads, end - start, head_dim]`` (min, max)."""
+        return self.kmin[start:end].transpose(0, 1), self.kmax[start:end].transpose(0, 1)

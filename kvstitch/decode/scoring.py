@@ -1,0 +1,50 @@
+"""Token and page importance estimates used by the decode policies.
+
+- `bound_scores`: the bounding-box upper bound of q·k over a page, Σ_d max(q_d·kmin_d, q_d·kmax_d)
+  (Quest; ArkVale's cuboid digest; PRKV's dynamic pages, Sec. 4.1 "Hybrid KV Sparsity").
+- `observation_probs` / `observation_scores`: attention of the observation-window queries over the
+  keys, GQA-aware as in PRKV Sec. 4.1 / Alg. 1 lines 6-8: keys are repeated for every query head, each
+  query head gets its own softmax, and only then are scores averaged within the group (averaging the
+  queries first would let opposite-signed heads cancel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Upper bound of ``q·k`` for every page: ``q [Hkv, G, D]``, boxes ``[Hkv, C, D]`` -> ``[Hkv, G, C]``.
+
+    max(q_d·lo, q_d·hi) is q_d·hi when q_d >= 0 and q_d·lo otherwise, so the bound is two matmuls.
+    """
+    q = q.float()
+    return q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)
+
+
+def observation_probs(obs_q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention probabilities of the observation queries, one softmax per query head.
+
+    ``obs_q [Hq, w, D]`` are the queries of the last ``w`` tokens, whose keys are the last ``w`` rows of
+    ``keys [Hkv, n, D]``; the causal mask applies among them. Returns ``[Hq, w, n]`` (float32).
+    """
+    Hq, w, _ = obs_q.shape
+    Hkv, n, _ = keys.shape
+    k = keys.float().repeat_interleave(Hq // Hkv, dim=0)  # repeat_kv: query head h uses kv head h // G
+    logits = (obs_q.float() @ k.transpose(1, 2)) * scaling
+    rows = torch.arange(w, device=keys.device).unsqueeze(1)
+    cols = torch.arange(n, device=keys.device).unsqueeze(0)
+    logits.masked_fill_(cols > (n - w) + rows, float("-inf"))  # query i sits at position n - w + i
+    return logits.softmax(dim=-1)
+
+
+def group_mean(per_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Average ``[Hq, ..., n]`` query-head scores within each KV group and over the middle axes -> ``[Hkv, n]``."""
+    Hq, n = per_head.shape[0], per_head.shape[-1]
+    return per_head.reshape(num_kv_heads, -1, n).mean(dim=1)
+
+
+def observation_scores(obs_q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Per KV head token importance ``[Hkv, n]``: Alg. 1 lines 6-8 (softmax per query head, then mean over
+    the group and the observation window)."""
+    return group_mean(observation_probs(obs_q, keys, scaling), keys.shape[0])

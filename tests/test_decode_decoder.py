@@ -1,0 +1,203 @@
+"""SparseDecoder end to end: dense equivalence, static restructuring, refresh, recall, errors."""
+
+import pytest
+import torch
+
+from kvstitch.decode import DECODE_POLICIES, decode_step_attention_recall, make_decoder
+from kvstitch.decode.pool import K, V
+from kvstitch.decode.scoring import observation_scores
+from kvstitch.errors import InputError
+
+HQ, HKV, D, P = 6, 2, 8, 4
+SCALE = D ** -0.5
+STATIC_OPTS = {"prkv": dict(refresh_interval=3), "snapkv": dict(refresh_interval=3)}
+
+
+def dense(q, keys, values, lo=0):
+    """Reference: every query head h over all keys of KV head h // G from token `lo` on."""
+    G = HQ // HKV
+    k, v = keys[:, lo:].repeat_interleave(G, 0), values[:, lo:].repeat_interleave(G, 0)
+    return torch.softmax(q @ k.transpose(1, 2) * SCALE, dim=-1) @ v
+
+
+class Stream:
+    """Random prefill + decode inputs for `layers` layers, kept in token order for the reference."""
+
+    def __init__(self, n=60, layers=2, w=4, seed=0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.kv = [[self.randn(HKV, n, D), self.randn(HKV, n, D)] for _ in range(layers)]
+        self.obs = [self.randn(HQ, w, D) for _ in range(layers)]
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.g)
+
+    def prefill(self, dec, sliding=None):
+        for layer, (k, v) in enumerate(self.kv):
+            dec.load_prefill(layer, k, v, self.obs[layer], sliding_window=(sliding or {}).get(layer))
+
+    def step(self, dec, check=None):
+        """One decode step over every layer; `check(layer, q, out)` sees each output."""
+        for layer, kv in enumerate(self.kv):
+            k, v, q = self.randn(HKV, 1, D), self.randn(HKV, 1, D), self.randn(HQ, 1, D)
+            kv[0], kv[1] = torch.cat([kv[0], k], 1), torch.cat([kv[1], v], 1)
+            dec.append(layer, k, v)
+            out = dec.attend(layer, q, SCALE)
+            if check:
+                check(layer, q, out)
+        dec.end_step()
+
+
+def decoder(policy, budget, layers=2, **kw):
+    opts = {**STATIC_OPTS.get(policy, {}), "sinks": 2, "window": 6, **kw}
+    if policy == "arkvale":
+        opts.pop("sinks"), opts.pop("window")
+    return make_decoder(policy, budget, num_layers=layers, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                        page_size=P, **opts)
+
+
+def test_registry_has_the_five_policies():
+    assert set(DECODE_POLICIES) == {"full", "snapkv", "quest", "arkvale", "prkv"}
+
+
+@pytest.mark.parametrize("policy", sorted(DECODE_POLICIES))
+def test_budget_covering_the_context_reproduces_dense_decode(policy):
+    """Budget >= final context: every step equals dense attention (layer 1 is a sliding-window layer and
+    must equal dense attention over its window). Refreshes every 3 steps restructure the cache meanwhile."""
+    s, steps, window = Stream(n=61), 10, 13
+    dec = decoder(policy, budget=61 + steps)
+    s.prefill(dec, sliding={1: window})
+    dec.diagnostic = True
+
+    def check(layer, q, out):
+        keys, values = s.kv[layer]
+        lo = keys.shape[1] - window if layer == 1 else 0
+        assert torch.allclose(out, dense(q, keys, values, lo), atol=1e-5, rtol=0)
+
+    for _ in range(steps):
+        s.step(dec, check)
+    recall = decode_step_attention_recall(dec)
+    assert recall.shape == (steps, 2, HQ) and torch.allclose(recall, torch.ones_like(recall), atol=1e-5)
+    if policy in STATIC_OPTS:
+        assert dec.layers[0].static_steps == [0, 3, 6, 9] and dec.layers[1].static_steps == []
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "quest", "arkvale", "prkv"])
+def test_small_budget_attends_exactly_the_selected_tokens_and_records_their_recall(policy):
+    s = Stream(n=120, layers=1, seed=3)
+    dec = decoder(policy, budget=32, layers=1)
+    s.prefill(dec)
+    dec.diagnostic = True
+    recalls, counts = [], []
+
+    def check(layer, q, out):
+        st = dec.layers[0]
+        stored_k, stored_v = st.host.rows(K), st.host.rows(V)
+        n = stored_k.shape[1]
+        tokens = (st.selected.unsqueeze(-1) * P + torch.arange(P)).flatten(1)
+        tokens = [t[t < n] for t in tokens]
+        counts.extend(len(t) for t in tokens)
+        assert all(len(t) <= 32 for t in tokens) and all(len(set(t.tolist())) == len(t) for t in tokens)
+        G = HQ // HKV
+        for h in range(HQ):
+            idx = tokens[h // G]
+            p = torch.softmax(stored_k[h // G, idx] @ q[h, 0] * SCALE, 0)
+            assert torch.allclose(out[h, 0], p @ stored_v[h // G, idx], atol=1e-5)
+            full = torch.softmax(stored_k[h // G] @ q[h, 0] * SCALE, 0)
+            recalls.append(full[idx].sum().item())
+        assert (n - 6) in tokens[0].tolist() and (n - 1) in tokens[1].tolist()  # local window
+
+    for _ in range(7):
+        s.step(dec, check)
+    got = decode_step_attention_recall(dec).flatten()
+    assert torch.allclose(got, torch.tensor(recalls), atol=1e-5)
+    assert 0 < got.min() and got.max() < 1  # a real selection: some mass is missed
+    assert dec.stats()["mean_selected_tokens"] == pytest.approx(sum(counts) / len(counts))
+
+
+def test_static_restructure_preserves_kv_and_fronts_the_top_tokens():
+    s = Stream(n=64, layers=1, seed=5)
+    dec = decoder("prkv", budget=32, layers=1, static_ratio=0.5)
+    s.prefill(dec)
+    st, (keys, values) = dec.layers[0], s.kv[0]
+    pos = st.host.token_pos[:, :64]
+    for h in range(HKV):
+        assert sorted(pos[h].tolist()) == list(range(64))
+        assert torch.equal(st.host.rows(K)[h], keys[h, pos[h]]) and torch.equal(st.host.rows(V)[h], values[h, pos[h]])
+        for stored, original in ((st.host.rows(K)[h], keys[h]), (st.host.rows(V)[h], values[h])):
+            assert torch.equal(stored.flatten().sort().values, original.flatten().sort().values)  # multiset
+    assert pos[0].tolist() != list(range(64))  # it did move tokens
+    # front = 0.5 * 32 = 16 tokens (4 pages): the 2 sinks + the 14 best tokens of [0, R), R = 56
+    assert st.front == 4
+    scores = observation_scores(s.obs[0], keys, SCALE)[:, :56]
+    for h in range(HKV):
+        top = scores[h, 2:].topk(14).indices + 2
+        assert sorted(pos[h, :16].tolist()) == [0, 1] + sorted(top.tolist())
+        assert pos[h, 16:56].tolist() == sorted(set(range(56)) - set(pos[h, :16].tolist()))  # rest in order
+        assert pos[h, 56:].tolist() == list(range(56, 64))  # the local window never moves
+
+
+@pytest.mark.parametrize("policy", ["prkv", "snapkv"])
+def test_static_set_is_refreshed_exactly_every_T_steps(policy):
+    s = Stream(n=80, layers=2, seed=7)
+    dec = decoder(policy, budget=40, refresh_interval=4)
+    s.prefill(dec)
+    fronts = []
+    for _ in range(14):
+        s.step(dec)
+        fronts.append(dec.layers[0].host.token_pos[:, :16].clone())
+    assert [st.static_steps for st in dec.layers] == [[0, 4, 8, 12]] * 2
+    assert dec.stats()["static_refreshes"] == 6
+    # between refreshes the static set does not move; it is re-chosen from the decode queries at step 4
+    assert all(torch.equal(fronts[i], fronts[0]) for i in range(4))
+    assert not torch.equal(fronts[4], fronts[3])
+
+
+def test_online_static_ratio_is_chosen_per_layer_in_whole_pages():
+    s = Stream(n=200, layers=2, seed=9)
+    dec = decoder("prkv", budget=64, static_ratio="auto")
+    s.prefill(dec)
+    for ratio, st in zip(dec.static_ratios(), dec.layers):
+        assert 0 <= ratio <= 1 and (ratio * 64) % P == 0
+        assert st.front == max(1, min(int(ratio * 64) // P, 64 // P - 3))
+
+
+def test_arkvale_heads_share_pages_quest_heads_choose_their_own():
+    s = Stream(n=200, layers=1, seed=11)
+    ark, quest = decoder("arkvale", 48, layers=1), decoder("quest", 48, layers=1)
+    s.prefill(ark), s.prefill(quest)
+    q = s.randn(HQ, 1, D)
+    for dec in (ark, quest):
+        dec.append(0, s.kv[0][0][:, -1:], s.kv[0][1][:, -1:])
+        dec.attend(0, q, SCALE)
+    assert torch.equal(ark.layers[0].selected[0].sort().values, ark.layers[0].selected[1].sort().values)
+    assert not torch.equal(quest.layers[0].selected[0].sort().values, quest.layers[0].selected[1].sort().values)
+    assert ark.layers[0].selected[0, :2].tolist() == [0, 1]  # two sink pages
+
+
+def test_invalid_configurations_raise_input_errors():
+    with pytest.raises(InputError, match="unknown decode policy"):
+        decoder("h2o", 64)
+    with pytest.raises(InputError, match="smaller than the sink"):
+        decoder("quest", 8)
+    with pytest.raises(InputError, match="static_ratio"):
+        decoder("prkv", 64, static_ratio=1.5)
+    with pytest.raises(InputError, match="bad options"):
+        decoder("quest", 64, static_ratio=0.5)
+    dec = decoder("prkv", 64)
+    with pytest.raises(InputError, match="observation-window queries"):
+        dec.load_prefill(0, torch.randn(HKV, 20, D), torch.randn(HKV, 20, D))
+    with pytest.raises(InputError, match="no prefill"):
+        dec.attend(1, torch.randn(HQ, 1, D), SCALE)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "prkv"])
+def test_prompt_shorter_than_the_window_still_keeps_the_sink_page(policy):
+    """Nothing to restructure at prefill (all in the local window); the sink page must stay selected while
+    decoding pushes the first tokens out of the window, until the refresh restructures the cache."""
+    s = Stream(n=5, layers=1, seed=13)
+    dec = decoder(policy, budget=24, layers=1, refresh_interval=20)
+    s.prefill(dec)
+    for _ in range(19):
+        s.step(dec)
+        assert (dec.layers[0].selected[:, 0] == 0).all()
+    assert dec.layers[0].front == 1 and dec.layers[0].static_steps == [0]

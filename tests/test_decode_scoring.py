@@ -1,0 +1,98 @@
+"""Page bound, GQA observation scores, static permutation and online S (kvstitch.decode.scoring / static)."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstitch.decode.policies import ArkValePolicy, QuestPolicy
+from kvstitch.decode.scoring import bound_scores, observation_probs, observation_scores
+from kvstitch.decode.static import online_static_ratio, pool_in_token_order, static_permutation
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), page=st.integers(1, 9), dim=st.integers(1, 12), scale=st.floats(0.01, 100))
+def test_quest_bound_is_an_upper_bound_of_every_qk_in_the_page(seed, page, dim, scale):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, page, dim, generator=g, dtype=torch.float64) * scale
+    q = torch.randn(1, 1, dim, generator=g, dtype=torch.float64) * scale
+    kmin, kmax = keys.amin(1, keepdim=True), keys.amax(1, keepdim=True)
+    bound = bound_scores(q.double(), kmin, kmax).double()  # [1, 1, 1]
+    direct = torch.maximum(q * kmin, q * kmax).sum(-1)     # Σ_d max(q_d kmin_d, q_d kmax_d)
+    assert torch.allclose(bound.view(-1), direct.view(-1), rtol=1e-5, atol=1e-5 * scale * scale)
+    qk = (q @ keys.transpose(1, 2)).view(-1)
+    assert (qk <= bound.view(-1) + 1e-5 * scale * scale * dim).all()
+    if page == 1:  # a one-token page: the bound is tight
+        assert torch.allclose(bound.view(-1), qk, rtol=1e-5, atol=1e-5 * scale * scale * dim)
+
+
+def _direct_observation_scores(obs_q, keys, scaling):
+    """Per query head: softmax(q K_{h//G}^T), causal among the last w; then mean over group and window."""
+    Hq, w, _ = obs_q.shape
+    Hkv, n, _ = keys.shape
+    G = Hq // Hkv
+    per_head = torch.zeros(Hq, n)
+    for h in range(Hq):
+        for i in range(w):
+            visible = n - w + i + 1
+            p = torch.softmax(keys[h // G, :visible] @ obs_q[h, i] * scaling, dim=0)
+            per_head[h, :visible] += p / w
+    return torch.stack([per_head[g * G : (g + 1) * G].mean(0) for g in range(Hkv)])
+
+
+def test_gqa_observation_scores_match_direct_per_head_computation():
+    torch.manual_seed(0)
+    obs_q, keys = torch.randn(6, 5, 8), torch.randn(2, 30, 8)
+    got = observation_scores(obs_q, keys, 0.3)
+    assert torch.allclose(got, _direct_observation_scores(obs_q, keys, 0.3), atol=1e-6)
+    # averaging the queries of a group first (what PRKV Sec. 4.1 warns against) is a different score
+    q_avg = obs_q.view(2, 3, 5, 8).mean(1).repeat_interleave(3, 0)
+    assert not torch.allclose(observation_scores(q_avg, keys, 0.3), got, atol=1e-3)
+    probs = observation_probs(obs_q, keys, 0.3)
+    assert torch.allclose(probs.sum(-1), torch.ones(6, 5)) and (probs[:, 0, -4:] == 0).all()  # causal
+
+
+def test_static_permutation_puts_sinks_and_top_tokens_first_in_token_order():
+    scores = torch.tensor([[0.0, 0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.0]])
+    pos = torch.tensor([[0, 1, 7, 2, 6, 3, 5, 4]])  # a previously restructured storage order
+    perm = static_permutation(scores, pos, n_static=4, n_sinks=1)
+    new_pos = pos.gather(1, perm)
+    assert sorted(perm[0].tolist()) == list(range(8))
+    assert new_pos[0, :4].tolist() == [0, 5, 6, 7]  # sink (pos 0) + top 3 (0.9, 0.8, 0.7) in token order
+    assert new_pos[0, 4:].tolist() == [1, 2, 3, 4]  # the rest keep token order
+
+
+def test_pooling_runs_in_token_order():
+    scores = torch.rand(2, 12)
+    ident = torch.arange(12).expand(2, -1)
+    expected = F.avg_pool1d(scores.unsqueeze(1), 5, 1, 2, count_include_pad=False).squeeze(1)
+    assert torch.allclose(pool_in_token_order(scores, ident, 5), expected)
+    shuffle = torch.randperm(12).expand(2, -1)  # storage j holds token shuffle[j]
+    in_token_order = torch.empty_like(scores).scatter_(1, shuffle, scores)
+    pooled = pool_in_token_order(scores, shuffle, 5)
+    assert torch.allclose(pooled, pool_in_token_order(in_token_order, ident, 5).gather(1, shuffle))
+
+
+def test_online_static_ratio_follows_app_g():
+    torch.manual_seed(1)
+    probs = torch.rand(4, 3, 200).softmax(-1)
+    k, P = 64, 8
+    overlaps = [len(set(probs[h, 0].topk(k).indices.tolist()) & set(probs[h, -1].topk(k).indices.tolist()))
+                for h in range(4)]
+    assert online_static_ratio(probs, k, P) == P * math.floor(sum(overlaps) / 4 / P) / k
+    same = probs.clone()
+    same[:, -1] = same[:, 0]  # first and last observation queries agree: S = 1 (k is a page multiple)
+    assert online_static_ratio(same, k, P) == 1.0
+    assert online_static_ratio(same, 60, P) == 56 / 60  # rounded down to whole pages
+
+
+def test_group_reduction_of_page_scores():
+    torch.manual_seed(2)
+    q, kmin = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
+    kmax = kmin + torch.rand(2, 5, 8)
+    per_head = bound_scores(q, kmin, kmax)
+    assert torch.allclose(QuestPolicy().page_scores(q, kmin, kmax, 0), per_head.amax(1))
+    shared = ArkValePolicy().page_scores(q, kmin, kmax, 0)  # one choice for all KV heads
+    assert torch.allclose(shared[0], per_head.sum((0, 1))) and torch.equal(shared[0], shared[1])
