@@ -222,11 +222,18 @@ class Engine:
                 raise InputError(f"chunk {i} is empty")
         return self.builder.build(question, chunks)
 
-    def _check_request(self, layout: PromptLayout, method: str, ratio: float, max_new_tokens: int) -> None:
+    def _check_request(self, layout: PromptLayout, method: str, ratio: float, max_new_tokens: int,
+                       decode: str = "full", kv_budget: int | None = None) -> None:
         if method not in methods():
             raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
         if not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0.0 <= ratio <= 1.0:
             raise InputError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+        from .decode import DECODE_POLICIES
+
+        if decode != "full" and decode not in DECODE_POLICIES:
+            raise InputError(f"unknown decode policy {decode!r}; known: full, {', '.join(sorted(DECODE_POLICIES))}")
+        if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
+            raise InputError(f"kv_budget must be a positive integer, got {kv_budget!r}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         limit = self.adapter.max_positions
@@ -259,12 +266,13 @@ class Engine:
         generation (servers use this when a client disconnects)."""
         t_start = time.perf_counter()
         layout = layout or self.layout(question, chunks)
-        self._check_request(layout, method, recompute_ratio, max_new_tokens)
+        self._check_request(layout, method, recompute_ratio, max_new_tokens, decode, kv_budget)
         selector = make_selector(method, **(method_options or {}))
         stats: dict = {"method": method, "ratio": recompute_ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
         cache, layout, logits, indices = self._prefill(layout, selector, recompute_ratio, max_new_tokens, stats)
+        self._current_ids = layout.ids
         first = self._sample(logits[-1], temperature, top_p, seed)
         ttft = time.perf_counter() - t_start
         stats.update(recomputed_tokens=int(indices.numel()), ttft_s=ttft, order=layout.order)
@@ -339,7 +347,9 @@ class Engine:
         """Yield tokens after the first until EOS / the cap / a base model's line break."""
         tokens = [first]
         plan = plan or ForwardPlan()
+        stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
         if decode != "full":
+            self._prompt_ids = self._current_ids
             plan.decoder = self._make_decoder(cache, decode, kv_budget, stats)
             cache.decoder = plan.decoder
         try:
@@ -371,5 +381,26 @@ class Engine:
                          past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
         return out.logits[0].float()
 
-    def _make_decoder(self, cache: StitchCache, decode: str, kv_budget: int | None, stats: dict):
-        raise InputError(f"decode policy {decode!r} is not available yet")
+    def _make_decoder(self, cache: StitchCache, decode: str, kv_budget: int | None, stats: dict,
+                      window: int = 32):
+        """Hand the prefilled cache to a sparse decoder (PRKV & co.): every layer's K/V go to its host
+        pool. Static policies score with the observation window = the post-RoPE queries of the last
+        ``window`` prompt tokens, taken by re-running those tokens (their K/V are unchanged, so the
+        rewrite is idempotent)."""
+        from .decode import make_decoder
+
+        n = cache.length
+        w = min(window, n)
+        plan = ForwardPlan(capture_queries=w)
+        slots = torch.arange(n - w, n)
+        self.forward(cache, self._prompt_ids[n - w:n], slots, plan)
+        ad = self.adapter
+        dec = make_decoder(decode, kv_budget or 1024, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+                           num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=self.device, dtype=self.dtype)
+        layers = self.adapter.backbone.layers
+        for i, layer in enumerate(cache.layers):
+            dec.load_prefill(i, layer.keys[0, :, :n], layer.values[0, :, :n], plan.queries[i],
+                             sliding_window=ad.sliding_window(i), scaling=layers[i].self_attn.scaling)
+        stats["decode_policy"] = decode
+        stats["kv_budget"] = kv_budget or 1024
+        return dec

@@ -1,0 +1,31 @@
+"""Sparse decode wired into Engine.generate: a budget >= context reproduces dense decode exactly."""
+
+import pytest
+import torch
+
+from kvstitch import InputError
+from kvstitch.decode import DECODE_POLICIES
+
+from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama", "gemma3"], indirect=True)
+@pytest.mark.parametrize("policy", sorted(DECODE_POLICIES))
+def test_large_budget_equals_dense_decode(tiny_engine, policy):
+    dense = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="random", recompute_ratio=0.3,
+                                 max_new_tokens=6)
+    sparse = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="random", recompute_ratio=0.3,
+                                  max_new_tokens=6, decode=policy, kv_budget=4096)
+    assert sparse.token_ids == dense.token_ids
+    assert sparse.stats["decode_policy"] == policy
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_small_budget_runs_and_bad_policy_is_refused(tiny_engine):
+    res = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS * 3, method="naive", max_new_tokens=4,
+                               decode="prkv", kv_budget=128)
+    assert len(res.token_ids) >= 1 and res.stats["kv_budget"] == 128
+    with pytest.raises(InputError, match="unknown decode policy"):
+        tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="naive", decode="bogus")
+    with pytest.raises(InputError, match="kv_budget"):
+        tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="naive", decode="prkv", kv_budget=0)
