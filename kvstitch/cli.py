@@ -56,7 +56,11 @@ def methods() -> None:
     from .select import SELECTORS
 
     for name in sorted(SELECTORS):
-        doc = (SELECTORS[name].__doc__ or "").strip().splitlines()[0]
+        cls = SELECTORS[name]
+        doc = (cls.__doc__ or "").strip()
+        if doc.startswith(cls.__name__ + "("):  # dataclass auto-doc: use the module's summary instead
+            doc = (sys.modules[cls.__module__].__doc__ or "").strip()
+        doc = doc.splitlines()[0] if doc else ""
         console.print(f"[bold]{name:<18}[/] {doc}", highlight=False)
 
 
@@ -204,6 +208,11 @@ def _mount_optional() -> None:
     from .retrieval import index_command
     from .server import serve_command
 
+    from .eval.runner import eval_command
+    from .viz import viz_command
+
+    app.command("eval")(friendly_errors(eval_command))
+    app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
     app.command("serve")(friendly_errors(serve_command))
     try:

