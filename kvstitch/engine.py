@@ -268,6 +268,9 @@ class Engine:
         layout = layout or self.layout(question, chunks)
         self._check_request(layout, method, recompute_ratio, max_new_tokens, decode, kv_budget)
         selector = make_selector(method, **(method_options or {}))
+        if decode != "full" and selector.adjusts_decode():
+            raise InputError(f"method {method!r} changes decode attention (APE scaling / A3 eviction); a sparse "
+                             f"decoder ({decode!r}) would silently drop that: use decode='full'")
         stats: dict = {"method": method, "ratio": recompute_ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}

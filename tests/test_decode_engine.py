@@ -29,3 +29,14 @@ def test_small_budget_runs_and_bad_policy_is_refused(tiny_engine):
         tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="naive", decode="bogus")
     with pytest.raises(InputError, match="kv_budget"):
         tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="naive", decode="prkv", kv_budget=0)
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_methods_that_change_decode_attention_refuse_sparse_decoders(tiny_engine):
+    for method, opts in [("ape", None), ("a3", {"evict_capacity": 8})]:
+        with pytest.raises(InputError, match="changes decode attention"):
+            tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=method, method_options=opts,
+                                 decode="prkv", kv_budget=512)
+    res = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="a3", max_new_tokens=3, decode="prkv",
+                               kv_budget=512)  # a3 without eviction leaves decode alone
+    assert res.stats["decode_policy"] == "prkv"

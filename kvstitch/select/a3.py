@@ -78,6 +78,9 @@ class A3(Selector):
             keep[layer, :, c0:c1].scatter_(1, top.to(keep.device), True)
         return keep
 
+    def adjusts_decode(self) -> bool:
+        return self.evict_capacity is not None
+
     def decode_plan(self, engine, cache, layout, stats: dict) -> ForwardPlan | None:
         if self.evict_capacity is None:
             return None

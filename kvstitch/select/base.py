@@ -79,6 +79,10 @@ class Selector:
         """Plan of the recompute pass (selected tokens + suffix), e.g. APE's attention; None = plain."""
         return None
 
+    def adjusts_decode(self) -> bool:
+        """True when `decode_plan` changes decode attention (then a sparse decoder cannot take over)."""
+        return type(self).decode_plan is not Selector.decode_plan
+
     def decode_plan(self, engine: "Engine", cache: "StitchCache", layout: "PromptLayout",
                     stats: dict) -> "ForwardPlan | None":
         """Plan for the decode steps after the first token (APE's attention, A3's eviction); None = plain."""

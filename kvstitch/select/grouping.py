@@ -121,5 +121,8 @@ class Grouped(Selector):
     def recompute_plan(self, ctx: SelectionContext):
         return self.base_selector.recompute_plan(ctx)
 
+    def adjusts_decode(self) -> bool:
+        return self.base_selector.adjusts_decode()
+
     def decode_plan(self, engine, cache, layout, stats):
         return self.base_selector.decode_plan(engine, cache, layout, stats)
