@@ -33,52 +33,66 @@ def context_of_length(engine: Engine, n_tokens: int, chunk_tokens: int = 256, se
     return s.question, s.chunks
 
 
+COLD = "@cold"  # suffix of a method timed with its chunks missing from the store (computed on the request path)
+
+
 def _time_ttft(engine: Engine, layout: PromptLayout, method: str, ratio: float) -> tuple[float, dict]:
+    if method.endswith(COLD):  # evict this prompt's chunks: the request computes (and stores) them again
+        method = method[: -len(COLD)]
+        for ids in layout.chunk_ids:
+            engine.store.delete(engine.chunk_key(layout.prefix_ids, ids))
     res = engine.generate("", [], method=method, recompute_ratio=ratio, max_new_tokens=1, layout=layout)
     return res.ttft_s, res.stats
 
 
+_STAGES = ("chunk_load_s", "assemble_s", "select_s", "recompute_s")
+
+
 def bench_ttft(engine: Engine, lengths: list[int], methods: list[str], ratio: float = 0.2, repeats: int = 3,
-               chunk_tokens: int = 256, progress: bool = True) -> list[dict]:
-    """Rows: one per (length, method) with median/min TTFT, ratio to full, stage breakdown."""
+               chunk_tokens: int = 256, progress: bool = True, cold: bool = False) -> list[dict]:
+    """Rows: one per (length, method) with median/min TTFT, ratio to full, stage breakdown.
+
+    Every configuration runs once per repeat, interleaved, so machine noise hits all alike; repeat 0 warms
+    up the model and the chunk store and is not timed. ``cold`` adds ``<first method>@cold``: the same
+    request with the prompt's chunks evicted from the store first (cold store: precompute on the request
+    path), next to the warm-store rows and full prefill."""
     rows = []
     methods = [m for m in methods if m != "full"]
+    configs = ["full", *methods] + ([methods[0] + COLD] if cold and methods else [])
     with Progress(disable=not progress) as bar:
-        task = bar.add_task("bench ttft", total=len(lengths) * (repeats + 1) * (len(methods) + 1))
+        task = bar.add_task("bench ttft", total=len(lengths) * (repeats + 1) * len(configs))
         for n in lengths:
             question, chunks = context_of_length(engine, n, chunk_tokens)
             layout = engine.layout(question, chunks)
-            times: dict[str, list[float]] = {m: [] for m in ["full", *methods]}
-            stages: dict[str, list[dict]] = {m: [] for m in methods}
-            for rep in range(repeats + 1):  # repeat 0 warms up the model and the chunk store
-                for m in ["full", *methods]:
+            times: dict[str, list[float]] = {m: [] for m in configs}
+            stages: dict[str, list[dict]] = {m: [] for m in configs}
+            for rep in range(repeats + 1):
+                for m in configs:
                     t, st = _time_ttft(engine, layout, m, ratio)
                     if rep:
                         times[m].append(t)
-                        if m != "full":
-                            stages[m].append(st)
+                        stages[m].append(st)
                     bar.advance(task)
             full_med = statistics.median(times["full"])
-            rows.append({"context_tokens": layout.n_context, "total_tokens": layout.n_total, "method": "full",
-                         "ratio": 1.0, "ttft_median_s": full_med, "ttft_min_s": min(times["full"]),
-                         "speedup": 1.0, "ideal_speedup": 1.0})
-            for m in methods:
+            for m in configs:
                 med = statistics.median(times[m])
-                stage = {k: statistics.median(s[k] for s in stages[m])
-                         for k in ("chunk_load_s", "assemble_s", "select_s", "recompute_s") if k in stages[m][0]}
+                r = 1.0 if m == "full" else ratio
+                stage = {k: statistics.median(s[k] for s in stages[m]) for k in _STAGES if k in stages[m][0]}
+                store = {"store": "cold" if m.endswith(COLD) else "warm"} if m != "full" else {}
                 rows.append({"context_tokens": layout.n_context, "total_tokens": layout.n_total, "method": m,
-                             "ratio": ratio, "ttft_median_s": med, "ttft_min_s": min(times[m]),
-                             "speedup": full_med / med, "ideal_speedup": 1 / ratio if ratio else float("inf"),
-                             **stage})
+                             "ratio": r, "ttft_median_s": med, "ttft_min_s": min(times[m]),
+                             "speedup": full_med / med, "ideal_speedup": 1 / r if r else float("inf"),
+                             **store, **stage})
     return rows
 
 
 def ttft_table(rows: list[dict]) -> str:
-    head = "| context | method | r | TTFT median (s) | TTFT min (s) | speedup vs full | ideal 1/r | load | assemble | select | recompute |"
-    lines = [head, "|" + "---|" * 11]
+    head = ("| context | method | store | r | TTFT median (s) | TTFT min (s) | speedup vs full | ideal 1/r | load | "
+            "assemble | select | recompute |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         f = lambda k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
-        lines.append(f"| {r['context_tokens']} | {r['method']} | {r['ratio']:.2f} | {r['ttft_median_s']:.3f} | "
+        lines.append(f"| {r['context_tokens']} | {r['method']} | {r.get('store', '-')} | {r['ratio']:.2f} | {r['ttft_median_s']:.3f} | "
                      f"{r['ttft_min_s']:.3f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.1f}x | {f('chunk_load_s')} | "
                      f"{f('assemble_s')} | {f('select_s')} | {f('recompute_s')} |")
     return "\n".join(lines)

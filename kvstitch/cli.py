@@ -148,15 +148,18 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
                    methods: str = typer.Option("random", help="comma-separated methods (full is always run)"),
                    ratio: float = typer.Option(0.2), repeats: int = typer.Option(3),
                    chunk_tokens: int = typer.Option(256),
+                   cold: bool = typer.Option(True, help="also time the first method with a cold store "
+                                                        "(chunks precomputed on the request path)"),
                    out: Path = typer.Option(Path("docs/results"), help="output directory"),
-                   model: Optional[str] = ModelOpt) -> None:
-    """Full-prefill TTFT vs stitched TTFT (warm chunk caches), ratios measured in one run."""
+                   model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
+    """Full-prefill TTFT vs stitched TTFT (warm and cold chunk store), ratios measured in one run."""
     from .bench import bench_ttft, ttft_table, write_results
 
-    eng = _load(model)
-    rows = bench_ttft(eng, _csv_ints(lengths), _csv(methods), ratio, repeats, chunk_tokens)
+    eng = _load(model, store)
+    rows = bench_ttft(eng, _csv_ints(lengths), _csv(methods), ratio, repeats, chunk_tokens, cold=cold)
     table = ttft_table(rows)
-    write_results(rows, out, "bench_ttft", table, {"model": eng.adapter.describe(), "device": str(eng.device)})
+    write_results(rows, out, "bench_ttft", table, {"model": eng.adapter.describe(), "device": str(eng.device),
+                                                   "store": repr(eng.store)})
     console.print(table, highlight=False)
     console.print(f"written: {out / 'bench_ttft.json'}, {out / 'bench_ttft.md'}")
 
