@@ -119,6 +119,22 @@ def test_resume_refuses_another_protocol(engine, tmp_path):
         run_eval(engine, _cfg(tasks=TASKS[:1], n=0, methods=["random"], answer_prefix=False), tmp_path, progress=False)
 
 
+def test_storage_dtype_is_part_of_the_protocol(engine, smollm_tokenizer, tmp_path):
+    """An int8 (KIVI) store gives other numbers than a float32/float16 one: its rows go to another log."""
+    from kvstitch.engine import Engine
+    from kvstitch.store import MemoryStore
+
+    cfg = _cfg(tasks=TASKS[:1], n=0, methods=["random"])
+    run_eval(engine, cfg, tmp_path, progress=False)
+    assert cfg.storage_dtype == "float32"  # taken from the engine's store
+    assert json.loads((tmp_path / "run.json").read_text())["protocol"]["storage_dtype"] == "float32"
+    (tmp_path / RESULTS).write_text('{"task": "niah_single_essay", "method": "full"}\n')
+    int8 = Engine(engine.model, engine.tokenizer, weights_id="tiny-llama", store=MemoryStore(storage_dtype="int8"))
+    with pytest.raises(kvstitch.InputError, match="protocol"):
+        run_eval(int8, _cfg(tasks=TASKS[:1], n=0, methods=["random"]), tmp_path, progress=False)
+    assert "storage_dtype" not in EvalConfig(tasks=[], lengths=[], methods=[], ratios=[]).protocol()  # float16
+
+
 @pytest.mark.parametrize("method,ratio", [("naive", None), ("random", 0.3)])
 def test_fused_run_matches_generate_and_answer_logits(engine, method, ratio):
     """The harness's one-prefill path gives the engine's greedy answer and teacher-forced logits."""

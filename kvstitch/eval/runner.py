@@ -74,11 +74,15 @@ class EvalConfig:
     depth_bins: int = 5  # heatmap rows (depths are spread evenly over the samples)
     overlap: bool = True  # overlap with the `oracle` set (costs one full-prefill scoring pass per sample
     #                       when `oracle` itself is not among the methods)
+    storage_dtype: str = "float16"  # the chunk store's dtype (int8 = KIVI): what every stitched method reads
 
     def protocol(self) -> dict:
         """What must not change between a run and its resumption (rows would not be comparable)."""
-        return {"version": PROTOCOL_VERSION, "max_new_tokens": self.max_new_tokens,
-                "answer_slack": self.answer_slack, "answer_prefix": self.answer_prefix}
+        p = {"version": PROTOCOL_VERSION, "max_new_tokens": self.max_new_tokens,
+             "answer_slack": self.answer_slack, "answer_prefix": self.answer_prefix}
+        if self.storage_dtype != "float16":  # (absent = float16: logs written before the option stay valid)
+            p["storage_dtype"] = self.storage_dtype
+        return p
 
 
 def ordered_methods(methods: Sequence[str]) -> list[str]:
@@ -512,6 +516,7 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     if any(not 0.0 <= r <= 1.0 for r in cfg.ratios):
         raise InputError(f"ratios must be in [0, 1], got {cfg.ratios}")
     model_desc = _model_desc(engine)
+    cfg.storage_dtype = getattr(engine.store, "storage_dtype", cfg.storage_dtype)  # the engine's store decides
     _check_protocol(out, cfg, model_desc)
     log = out / RESULTS
     rows = read_jsonl(log)
@@ -821,6 +826,8 @@ def eval_command(
         out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
         store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
+        storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
+                                                          "(KIVI; compare with a float16 run of the same samples)"),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
 ) -> None:
     """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
@@ -839,13 +846,13 @@ def eval_command(
         raise InputError(f"--length and --ratios take comma-separated numbers: {e}") from None
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
-                     answer_prefix=answer_prefix, overlap=overlap)
+                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype)
     args = sys.argv[1:]
     if args[:1] != ["eval"]:  # `python -m kvstitch.eval.runner ...` runs the same command
         args = ["eval", *args]
     command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
     with console.status("loading the model ..."):
-        engine = Engine.load(model, store=store)
+        engine = Engine.load(model, store=store, storage_dtype=storage_dtype)
     rows = run_eval(engine, cfg, out, command=command, console=console)
     console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
 
