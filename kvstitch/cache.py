@@ -72,6 +72,15 @@ class StitchCache(Cache):
                     for _ in range(adapter.num_layers)])
 
     @classmethod
+    def for_decoder(cls, adapter, length: int, device, dtype) -> "StitchCache":
+        """A cache holding no K/V, only the sequence length: for decode steps through a sparse decoder,
+        which owns the K/V (``Engine.decode_step``). Lets several decoders start from one prefill."""
+        shape = (1, adapter.num_kv_heads, 0, adapter.head_dim)
+        return cls([StitchLayer(torch.zeros(shape, device=device, dtype=dtype),
+                                torch.zeros(shape, device=device, dtype=dtype), length)
+                    for _ in range(adapter.num_layers)])
+
+    @classmethod
     def from_stacked(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int, batch: int = 1) -> "StitchCache":
         """From ``[L, H, n, d]`` tensors (copied into every batch row); slots ``n..capacity-1`` are zero
         and not yet valid."""

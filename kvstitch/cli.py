@@ -164,6 +164,87 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
     console.print(f"written: {out / 'bench_ttft.json'}, {out / 'bench_ttft.md'}")
 
 
+def _scalar(text: str):
+    """A command-line value: int, float, true/false, none, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _policy_options(specs: list[str]) -> dict[str, dict]:
+    """``["prkv.static_ratio=0.5", ...]`` -> ``{"prkv": {"static_ratio": 0.5}}``."""
+    from .errors import InputError
+
+    out: dict[str, dict] = {}
+    for spec in specs:
+        key, eq, value = spec.partition("=")
+        policy, dot, name = key.strip().partition(".")
+        if not (eq and dot and policy and name):
+            raise InputError(f"--policy-option takes POLICY.FIELD=VALUE (e.g. prkv.static_ratio=0.5), got {spec!r}")
+        out.setdefault(policy, {})[name] = _scalar(value.strip())
+    return out
+
+
+@bench_app.command("decode")
+@friendly_errors
+def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (capped at the model's positions "
+                                                           "- 256, and reported)"),
+                     budget: str = typer.Option("256,512,1024", help="comma-separated KV budgets (tokens)"),
+                     policies: str = typer.Option("prkv,quest,snapkv,arkvale",
+                                                  help="comma-separated sparse decode policies (full always runs)"),
+                     niah: int = typer.Option(5, help="NIAH samples scored per (policy, budget); 0 = none"),
+                     niah_task: str = typer.Option("niah_multikey", help="RULER task of the samples"),
+                     new_tokens: int = typer.Option(32, help="decode steps for recall / TPOT; NIAH answer cap"),
+                     method: str = typer.Option("full", help="prefill method (full or a stitched method)"),
+                     ratio: float = typer.Option(0.2, help="recompute ratio of a stitched prefill method"),
+                     page_size: Optional[int] = typer.Option(None, help="decoder page size (default 16)"),
+                     policy_option: Optional[list[str]] = typer.Option(
+                         None, "--policy-option", "-o",
+                         help="a policy field, POLICY.FIELD=VALUE (repeatable), e.g. prkv.group_reduce=max"),
+                     warmup: int = typer.Option(2, help="decode steps left out of the TPOT medians"),
+                     chunk_tokens: int = typer.Option(256), seed: int = typer.Option(0),
+                     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+                     out: Path = typer.Option(Path("docs/results"), help="output directory"),
+                     model: Optional[str] = ModelOpt) -> None:
+    """Sparse decode on a real model: attention recall, TPOT vs full and NIAH accuracy per policy and budget."""
+    import torch
+
+    from .bench import write_results
+    from .decode.model_bench import bench_decode_model, decode_table
+    from .errors import InputError
+
+    if threads is not None:
+        if threads < 1:
+            raise InputError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        budgets, names = _csv_ints(budget), _csv(policies)
+    except ValueError:
+        raise InputError(f"--budget takes comma-separated integers, got {budget!r}") from None
+    options = _policy_options(policy_option or [])
+    eng = _load(model)
+    cap = eng.adapter.max_positions - 256
+    if context > cap:
+        err_console.print(f"[yellow]note:[/] --context {context} is more than this model takes; running at "
+                          f"{cap} context tokens (its {eng.adapter.max_positions} positions - 256)", highlight=False)
+    rows, meta = bench_decode_model(eng, context, budgets, names, niah, new_tokens, method=method,
+                                    recompute_ratio=ratio, task=niah_task, chunk_tokens=chunk_tokens, seed=seed,
+                                    warmup=warmup, page_size=page_size, policy_options=options)
+    meta["model_name"] = model or "smollm2"
+    table = decode_table(rows, meta)
+    write_results(rows, out, "bench_decode", table, meta)
+    console.print(table, highlight=False, soft_wrap=True)
+    console.print(f"written: {out / 'bench_decode.json'}, {out / 'bench_decode.md'}")
+
+
 @app.command()
 @friendly_errors
 def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md documents"),

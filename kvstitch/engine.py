@@ -223,7 +223,8 @@ class Engine:
         return self.builder.build(question, chunks)
 
     def _check_request(self, layout: PromptLayout, method: str, ratio: float, max_new_tokens: int,
-                       decode: str = "full", kv_budget: int | None = None) -> None:
+                       decode: str = "full", kv_budget: int | None = None,
+                       decode_options: dict | None = None) -> None:
         if method not in methods():
             raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
         if not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0.0 <= ratio <= 1.0:
@@ -234,6 +235,10 @@ class Engine:
             raise InputError(f"unknown decode policy {decode!r}; known: full, {', '.join(sorted(DECODE_POLICIES))}")
         if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
             raise InputError(f"kv_budget must be a positive integer, got {kv_budget!r}")
+        if decode_options is not None and (decode == "full" or not isinstance(decode_options, dict)):
+            raise InputError("decode_options (a dict) configure a sparse decoder; decode='full' (dense) takes none")
+        if decode != "full":
+            self._new_decoder(decode, kv_budget, decode_options)  # bad options / a too-small budget fail here
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         limit = self.adapter.max_positions
@@ -246,11 +251,12 @@ class Engine:
     def generate(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
                  recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-                 method_options: dict | None = None, layout: PromptLayout | None = None) -> GenerationResult:
+                 method_options: dict | None = None, layout: PromptLayout | None = None,
+                 decode_options: dict | None = None) -> GenerationResult:
         """Answer ``question`` over ``chunks`` (see `stream` for the arguments)."""
         result = None
         for event in self.stream(question, chunks, method, recompute_ratio, max_new_tokens, temperature, top_p,
-                                 seed, decode, kv_budget, method_options, layout):
+                                 seed, decode, kv_budget, method_options, layout, decode_options):
             if isinstance(event, GenerationResult):
                 result = event
         return result
@@ -259,14 +265,21 @@ class Engine:
     def stream(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
                recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-               method_options: dict | None = None, layout: PromptLayout | None = None):
+               method_options: dict | None = None, layout: PromptLayout | None = None,
+               decode_options: dict | None = None):
         """Yield each generated token id (int) as it is produced, then the `GenerationResult`.
+
+        ``decode_options`` (sparse ``decode`` only): ``diagnostic=True`` also runs dense attention at every
+        step and puts the attention recall in ``stats["decode_recall"]`` (slow: a measurement mode);
+        ``page_size``, ``device_pages`` and the policy's fields (``static_ratio``, ``refresh_interval``,
+        ``window``, ``sinks``, ...) go to `kvstitch.decode.make_decoder`. A sparse decode also reports the
+        decoder's counters (pages copied, selected tokens, ...) in ``stats["decoder"]``.
 
         Input errors are raised before anything is computed. A consumer that stops iterating stops the
         generation (servers use this when a client disconnects)."""
         t_start = time.perf_counter()
         layout = layout or self.layout(question, chunks)
-        self._check_request(layout, method, recompute_ratio, max_new_tokens, decode, kv_budget)
+        self._check_request(layout, method, recompute_ratio, max_new_tokens, decode, kv_budget, decode_options)
         selector = make_selector(method, **(method_options or {}))
         if decode != "full" and selector.adjusts_decode():
             raise InputError(f"method {method!r} changes decode attention (APE scaling / A3 eviction); a sparse "
@@ -286,7 +299,7 @@ class Engine:
         more = max_new_tokens > 1 and first not in self.eos_ids
         dplan = selector.decode_plan(self, cache, layout, stats) if more else None
         for tok in self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats,
-                                dplan):
+                                dplan, decode_options):
             tokens.append(tok)
             steps += 1
             yield tok
@@ -312,6 +325,22 @@ class Engine:
             rows.append(self.forward(cache, answer_ids[:-1], torch.arange(n, n + answer_ids.numel() - 1),
                                      logits_to_keep=answer_ids.numel() - 1))
         return torch.cat(rows).cpu(), indices, stats
+
+    @torch.no_grad()
+    def prefill(self, layout: PromptLayout, method: str = "full", recompute_ratio: float = 0.2,
+                max_new_tokens: int = 32, method_options: dict | None = None):
+        """Prefill ``layout`` with ``method``, for callers that drive decoding themselves (`decode_step`,
+        benches) -> (cache with room for ``max_new_tokens``, layout used, suffix logits, recomputed context
+        indices, stats). Methods that change decode attention (APE, A3 eviction) are refused: their decode
+        plan would be lost."""
+        self._check_request(layout, method, recompute_ratio, max_new_tokens)
+        selector = make_selector(method, **(method_options or {}))
+        if selector.adjusts_decode():
+            raise InputError(f"method {method!r} changes decode attention (APE scaling / A3 eviction): "
+                             f"use generate()")
+        stats: dict = {}
+        cache, layout, logits, indices = self._prefill(layout, selector, recompute_ratio, max_new_tokens, stats)
+        return cache, layout, logits, indices, stats
 
     def _prefill(self, layout: PromptLayout, selector, ratio: float, max_new_tokens: int, stats: dict):
         """-> (cache ready for decode, layout used, suffix logits, recomputed context indices)."""
@@ -346,14 +375,18 @@ class Engine:
         return int(torch.multinomial(probs.cpu(), 1, generator=g))
 
     def _decode(self, cache: StitchCache, first: int, max_new_tokens: int, temperature: float, top_p: float,
-                seed: int, decode: str, kv_budget: int | None, stats: dict, plan: ForwardPlan | None = None):
+                seed: int, decode: str, kv_budget: int | None, stats: dict, plan: ForwardPlan | None = None,
+                decode_options: dict | None = None):
         """Yield tokens after the first until EOS / the cap / a base model's line break."""
         tokens = [first]
         plan = plan or ForwardPlan()
         stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
         if decode != "full":
-            self._prompt_ids = self._current_ids
-            plan.decoder = self._make_decoder(cache, decode, kv_budget, stats)
+            options = dict(decode_options or {})
+            diagnostic = options.pop("diagnostic", False)
+            plan.decoder = self.make_decoder(cache, decode, kv_budget, prompt_ids=self._current_ids,
+                                             diagnostic=diagnostic, **options)
+            stats["kv_budget"] = plan.decoder.kv_budget
             cache.decoder = plan.decoder
         try:
             step = 0
@@ -367,8 +400,29 @@ class Engine:
                 tokens.append(self._sample(logits[-1], temperature, top_p, seed, step))
                 _sync(self.device)
                 yield tokens[-1]
+            if plan.decoder is not None:
+                stats["decoder"] = plan.decoder.stats()
+                if plan.decoder.diagnostic:
+                    stats["decode_recall"] = plan.decoder.recall.summary()
         finally:
             cache.decoder = None
+
+    @torch.no_grad()
+    def decode_step(self, cache: StitchCache, token: int, decoder=None) -> torch.Tensor:
+        """One decode step for a caller that drives decoding itself (benches): ``token`` at position
+        ``cache.length``, dense over ``cache`` or, with ``decoder`` (from `make_decoder`), sparse through
+        it (the decoder then owns the K/V: ``cache`` only counts the length, see
+        `StitchCache.for_decoder`). Returns the next-token logits ``[1, V]`` (float32)."""
+        if decoder is None:
+            return self.forward(cache, torch.tensor([token]), torch.tensor([cache.length]))
+        plan = ForwardPlan(decoder=decoder)
+        cache.decoder = decoder
+        try:
+            logits = self._decoder_step(cache, token, plan)
+        finally:
+            cache.decoder = None
+        decoder.end_step()
+        return logits
 
     def _stop_text(self, tokens: list[int]) -> bool:
         """Base models (no chat template) keep writing after the answer: stop at the first line break."""
@@ -384,26 +438,50 @@ class Engine:
                          past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
         return out.logits[0].float()
 
-    def _make_decoder(self, cache: StitchCache, decode: str, kv_budget: int | None, stats: dict,
-                      window: int = 32):
-        """Hand the prefilled cache to a sparse decoder (PRKV & co.): every layer's K/V go to its host
-        pool. Static policies score with the observation window = the post-RoPE queries of the last
-        ``window`` prompt tokens, taken by re-running those tokens (their K/V are unchanged, so the
-        rewrite is idempotent)."""
+    def _new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):
+        """An empty `SparseDecoder` sized for this model (``options``: see `stream`'s ``decode_options``)."""
         from .decode import make_decoder
 
+        options = dict(options or {})
+        if not isinstance(options.pop("diagnostic", False), bool):
+            raise InputError("decode option 'diagnostic' must be true or false")
+        ad = self.adapter
+        return make_decoder(policy, kv_budget or 1024, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+                            num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=self.device, dtype=self.dtype,
+                            **options)
+
+    @torch.no_grad()
+    def observation_queries(self, cache: StitchCache, prompt_ids: torch.Tensor, window: int = 32) -> dict:
+        """Post-RoPE queries ``{layer: [Hq, w, D]}`` of the last ``window`` prompt tokens (the observation
+        window of static decode policies), taken by re-running those tokens out of place (the cache is
+        left untouched)."""
         n = cache.length
+        if prompt_ids.numel() != n:
+            raise InputError(f"the cache holds {n} tokens but the prompt has {prompt_ids.numel()}")
         w = min(window, n)
         plan = ForwardPlan(capture_queries=w)
-        slots = torch.arange(n - w, n)
-        self.forward(cache, self._prompt_ids[n - w:n], slots, plan)
+        self.forward(cache, prompt_ids[n - w:n], torch.arange(n - w, n), plan, write=False)
+        return plan.queries
+
+    @torch.no_grad()
+    def make_decoder(self, cache: StitchCache, policy: str, kv_budget: int | None = None, *,
+                     prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None,
+                     diagnostic: bool = False, **options):
+        """Hand the prefilled ``cache`` to a sparse decoder (PRKV & co.): every layer's K/V are copied to its
+        host pool, so the cache itself is not modified and can seed several decoders. Static policies
+        score with the observation window: ``obs_queries`` (from `observation_queries`), else computed
+        from ``prompt_ids`` (the prompt's token ids). ``diagnostic``: record the attention recall of every
+        step (``decoder.recall``); ``options``: see `stream`'s ``decode_options``."""
+        dec = self._new_decoder(policy, kv_budget, {**options, "diagnostic": diagnostic})
+        if obs_queries is None:
+            if prompt_ids is None:
+                raise InputError("make_decoder needs the prompt's token ids (prompt_ids) or obs_queries")
+            obs_queries = self.observation_queries(cache, prompt_ids)
+        n = cache.length
         ad = self.adapter
-        dec = make_decoder(decode, kv_budget or 1024, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
-                           num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=self.device, dtype=self.dtype)
-        layers = self.adapter.backbone.layers
+        layers = ad.backbone.layers
         for i, layer in enumerate(cache.layers):
-            dec.load_prefill(i, layer.keys[0, :, :n], layer.values[0, :, :n], plan.queries[i],
+            dec.load_prefill(i, layer.keys[0, :, :n], layer.values[0, :, :n], obs_queries[i],
                              sliding_window=ad.sliding_window(i), scaling=layers[i].self_attn.scaling)
-        stats["decode_policy"] = decode
-        stats["kv_budget"] = kv_budget or 1024
+        dec.diagnostic = diagnostic
         return dec

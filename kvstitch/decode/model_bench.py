@@ -1,0 +1,339 @@
+"""Decode bench on a real model: attention recall, TPOT and NIAH accuracy of sparse decode policies.
+
+`bench_decode_model` measures, in one run and on RULER needle-in-a-haystack samples of one context
+length (``kvstitch bench decode``):
+
+- **recall** (PRKV Eq. 3): the share of the dense attention mass that each policy's selection covers, with
+  the decoder in diagnostic mode, and **oracle** recall: the best any selection of as many tokens could
+  cover. Both are averaged over the layers that select (Gemma 3's sliding-window layers attend densely
+  over their window, recall 1 by construction; `recall_per_layer` keeps every layer). Every policy is
+  teacher-forced with the tokens that dense (`full`) decode produces, so all see the same steps;
+  **top1** is the share of those steps where the policy's greedy token equals dense decode's.
+- **TPOT**: the median time of one decode step (the whole model), in a separate pass without
+  diagnostics. Per budget, `full` (dense decode over the contiguous cache, what ``decode="full"`` does)
+  and every policy run in lockstep, alternating step by step (the order rotates), so machine noise hits
+  all alike; ``tpot_vs_full`` is the ratio to `full` from that same pass.
+- **NIAH accuracy**: free greedy decode of ``n_niah`` samples with `full` and every (policy, budget),
+  prompted and capped as ``kvstitch eval`` does (RULER's answer prefix; answer tokens + 8), scored with
+  the task's RULER scorer (``kvstitch.eval.scoring``).
+
+Each sample is prefilled once (``method``, default full prefill); every decoder starts from that cache
+(`Engine.make_decoder` copies it to its host pool; `StitchCache.for_decoder` gives it a length-only cache)
+and dense decode rolls the shared cache back after each run. A budget that covers the whole decode
+(prompt + new tokens) makes every policy dense: such rows measure recall only (1.0, a check) and say so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+from rich.progress import Progress
+
+from ..cache import StitchCache
+from ..errors import InputError
+from .policies import DECODE_POLICIES
+
+DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale")
+DEFAULT_BUDGETS = (256, 512, 1024)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _positive_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task, policy_options,
+                  page_size) -> tuple[list[int], list[str]]:
+    from ..eval.tasks import TASKS
+    from ..select import make_selector, methods
+
+    _positive_int("context", context)
+    _positive_int("new_tokens", new_tokens)
+    _positive_int("n_niah", n_niah, 0)
+    budgets = list(dict.fromkeys(budgets))
+    if not budgets:
+        raise InputError("give at least one kv budget")
+    for b in budgets:
+        _positive_int("every kv budget", b)
+    policies = [p for p in dict.fromkeys(policies) if p != "full"]  # full (dense) is always the reference
+    unknown = [p for p in policies if p not in DECODE_POLICIES]
+    if unknown:
+        raise InputError(f"unknown decode policy {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(sorted(DECODE_POLICIES))}")
+    if not policies:
+        raise InputError("give at least one sparse decode policy (full, the dense reference, always runs)")
+    extra = set(policy_options or {}) - set(policies)
+    if extra:
+        raise InputError(f"policy options for {sorted(extra)}, which are not benchmarked")
+    if task not in TASKS:
+        raise InputError(f"unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
+    if method not in methods():
+        raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
+    if make_selector(method).adjusts_decode():
+        raise InputError(f"method {method!r} changes decode attention; sparse decoders cannot run after it")
+    for p in policies:
+        for b in budgets:  # bad policy options or a budget below the sink + window pages: fail before any work
+            engine._new_decoder(p, b, _options(p, policy_options, page_size))
+    return budgets, policies
+
+
+def _options(policy: str, policy_options: dict | None, page_size: int | None) -> dict:
+    opts = dict((policy_options or {}).get(policy, {}))
+    if page_size is not None:
+        opts["page_size"] = page_size
+    return opts
+
+
+def _selecting_recall(dec) -> dict:
+    """Recall / oracle recall / min over the layers that select (not sliding-window layers)."""
+    layers = [i for i, st in enumerate(dec.layers) if st is not None and st.sliding_window is None]
+    layers = [i for i in layers if dec.recall.history[i]] or [i for i, h in enumerate(dec.recall.history) if h]
+    if not layers:
+        return {"recall": math.nan, "oracle_recall": math.nan, "recall_min": math.nan}
+    rec = torch.cat([torch.stack(dec.recall.history[i]).flatten() for i in layers])
+    ora = torch.cat([torch.stack(dec.recall.oracle[i]).flatten() for i in layers])
+    return {"recall": rec.mean().item(), "oracle_recall": ora.mean().item(), "recall_min": rec.min().item()}
+
+
+class _Sample:
+    """One prefilled NIAH sample: the shared dense cache, its length and the observation queries."""
+
+    def __init__(self, engine, sample, method: str, ratio: float, max_tokens: int, method_options: dict | None):
+        from ..eval.runner import sample_layout
+
+        self.engine, self.sample = engine, sample
+        layout = sample_layout(engine, sample)  # with RULER's answer prefix, as `kvstitch eval` prompts
+        self.cache, self.layout, logits, _, _ = engine.prefill(layout, method, ratio, max_tokens, method_options)
+        self.n = self.cache.length
+        self.first = int(torch.argmax(logits[-1]))
+        self._obs = None
+
+    @property
+    def obs(self) -> dict:
+        if self._obs is None:
+            self._obs = self.engine.observation_queries(self.cache, self.layout.ids)
+        return self._obs
+
+    def runner(self, policy: str | None, budget: int | None, options: dict, diagnostic: bool = False):
+        """(cache, decoder) for one decode run; ``policy=None``: dense over the shared cache."""
+        eng = self.engine
+        self.cache.truncate(self.n)  # drop what an earlier dense run appended
+        if policy is None:
+            return self.cache, None
+        dec = eng.make_decoder(self.cache, policy, budget, obs_queries=self.obs, diagnostic=diagnostic, **options)
+        return StitchCache.for_decoder(eng.adapter, self.n, eng.device, eng.dtype), dec
+
+    def generate(self, policy: str | None, budget: int | None, options: dict, max_tokens: int) -> str:
+        """Free greedy decode (EOS / a base model's line break / ``max_tokens`` stop) -> the answer text."""
+        eng = self.engine
+        cache, dec = self.runner(policy, budget, options)
+        tokens = [self.first]
+        while tokens[-1] not in eng.eos_ids and len(tokens) < max_tokens and not eng._stop_text(tokens):
+            tokens.append(int(torch.argmax(eng.decode_step(cache, tokens[-1], dec)[-1])))
+        self.cache.truncate(self.n)
+        text = eng.tokenizer.decode([t for t in tokens if t not in eng.eos_ids], skip_special_tokens=True)
+        return text.strip()
+
+
+def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEFAULT_BUDGETS,
+                       policies: Sequence[str] = DEFAULT_POLICIES, n_niah: int = 5, new_tokens: int = 32, *,
+                       method: str = "full", recompute_ratio: float = 0.2, method_options: dict | None = None,
+                       task: str = "niah_multikey", chunk_tokens: int = 256, seed: int = 0, warmup: int = 2,
+                       page_size: int | None = None, policy_options: dict[str, dict] | None = None,
+                       progress: bool = True) -> tuple[list[dict], dict]:
+    """Recall, TPOT and NIAH accuracy of every (policy, budget) at one context length (module docstring).
+
+    ``context``: context tokens, capped like `kvstitch.bench.context_of_length` (model positions - 256;
+    ``meta["capped"]`` says so and rows carry the real ``context_tokens`` / ``prompt_tokens``).
+    ``new_tokens``: decode steps after the prefill's first token, for recall and TPOT (teacher-forced,
+    EOS ignored). NIAH answers are capped as `kvstitch eval` caps them (answer tokens + 8, at least 8).
+    ``warmup`` steps are left out of the TPOT medians.
+    ``n_niah``: NIAH samples (``task``, needle depths spread over [0, 1]); recall and TPOT use the
+    middle one. ``page_size`` / ``policy_options`` (per policy: its fields) go to the decoders.
+
+    Returns (rows, meta): a `full` row (budget None) then one row per (budget, policy); what was not
+    measured (TPOT / NIAH of a dense budget, NIAH with ``n_niah=0``) is None.
+    """
+    from ..eval.scoring import scorer_for
+    from ..eval.tasks import generate
+
+    budgets, policies = _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task,
+                                      policy_options, page_size)
+    warmup = max(0, min(warmup, new_tokens - 1))
+    limit = engine.adapter.max_positions
+    length = min(context, limit - 256)
+    tok = engine.tokenizer
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    samples = generate(task, max(1, n_niah), length, chunk_tokens, seed, count)
+    caps = [max(8, count(", ".join(smp.answers)) + 8) for smp in samples]  # eval's answer budget
+    main = len(samples) // 2
+    opts = {p: _options(p, policy_options, page_size) for p in policies}
+    score = scorer_for(task)
+    device = engine.device
+
+    # work units: prefills, decode steps (reference, timing, recall) and NIAH runs (their answer cap each)
+    n_budgets = len(budgets)
+    total = (len(samples) + new_tokens * (1 + n_budgets * (1 + 2 * len(policies)))
+             + sum(caps[:n_niah]) * (1 + n_budgets * len(policies)))
+    with Progress(disable=not progress) as bar:
+        job = bar.add_task("bench decode", total=total)
+
+        def stage(text: str) -> None:
+            bar.update(job, description=text)
+
+        stage(f"prefill sample {main}")
+        s = _Sample(engine, samples[main], method, recompute_ratio, max(new_tokens + 1, caps[main]),
+                    method_options)
+        bar.advance(job)
+        n_max = s.n + new_tokens  # tokens in the cache at the last step
+        dense = [b for b in budgets if b >= n_max]  # every policy selects everything: dense attention
+        sparse_budgets = [b for b in budgets if b < n_max]
+
+        # reference: dense greedy decode, EOS ignored (also warms the decode path up)
+        stage("reference (full)")
+        cache, _ = s.runner(None, None, {})
+        ref = [s.first]
+        for _ in range(new_tokens):
+            ref.append(int(torch.argmax(engine.decode_step(cache, ref[-1])[-1])))
+            bar.advance(job)
+
+        # TPOT: per budget, full + every policy in lockstep, teacher-forced with the reference tokens
+        times: dict[tuple, list[float]] = {}
+        for b in sparse_budgets:
+            stage(f"TPOT, budget {b}")
+            runners = {("full", None): s.runner(None, None, {})}
+            runners.update({(p, b): s.runner(p, b, opts[p]) for p in policies})
+            names = list(runners)
+            step_times = {name: [] for name in names}
+            for t in range(new_tokens):
+                for name in names[t % len(names):] + names[:t % len(names)]:
+                    cache, dec = runners[name]
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    engine.decode_step(cache, ref[t], dec)
+                    _sync(device)
+                    step_times[name].append(time.perf_counter() - t0)
+                bar.advance(job, len(names))
+            s.cache.truncate(s.n)
+            for name, ts in step_times.items():
+                times[(name[0], b)] = ts[warmup:]
+            del runners
+        bar.advance(job, new_tokens * len(dense) * (1 + len(policies)))
+
+        # recall: diagnostic mode, one policy at a time, teacher-forced with the reference tokens
+        recall: dict[tuple, dict] = {}
+        for b in budgets:
+            for p in policies:
+                stage(f"recall {p} @ {b}")
+                cache, dec = s.runner(p, b, opts[p], diagnostic=True)
+                agree = 0
+                for t in range(new_tokens):
+                    agree += int(torch.argmax(engine.decode_step(cache, ref[t], dec)[-1])) == ref[t + 1]
+                    bar.advance(job)
+                st = dec.stats()
+                recall[(p, b)] = {**_selecting_recall(dec), "top1_agreement": agree / new_tokens,
+                                  "recall_per_layer": st["recall_per_layer"],
+                                  "max_abs_err_vs_dense": st["max_abs_err_vs_dense"],
+                                  "mean_selected_tokens": st["mean_selected_tokens"],
+                                  "pages_copied_per_step": st["pages_copied"] / max(1, st["steps"])}
+                del dec
+
+        # NIAH: free greedy decode of every sample with full and every (policy, sparse budget)
+        niah: dict[tuple, list[float]] = {("full", None): []}
+        niah.update({(p, b): [] for b in sparse_budgets for p in policies})
+        preds: list[dict] = []
+        for i in range(n_niah):
+            if i != main:
+                stage(f"prefill sample {i}")
+                s_i = _Sample(engine, samples[i], method, recompute_ratio, caps[i], method_options)
+                bar.advance(job)
+            else:
+                s_i = s
+            answers = samples[i].answers
+            for key in niah:
+                p, b = key
+                stage(f"NIAH {i + 1}/{n_niah}: {p}" + (f" @ {b}" if b else ""))
+                text = s_i.generate(None if p == "full" else p, b, opts.get(p, {}), caps[i])
+                niah[key].append(score(text, answers))
+                preds.append({"sample": i, "policy": p, "budget": b, "pred": text, "answers": answers,
+                              "score": niah[key][-1]})
+                bar.advance(job, caps[i])
+            del s_i
+        bar.advance(job, sum(caps[:n_niah]) * len(policies) * len(dense))
+
+    def ms(ts: list[float]) -> float:
+        return 1e3 * statistics.median(ts) if ts else math.nan
+
+    def acc(key) -> float:
+        return statistics.mean(niah[key]) if niah.get(key) else math.nan
+
+    base = {"context_tokens": s.layout.n_context, "prompt_tokens": s.n, "new_tokens": new_tokens}
+    full_all = [t for b in sparse_budgets for t in times[("full", b)]]
+    rows = [{"policy": "full", "budget": None, **base, "recall": 1.0, "oracle_recall": 1.0, "recall_min": 1.0,
+             "top1_agreement": 1.0, "tpot_ms": ms(full_all), "tpot_vs_full": 1.0 if full_all else math.nan,
+             "niah_acc": acc(("full", None)), "niah_n": len(niah[("full", None)]),
+             "note": "dense decode over the contiguous cache (reference)"}]
+    for b in budgets:
+        for p in policies:
+            row = {"policy": p, "budget": b, **base, **recall[(p, b)]}
+            if b in dense:
+                row.update(tpot_ms=math.nan, full_tpot_ms=math.nan, tpot_vs_full=math.nan, niah_acc=math.nan,
+                           niah_n=0, note=f"budget >= {n_max} tokens (prompt + new tokens): dense; "
+                                          f"TPOT and NIAH not run")
+            else:
+                tp, tf = ms(times[(p, b)]), ms(times[("full", b)])
+                row.update(tpot_ms=tp, full_tpot_ms=tf, tpot_vs_full=tp / tf, niah_acc=acc((p, b)),
+                           niah_n=len(niah[(p, b)]), note="")
+            rows.append(row)
+    rows = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+    meta = {"model": engine.adapter.describe(), "device": str(device), "dtype": str(engine.dtype),
+            "context_requested": context, "context_tokens": s.layout.n_context, "prompt_tokens": s.n,
+            "capped": context > length, "max_positions": limit, "budgets": budgets, "policies": policies,
+            "new_tokens": new_tokens, "warmup": warmup, "n_niah": n_niah, "task": task, "method": method,
+            "recompute_ratio": recompute_ratio if method != "full" else None, "chunk_tokens": chunk_tokens,
+            "seed": seed, "page_size": page_size, "policy_options": policy_options or {},
+            "recall_sample": {"index": main, "depth": samples[main].meta.get("depth")},
+            "niah_answer_caps": caps[:n_niah], "reference_tokens": ref, "niah_predictions": preds}
+    return rows, meta
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def decode_table(rows: list[dict], meta: dict) -> str:
+    """Markdown table of `bench_decode_model` rows, with a one-paragraph header."""
+    name = meta.get("model_name") or meta["model"].get("family", "?")
+    head = (f"Decode bench: {name} on {meta['device']} ({meta['dtype']}), {meta['context_tokens']} context tokens "
+            f"({meta['prompt_tokens']} prompt tokens"
+            + (f"; {meta['context_requested']} requested, capped at the model's {meta['max_positions']} positions"
+               if meta["capped"] else "")
+            + f"), {meta['new_tokens']} decode steps, NIAH: {meta['n_niah']} x {meta['task']}; "
+              f"prefill: {meta['method']}.")
+    lines = [head, "",
+             "| policy | budget | context | recall | oracle | min | top-1 agree | TPOT ms | vs full | NIAH | note |",
+             "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {_f(r['budget'], 'd')} | {r['context_tokens']} | {_f(r['recall'], '.3f')} | "
+            f"{_f(r['oracle_recall'], '.3f')} | {_f(r['recall_min'], '.3f')} | {_f(r['top1_agreement'], '.2f')} | "
+            f"{_f(r['tpot_ms'], '.1f')} | {_f(r['tpot_vs_full'], '.2f')} | "
+            f"{_f(r['niah_acc'], '.2f')}{' (%d)' % r['niah_n'] if r['niah_n'] else ''} | {r['note']} |")
+    lines += ["", "recall / oracle / min: attention recall (PRKV Eq. 3) of the selection, of the ideal top-k with as "
+              "many tokens, and the lowest step x layer x head value, over the layers that select; top-1 agree: "
+              "steps where the policy's greedy token equals dense decode's (teacher-forced); TPOT: median decode "
+              "step; vs full: ratio to dense decode measured in the same lockstep pass; NIAH: mean score (samples)."]
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""`kvstitch bench decode` (kvstitch.decode.model_bench) on tiny random models: rows, recall, CLI, errors."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstitch import InputError
+from kvstitch.cli import app
+from kvstitch.decode.model_bench import bench_decode_model, decode_table
+
+from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
+
+POLICIES = ["prkv", "quest", "snapkv", "arkvale"]
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rows_for_every_policy_and_budget_and_dense_budget_recall_is_one(family, smollm_tokenizer):
+    eng = make_tiny_engine(family, smollm_tokenizer)
+    rows, meta = bench_decode_model(eng, context=320, budgets=[96, 4096], policies=POLICIES, n_niah=2,
+                                    new_tokens=4, page_size=8, warmup=1, progress=False)
+    assert rows[0]["policy"] == "full" and rows[0]["budget"] is None
+    assert rows[0]["tpot_ms"] > 0 and rows[0]["niah_n"] == 2
+    assert [(r["budget"], r["policy"]) for r in rows[1:]] == [(b, p) for b in (96, 4096) for p in POLICIES]
+    assert not meta["capped"] and meta["prompt_tokens"] > meta["context_tokens"] > 250
+    for r in rows[1:]:
+        assert 0.0 <= r["recall"] <= r["oracle_recall"] + 1e-5 <= 1.0 + 2e-5
+        assert 0.0 <= r["top1_agreement"] <= 1.0
+        if r["budget"] == 4096:  # covers prompt + new tokens: every policy attends densely
+            assert abs(r["recall"] - 1.0) < 1e-5 and r["max_abs_err_vs_dense"] < 1e-4
+            assert r["tpot_ms"] is None and r["niah_acc"] is None and "dense" in r["note"]
+        else:
+            assert r["recall"] < 1.0 and r["mean_selected_tokens"] <= 96
+            assert r["tpot_ms"] > 0 and r["tpot_vs_full"] > 0 and r["niah_n"] == 2
+            assert r["tpot_vs_full"] == pytest.approx(r["tpot_ms"] / r["full_tpot_ms"])
+    assert "| prkv | 96 |" in decode_table(rows, meta)
+    assert len(meta["reference_tokens"]) == 5
+
+
+def test_context_above_the_model_limit_is_capped_and_reported(smollm_tokenizer, monkeypatch):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    monkeypatch.setattr(eng.adapter.config, "max_position_embeddings", 600)
+    rows, meta = bench_decode_model(eng, context=5000, budgets=[96], policies=["quest"], n_niah=0,
+                                    new_tokens=2, page_size=8, progress=False)
+    assert meta["capped"] and meta["context_requested"] == 5000
+    assert meta["context_tokens"] <= 600 - 256 + 20 and rows[-1]["context_tokens"] == meta["context_tokens"]
+    assert "capped" in decode_table(rows, meta) and rows[0]["niah_acc"] is None
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(budgets=[]), "at least one kv budget"),
+    (dict(budgets=[0]), "kv budget must be an integer"),
+    (dict(budgets=[16]), "smaller than the sink"),
+    (dict(policies=["bogus"]), "unknown decode policy"),
+    (dict(policies=["full"]), "at least one sparse decode policy"),
+    (dict(context=0), "context must be"),
+    (dict(new_tokens=0), "new_tokens must be"),
+    (dict(n_niah=-1), "n_niah must be"),
+    (dict(task="nope"), "unknown task"),
+    (dict(method="ape"), "changes decode attention"),
+    (dict(policy_options={"prkv": {"bogus": 1}}), "bad options for decode policy"),
+])
+def test_bad_input_is_refused_before_any_work(kwargs, message, smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    args = dict(context=300, budgets=[128], policies=["prkv"], n_niah=1, new_tokens=2, progress=False)
+    with pytest.raises(InputError, match=message):
+        bench_decode_model(eng, **{**args, **kwargs})
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_generate_diagnostic_option_reports_recall(tiny_engine):
+    res = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS * 3, method="full", max_new_tokens=4, decode="quest",
+                               kv_budget=96, decode_options={"diagnostic": True, "page_size": 8})
+    assert 0 < res.stats["decode_recall"]["recall"] <= res.stats["decode_recall"]["oracle_recall"] + 1e-6
+    assert res.stats["decoder"]["page_size"] == 8 and res.stats["kv_budget"] == 96
+    plain = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS * 3, method="full", max_new_tokens=4,
+                                 decode="quest", kv_budget=96, decode_options={"page_size": 8})
+    assert plain.token_ids == res.token_ids and "decode_recall" not in plain.stats
+    for opts, message in [({"diagnostic": "yes"}, "diagnostic"), ({"bogus": 1}, "bad options"),
+                          ({"page_size": 64}, "smaller than the sink")]:
+        with pytest.raises(InputError, match=message):
+            tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="full", decode="quest", kv_budget=96,
+                                 decode_options=opts)
+    with pytest.raises(InputError, match="decode='full'"):
+        tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="full", decode_options={"diagnostic": True})
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    eng.model.save_pretrained(str(d))
+    smollm_tokenizer.save_pretrained(str(d))
+    return d
+
+
+def test_cli_writes_json_and_markdown(tiny_model_dir, tmp_path):
+    r = runner.invoke(app, ["bench", "decode", "--context", "300", "--budget", "96,128", "--policies", "prkv,quest",
+                            "--niah", "1", "--new-tokens", "3", "--page-size", "8",
+                            "--policy-option", "prkv.group_reduce=max", "-o", "prkv.static_ratio=0.5",
+                            "--model", str(tiny_model_dir), "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert [(row["policy"], row["budget"]) for row in data["rows"]] == [
+        ("full", None), ("prkv", 96), ("quest", 96), ("prkv", 128), ("quest", 128)]
+    assert data["meta"]["model_name"] == str(tiny_model_dir)
+    assert data["meta"]["policy_options"] == {"prkv": {"group_reduce": "max", "static_ratio": 0.5}}
+    md = (tmp_path / "bench_decode.md").read_text()
+    assert "| quest | 128 |" in md and "TPOT" in md
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", "a,b"], "--budget takes comma-separated integers"),
+    (["--policies", "nope"], "unknown decode policy"),
+    (["--threads", "0"], "--threads must be"),
+    (["--policy-option", "static_ratio=0.5"], "--policy-option takes POLICY.FIELD=VALUE"),
+    (["--policies", "prkv", "-o", "quest.window=32"], "not benchmarked"),
+    (["--policy-option", "quest.static_ratio=0.5"], "bad options for decode policy 'quest'"),
+    (["--policy-option", "prkv.bogus=1"], "bad options for decode policy"),
+])
+def test_cli_bad_input_is_one_clear_line(args, message, tiny_model_dir, tmp_path):
+    r = runner.invoke(app, ["bench", "decode", "--context", "300", "--model", str(tiny_model_dir),
+                            "--out", str(tmp_path), *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "bench_decode.json").exists()
