@@ -97,6 +97,34 @@ def _attend(q, k, v, mask, scaling, softcap, gqa):
 
 GROUP_QUERIES = 128  # measured on CPU (2 cores, 4K ctx, 20%): 128 beats ~16 groups of ~50 by 1.5-1.8x
 
+# CPU flash kernel that also returns the log-sum-exp (private aten op; absent on other builds -> fallback)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_split(q, k, v, s, scaling):
+    """One group of sorted query slots ``s`` over keys ``[0, s[-1]]`` (no window, no softcap), CPU.
+
+    Keys ``[0, s[0]]`` are visible to every query of the group: they run through the flash kernel without
+    a mask; only the tail ``(s[0], s[-1]]`` needs one. The two blocks merge exactly by their log-sum-exps.
+    A KV group's query heads are stacked along the query axis (GQA without repeating K/V). Measured at 8K
+    tokens, 20% random, 1 thread: 8-12% less attention time than one masked SDPA call per group."""
+    B, Hq, g, d = q.shape
+    Hkv = k.shape[1]
+    rep = Hq // Hkv
+    qs = q.reshape(B, Hkv, rep * g, d)
+    p0, hi = int(s[0]) + 1, int(s[-1]) + 1
+    o1, l1 = _CPU_FLASH(qs, k[:, :, :p0], v[:, :, :p0], 0.0, False, scale=scaling)
+    if hi > p0:
+        seen = _mask(s, p0, hi, None)
+        bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+        o2, l2 = _CPU_FLASH(qs, k[:, :, p0:hi], v[:, :, p0:hi], 0.0, False, attn_mask=bias.repeat(rep, 1),
+                            scale=scaling)
+        l2 = l2.masked_fill(~seen.any(-1).repeat(rep), float("-inf"))  # fully masked rows come back as 0
+        l1, l2 = l1.float(), l2.float()
+        lse = torch.logaddexp(l1, l2)
+        o1 = (o1.float() * (l1 - lse).exp_()[..., None] + o2.float() * (l2 - lse).exp_()[..., None]).to(q.dtype)
+    return o1.reshape(B, Hq, g, d)
+
 
 def _groups(q_slots: torch.Tensor, group: int):
     """Split sorted query slots into groups: each pays only for its own causal prefix of keys.
@@ -146,10 +174,15 @@ def kvstitch_attention(module, query, key, value, attention_mask=None, scaling=N
         out = _attend(query, key, value, None, scaling, softcap, gqa)  # plain causal prefill
     else:
         parts = []
+        split = (_CPU_FLASH is not None and query.device.type == "cpu" and sliding_window is None
+                 and softcap is None and keep is None)
         for a, b in _groups(slots, plan.group_queries):
             s = slots[a:b]
             hi = int(s[-1]) + 1
             lo = max(0, int(s[0]) - sliding_window + 1) if sliding_window else 0
+            if split:
+                parts.append(_attend_split(query[:, :, a:b], key, value, s, scaling))
+                continue
             mask = _with_keep(_mask(s, lo, hi, sliding_window), keep, lo, hi, query.shape[1])
             parts.append(_attend(query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi],
                                  mask, scaling, softcap, gqa))
