@@ -108,7 +108,7 @@ def test_entry_is_plain_safetensors_with_documented_layout(tmp_path):
         meta = f.metadata()
     assert meta["format"] == "kvstitch-chunk" and meta["layout_version"] == str(LAYOUT_VERSION)
     assert meta["fingerprint"] == FP and meta["start"] == "5" and meta["n_tokens"] == "16"
-    assert meta["storage_dtype"] == "float16" and meta["key"] == key_of(0) and len(meta["checksum"]) == 64
+    assert meta["storage_dtype"] == "float16" and meta["key"] == key_of(0) and meta["checksum_alg"] == "xxh3_128" and len(meta["checksum"]) == 32
     data0 = 8 + int.from_bytes(p.read_bytes()[:8], "little")
     assert data0 % 64 == 0  # tensors start aligned
 
@@ -396,3 +396,20 @@ def test_tiered_write_through_and_promote_on_hit(tmp_path):
     assert all(x.fingerprint == "model-B" for x in t2.tiers)
     assert t2.get(key_of(0, "int8")) is None and len(t2.problems) == 2  # foreign in memory and on disk
     assert sorted(t2.keys()) == [key_of(0, "int8")] and t2.delete(key_of(0, "int8"))
+
+
+@pytest.mark.parametrize("alg", ["xxh3_128", "sha256", "blake2b", "crc32"])
+def test_every_checksum_algorithm_reads_back_and_catches_a_flipped_bit(tmp_path, alg):
+    """Entries name their checksum: a store with the default (xxh3-128) reads entries that older stores wrote
+    with sha256 & co., and every algorithm catches a bit flip in the data."""
+    assert codec.DEFAULT_CHECKSUM == "xxh3_128"
+    kv = make_kv()
+    writer = DiskStore(tmp_path / "s", checksum_alg=alg)
+    writer.put(key_of(0), kv)
+    blob = disk.read_file(entry_file(writer, key_of(0)))
+    assert codec.entry_info(blob)["checksum_alg"] == alg
+    assert torch.equal(DiskStore(tmp_path / "s").get(key_of(0)).keys, kv.keys.half())
+    flipped = bytearray(blob)
+    flipped[-100] ^= 0x01
+    with pytest.raises(CorruptEntryError, match="checksum mismatch"):
+        codec.decode(flipped, key_of(0))

@@ -88,4 +88,4 @@ def test_bench_disk_and_memory(tmp_path):
     assert rows[3]["bytes_per_token"] < disk["bytes_per_token"]
     assert list(tmp_path.iterdir()) == []  # bench cleans up after itself
     assert format_rows(rows).row_count == 4
-    assert set(bench_checksums(1 << 16, 2)) == {"sha256", "blake2b", "crc32"}
+    assert set(bench_checksums(1 << 16, 2)) == {"xxh3_128", "sha256", "blake2b", "crc32"}

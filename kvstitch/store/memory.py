@@ -27,6 +27,9 @@ class MemoryStore(ChunkStore):
         self._items: OrderedDict[str, ChunkKV] = OrderedDict()
         self._bytes = 0
 
+    def __repr__(self) -> str:
+        return f"MemoryStore(max_bytes={self.max_bytes}, storage_dtype={self.storage_dtype!r})"
+
     def get(self, key: str) -> ChunkKV | None:
         kv = self._items.get(check_key(key))
         if kv is None:
