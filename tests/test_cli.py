@@ -61,3 +61,15 @@ def test_ask_unreadable_model_path(chunk_files, tmp_path):
     r = runner.invoke(app, ["ask", "Q?", *_chunk_args(chunk_files), "--method", "random",
                             "--model", str(tmp_path / "nowhere.gguf")])
     assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_demo_answers_bundled_questions_with_full_and_stitched():
+    """The README's first command: every bundled question, both answers marked against the expected text,
+    TTFT side by side. SmolLM2 with full prefill gets at least the two plainly stated facts."""
+    r = runner.invoke(app, ["demo", "--method", "prophet", "--ratio", "0.2"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "Carn Dubh" in r.output and "TTFT prophet" in r.output and "speedup" in r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("answers containing the expected text"))
+    n_full = int(line.split("full ")[1].split("/")[0])
+    assert n_full >= 2, line
+    assert r.output.count("✓") + r.output.count("✗") == 2 * 4
