@@ -20,6 +20,7 @@ from .rope import inv_freq_table, rerotate, self_check
 from .select import SelectionContext, make_selector, methods
 from .store import ChunkStore, chunk_key, open_store
 from .store.codec import roundtrip
+from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
 DEFAULT_METHOD = "prophet"
 
@@ -33,6 +34,46 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None  # logits of the first answer token (float32, cpu)
     method: str = ""
+
+
+@dataclass
+class GenerationRequest:
+    """One request. ``question`` + ``chunks`` (or a prebuilt ``layout``); ``method`` and
+    ``recompute_ratio`` (a fraction of the context tokens, or "auto": rounds of growing budget until the
+    answer is stable, options in ``auto``, see `kvstitch.budget`); ``guard="full"`` verifies the greedy
+    answer against full prefill (and returns full prefill's answer when they differ). ``decode``: "full"
+    (dense) or a sparse policy (prkv, quest, snapkv, arkvale, ...) with ``kv_budget`` tokens;
+    ``decode_options``: ``diagnostic=True`` records attention recall in ``stats["decode_recall"]``,
+    ``page_size``, ``device_pages`` and the policy's fields go to `kvstitch.decode.make_decoder`."""
+
+    question: str | None = None
+    chunks: list[str] | None = None
+    method: str = DEFAULT_METHOD
+    recompute_ratio: float | str = 0.2
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    decode: str = "full"
+    kv_budget: int | None = None
+    method_options: dict | None = None
+    decode_options: dict | None = None
+    layout: PromptLayout | None = None
+    auto: AutoBudget | dict | None = None
+    guard: str | None = None
+
+
+@dataclass
+class Prefill:
+    """A prefilled request, ready to decode: everything per-request lives here (the engine is reentrant)."""
+
+    cache: StitchCache  # with room for the answer
+    layout: PromptLayout  # the layout used (a selector may have reordered the chunks)
+    logits: torch.Tensor  # [q, V] suffix logits of the last pass; row -1 predicts the first answer token
+    indices: torch.Tensor  # context indices whose K/V were recomputed
+    stats: dict
+    selector: object  # the method's `Selector` (its decode plan applies after the first token)
+    greedy: list[int] = field(default_factory=list)  # answer tokens an adaptive prefill already computed
 
 
 def _sync(device: torch.device) -> None:
@@ -222,13 +263,13 @@ class Engine:
                 raise InputError(f"chunk {i} is empty")
         return self.builder.build(question, chunks)
 
-    def _check_request(self, layout: PromptLayout, method: str, ratio: float, max_new_tokens: int,
+    def _check_request(self, layout: PromptLayout, method: str, ratio, max_new_tokens: int,
                        decode: str = "full", kv_budget: int | None = None,
-                       decode_options: dict | None = None) -> None:
+                       decode_options: dict | None = None) -> float | str:
+        """Validate a request (before anything is computed) -> the parsed ratio (a float or "auto")."""
         if method not in methods():
             raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
-        if not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0.0 <= ratio <= 1.0:
-            raise InputError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+        ratio = parse_ratio(ratio)
         from .decode import DECODE_POLICIES
 
         if decode != "full" and decode not in DECODE_POLICIES:
@@ -245,108 +286,162 @@ class Engine:
         if layout.n_total + max_new_tokens > limit:
             raise InputError(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
                              f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
+        return ratio
 
     # ---- the public entry points --------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
-                 recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-                 method_options: dict | None = None, layout: PromptLayout | None = None,
-                 decode_options: dict | None = None) -> GenerationResult:
-        """Answer ``question`` over ``chunks`` (see `stream` for the arguments)."""
+    def generate(self, question: str | None = None, chunks: list[str] | None = None,
+                 **options) -> GenerationResult:
+        """Answer ``question`` over ``chunks``; ``options`` are the fields of `GenerationRequest`."""
+        return self.run(GenerationRequest(question=question, chunks=chunks, **options))
+
+    @torch.no_grad()
+    def run(self, request: GenerationRequest) -> GenerationResult:
+        """`generate` for a `GenerationRequest`."""
         result = None
-        for event in self.stream(question, chunks, method, recompute_ratio, max_new_tokens, temperature, top_p,
-                                 seed, decode, kv_budget, method_options, layout, decode_options):
+        for event in self.stream_request(request):
             if isinstance(event, GenerationResult):
                 result = event
         return result
 
     @torch.no_grad()
-    def stream(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
-               recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-               method_options: dict | None = None, layout: PromptLayout | None = None,
-               decode_options: dict | None = None):
+    def stream(self, question: str | None = None, chunks: list[str] | None = None, **options):
+        """`stream_request` with the fields of `GenerationRequest` as keyword arguments."""
+        yield from self.stream_request(GenerationRequest(question=question, chunks=chunks, **options))
+
+    @torch.no_grad()
+    def stream_request(self, req: GenerationRequest):
         """Yield each generated token id (int) as it is produced, then the `GenerationResult`.
 
-        ``decode_options`` (sparse ``decode`` only): ``diagnostic=True`` also runs dense attention at every
-        step and puts the attention recall in ``stats["decode_recall"]`` (slow: a measurement mode);
-        ``page_size``, ``device_pages`` and the policy's fields (``static_ratio``, ``refresh_interval``,
-        ``window``, ``sinks``, ...) go to `kvstitch.decode.make_decoder`. A sparse decode also reports the
-        decoder's counters (pages copied, selected tokens, ...) in ``stats["decoder"]``.
-
         Input errors are raised before anything is computed. A consumer that stops iterating stops the
-        generation (servers use this when a client disconnects)."""
+        generation (servers use this when a client disconnects). With ``guard="full"`` the stitched answer is
+        checked against full prefill before any token is yielded (see `verify_against_full`). The engine keeps
+        no state of its own between requests: every per-request object lives in the `Prefill`."""
         t_start = time.perf_counter()
-        layout = layout or self.layout(question, chunks)
-        self._check_request(layout, method, recompute_ratio, max_new_tokens, decode, kv_budget, decode_options)
-        selector = make_selector(method, **(method_options or {}))
-        if decode != "full" and selector.adjusts_decode():
-            raise InputError(f"method {method!r} changes decode attention (APE scaling / A3 eviction); a sparse "
-                             f"decoder ({decode!r}) would silently drop that: use decode='full'")
-        stats: dict = {"method": method, "ratio": recompute_ratio, "prefix_tokens": layout.n_prefix,
+        layout = req.layout or self.layout(req.question, req.chunks)
+        ratio = self._check_request(layout, req.method, req.recompute_ratio, req.max_new_tokens, req.decode,
+                                    req.kv_budget, req.decode_options)
+        if req.guard not in (None, "full"):
+            raise InputError(f"guard must be None or 'full', got {req.guard!r}")
+        selector = make_selector(req.method, **(req.method_options or {}))
+        if req.decode != "full" and selector.adjusts_decode():
+            raise InputError(f"method {req.method!r} changes decode attention (APE scaling / A3 eviction); a sparse "
+                             f"decoder ({req.decode!r}) would silently drop that: use decode='full'")
+        stats: dict = {"method": req.method, "ratio": ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
-        cache, layout, logits, indices = self._prefill(layout, selector, recompute_ratio, max_new_tokens, stats)
-        self._current_ids = layout.ids
-        first = self._sample(logits[-1], temperature, top_p, seed)
-        ttft = time.perf_counter() - t_start
-        stats.update(recomputed_tokens=int(indices.numel()), ttft_s=ttft, order=layout.order)
-        tokens = [first]
-        yield first
-        t0, steps = time.perf_counter(), 0
-        # after the first token: a method's decode plan (APE's attention, A3's KV eviction), if any
-        more = max_new_tokens > 1 and first not in self.eos_ids
-        dplan = selector.decode_plan(self, cache, layout, stats) if more else None
-        for tok in self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats,
-                                dplan, decode_options):
+        pre = self._prefill(layout, selector, ratio, req.max_new_tokens, stats, req.auto)
+        if req.guard:
+            yield from self._guarded(req, pre, t_start)
+            return
+        tokens: list[int] = []
+        for tok in self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
+                                      req.kv_budget, req.decode_options):
+            if not tokens:
+                stats["ttft_s"] = time.perf_counter() - t_start
+                t0 = time.perf_counter()
             tokens.append(tok)
-            steps += 1
             yield tok
-        stats.update(decode_tokens=len(tokens), tpot_s=(time.perf_counter() - t0) / max(steps, 1))
+        yield self._result(req, pre, tokens, (time.perf_counter() - t0) / max(len(tokens) - 1, 1))
+
+    def _result(self, req: GenerationRequest, pre: "Prefill", tokens: list[int], tpot: float) -> GenerationResult:
+        stats = pre.stats
+        stats.update(recomputed_tokens=int(pre.indices.numel()), order=pre.layout.order, decode_tokens=len(tokens),
+                     tpot_s=tpot)
+        stats.setdefault("ratio_used", pre.indices.numel() / max(pre.layout.n_context, 1))
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
-        yield GenerationResult(text=text.strip(), ttft_s=ttft, recomputed=indices.tolist(), stats=stats,
-                               token_ids=tokens, first_logits=logits[-1].cpu(), method=method)
+        return GenerationResult(text=text.strip(), ttft_s=stats["ttft_s"], recomputed=pre.indices.tolist(),
+                                stats=stats, token_ids=tokens, first_logits=pre.logits[-1].cpu(), method=req.method)
+
+    def _guarded(self, req: GenerationRequest, pre: "Prefill", t_start: float):
+        """guard="full": the stitched greedy answer, verified (and if need be corrected) against full prefill."""
+        if req.temperature > 0:
+            raise InputError("guard='full' verifies the greedy answer: use temperature 0")
+        tokens = list(self.decode_tokens(pre, req.max_new_tokens, 0.0, 1.0, req.seed, req.decode, req.kv_budget,
+                                         req.decode_options))
+        t0 = time.perf_counter()
+        tokens, check = self.verify_against_full(pre.layout, tokens, req.max_new_tokens)
+        pre.stats.update(guard={**check, "check_s": time.perf_counter() - t0})
+        pre.stats["ttft_s"] = time.perf_counter() - t_start
+        yield from tokens
+        yield self._result(req, pre, tokens, 0.0)
+
+    @torch.no_grad()
+    def verify_against_full(self, layout: PromptLayout, tokens: list[int], max_new_tokens: int):
+        """Check a greedy answer against full prefill: teacher-force ``tokens`` after a full prefill of ``layout``
+        (one pass); when full prefill's argmax reproduces every token, full prefill's greedy answer IS
+        ``tokens`` (same conditioning at every step). Otherwise full prefill's own greedy answer is decoded
+        from the first divergence. -> (full prefill's greedy answer, {"agreed", "first_divergence"})."""
+        n = layout.n_total
+        cache, logits = self.full_prefill(layout, extra=max_new_tokens)
+        rows = [logits[-1:]]
+        if len(tokens) > 1:
+            rows.append(self.forward(cache, torch.tensor(tokens[:-1]), torch.arange(n, n + len(tokens) - 1),
+                                     logits_to_keep=len(tokens) - 1))
+        pred = torch.cat(rows).argmax(-1).tolist()
+        k = 0
+        while k < len(tokens) and pred[k] == tokens[k]:
+            k += 1
+        if k == len(tokens):
+            return list(tokens), {"agreed": True, "first_divergence": None}
+        fixed = tokens[:k] + [pred[k]]
+        cache.truncate(n + k)
+        pre = Prefill(cache, layout, logits[-1:], torch.arange(layout.n_context), {}, make_selector("full"),
+                      greedy=fixed)
+        return list(self.decode_tokens(pre, max_new_tokens)), {"agreed": False, "first_divergence": k}
 
     @torch.no_grad()
     def answer_logits(self, layout: PromptLayout, answer_ids: torch.Tensor, method: str,
-                      recompute_ratio: float = 0.2, method_options: dict | None = None):
+                      recompute_ratio: float | str = 0.2, method_options: dict | None = None):
         """Teacher-forced next-token logits ``[T, V]`` for ``answer_ids`` (T tokens) after prefilling
         ``layout`` with ``method`` — row i predicts answer token i. For fidelity metrics (KL vs full,
         answer NLL). -> (logits, recomputed context indices, stats)."""
         answer_ids = torch.as_tensor(answer_ids, dtype=torch.long).flatten()
-        self._check_request(layout, method, recompute_ratio, max(1, answer_ids.numel()))
-        stats: dict = {}
-        selector = make_selector(method, **(method_options or {}))
-        cache, layout, logits, indices = self._prefill(layout, selector, recompute_ratio, answer_ids.numel(), stats)
-        rows = [logits[-1:]]
-        if answer_ids.numel() > 1:
-            n = layout.n_total
-            rows.append(self.forward(cache, answer_ids[:-1], torch.arange(n, n + answer_ids.numel() - 1),
-                                     logits_to_keep=answer_ids.numel() - 1))
-        return torch.cat(rows).cpu(), indices, stats
+        pre = self.prefill(layout, method, recompute_ratio, max(1, answer_ids.numel()), method_options)
+        return self.teacher_force(pre, answer_ids), pre.indices, pre.stats
 
     @torch.no_grad()
-    def prefill(self, layout: PromptLayout, method: str = "full", recompute_ratio: float = 0.2,
-                max_new_tokens: int = 32, method_options: dict | None = None):
-        """Prefill ``layout`` with ``method``, for callers that drive decoding themselves (`decode_step`,
-        benches) -> (cache with room for ``max_new_tokens``, layout used, suffix logits, recomputed context
-        indices, stats). Methods that change decode attention (APE, A3 eviction) are refused: their decode
-        plan would be lost."""
-        self._check_request(layout, method, recompute_ratio, max_new_tokens)
-        selector = make_selector(method, **(method_options or {}))
-        if selector.adjusts_decode():
-            raise InputError(f"method {method!r} changes decode attention (APE scaling / A3 eviction): "
-                             f"use generate()")
-        stats: dict = {}
-        cache, layout, logits, indices = self._prefill(layout, selector, recompute_ratio, max_new_tokens, stats)
-        return cache, layout, logits, indices, stats
+    def teacher_force(self, pre: "Prefill", answer_ids: torch.Tensor, plan: ForwardPlan | None = None) -> torch.Tensor:
+        """Logits ``[T, V]`` (float32, cpu) predicting each of ``answer_ids`` after ``pre`` (one pass of the
+        first T-1 answer tokens; the cache keeps their K/V)."""
+        answer_ids = torch.as_tensor(answer_ids, dtype=torch.long).flatten()
+        n, T = pre.layout.n_total, answer_ids.numel()
+        pre.cache.truncate(n)
+        rows = [pre.logits[-1:].float().cpu()]
+        if T > 1:
+            rows.append(self.forward(pre.cache, answer_ids[:-1], torch.arange(n, n + T - 1), plan,
+                                     logits_to_keep=T - 1).float().cpu())
+        return torch.cat(rows)[:max(T, 1)]
 
-    def _prefill(self, layout: PromptLayout, selector, ratio: float, max_new_tokens: int, stats: dict):
-        """-> (cache ready for decode, layout used, suffix logits, recomputed context indices)."""
+    @torch.no_grad()
+    def prefill(self, layout: PromptLayout, method: str = "full", recompute_ratio: float | str = 0.2,
+                max_new_tokens: int = 32, method_options: dict | None = None,
+                auto: AutoBudget | dict | None = None) -> "Prefill":
+        """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
+        `decode_step`, the eval harness, benches) -> `Prefill` (cache with room for ``max_new_tokens``)."""
+        ratio = self._check_request(layout, method, recompute_ratio, max_new_tokens)
+        selector = make_selector(method, **(method_options or {}))
+        return self._prefill(layout, selector, ratio, max_new_tokens, {}, auto)
+
+    def _prefill(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
+                 auto=None) -> "Prefill":
         if selector.full_prefill:
+            t0 = time.perf_counter()
             cache, logits = self.full_prefill(layout, extra=max_new_tokens)
-            return cache, layout, logits, torch.arange(layout.n_context)
+            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
+            return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
+        if ratio == AUTO:
+            t0 = time.perf_counter()
+            got = adaptive_prefill(self, layout, selector, AutoBudget.of(auto), max_new_tokens, stats,
+                                   selector.recompute_plan)
+            if got is None:  # no round converged below the ceiling: full prefill answers
+                t1 = time.perf_counter()
+                cache, logits = self.full_prefill(layout, extra=max_new_tokens)
+                stats.update(ratio_used=1.0, recompute_cost=stats["recompute_cost"] + 1.0,
+                             fallback_s=time.perf_counter() - t1, recompute_s=time.perf_counter() - t0)
+                return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
+            stats["recompute_s"] = time.perf_counter() - t0
+            return Prefill(got.cache, got.layout, got.logits, got.indices, stats, selector, greedy=got.greedy)
         kvs = self.chunk_kvs(layout, stats)
         t1 = time.perf_counter()
         cache = self.stitch(layout, kvs, extra=max_new_tokens)
@@ -360,7 +455,7 @@ class Engine:
         logits = self.recompute(cache, layout, indices, selector.recompute_plan(ctx))
         _sync(self.device)
         stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=time.perf_counter() - t3)
-        return cache, layout, logits, indices
+        return Prefill(cache, layout, logits, indices, stats, selector)
 
     # ---- decoding -------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0) -> int:
@@ -374,23 +469,42 @@ class Engine:
         g = torch.Generator(device="cpu").manual_seed(seed * 100003 + step)
         return int(torch.multinomial(probs.cpu(), 1, generator=g))
 
-    def _decode(self, cache: StitchCache, first: int, max_new_tokens: int, temperature: float, top_p: float,
-                seed: int, decode: str, kv_budget: int | None, stats: dict, plan: ForwardPlan | None = None,
-                decode_options: dict | None = None):
-        """Yield tokens after the first until EOS / the cap / a base model's line break."""
-        tokens = [first]
-        plan = plan or ForwardPlan()
+    def finished(self, tokens: list[int]) -> bool:
+        """True when an answer is complete: it ends with EOS, or a base model wrote its line (`_stop_text`)."""
+        return bool(tokens) and (tokens[-1] in self.eos_ids or self._stop_text(tokens))
+
+    @torch.no_grad()
+    def decode_tokens(self, pre: "Prefill", max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                      seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                      decode_options: dict | None = None):
+        """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
+        (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
+        model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
+        applies; ``decode`` != "full" hands the cache to a sparse decoder (see `stream`)."""
+        stats, cache = pre.stats, pre.cache
+        n = pre.layout.n_total
+        if pre.greedy and temperature <= 0:
+            tokens = list(pre.greedy[:max_new_tokens])
+            if len(tokens) < len(pre.greedy):
+                cache.truncate(n + len(tokens) - 1)
+        else:
+            cache.truncate(n)  # sampling: the greedy probe's K/V (if any) are not this answer's
+            tokens = [self._sample(pre.logits[-1], temperature, top_p, seed)]
+        yield from tokens
+        if len(tokens) >= max_new_tokens or self.finished(tokens):
+            return
+        plan = pre.selector.decode_plan(self, cache, pre.layout, stats) or ForwardPlan()
         stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
         if decode != "full":
             options = dict(decode_options or {})
             diagnostic = options.pop("diagnostic", False)
-            plan.decoder = self.make_decoder(cache, decode, kv_budget, prompt_ids=self._current_ids,
+            plan.decoder = self.make_decoder(cache, decode, kv_budget, prompt_ids=pre.layout.ids,
                                              diagnostic=diagnostic, **options)
             stats["kv_budget"] = plan.decoder.kv_budget
             cache.decoder = plan.decoder
         try:
-            step = 0
-            while tokens[-1] not in self.eos_ids and len(tokens) < max_new_tokens and not self._stop_text(tokens):
+            step = len(tokens) - 1
+            while not self.finished(tokens) and len(tokens) < max_new_tokens:
                 step += 1
                 if plan.decoder is None:
                     logits = self.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([cache.length]), plan)

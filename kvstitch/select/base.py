@@ -95,7 +95,26 @@ class Selector:
         if ctx.budget >= ctx.n_context:
             return torch.arange(ctx.n_context), None
         scores = self.score(ctx).float().cpu()
-        return top_k_indices(scores, ctx.budget), scores
+        return self.pick(scores, ctx.budget), scores
+
+    def pick(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """The ``k`` context indices to recompute given the scores (sorted). Grouping methods override this."""
+        return top_k_indices(scores, k)
+
+    def ranking(self, ctx: SelectionContext):
+        """For budgets decided later (``recompute_ratio="auto"``): select once at ``ctx.budget`` (scoring,
+        and any reordering a method does to ``ctx``), then -> a picker ``k -> sorted indices``."""
+        from ..errors import InputError
+
+        n = ctx.n_context
+        if n <= 1:
+            return lambda k: torch.arange(min(max(k, 0), n))
+        ctx.budget = min(max(ctx.budget, 1), n - 1)  # below n: the base select scores instead of taking all
+        _, scores = self.select(ctx)
+        if scores is None:
+            raise InputError(f"method {self.name!r} does not rank context tokens, so it cannot choose a budget "
+                             f"adaptively (recompute_ratio='auto'); use a scoring method such as prophet")
+        return lambda k: self.pick(scores, min(max(k, 0), n))
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

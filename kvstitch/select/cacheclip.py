@@ -208,4 +208,7 @@ class CacheClip(Selector):
         if ctx.budget >= ctx.n_context:
             return torch.arange(ctx.n_context), None
         scores = self.score(ctx).float().cpu()
-        return grouped_top_k(scores, ctx.budget, self.group_size, self.group_min), scores
+        return self.pick(scores, ctx.budget), scores
+
+    def pick(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        return grouped_top_k(scores, k, self.group_size, self.group_min)

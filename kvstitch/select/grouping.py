@@ -116,7 +116,10 @@ class Grouped(Selector):
         idx, scores = self.base_selector.select(ctx)
         if scores is None:
             return idx, None
-        return grouped_top_k(scores, ctx.budget, self.group_size, self.group_min), scores
+        return self.pick(scores, ctx.budget), scores
+
+    def pick(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        return grouped_top_k(scores, k, self.group_size, self.group_min)
 
     def recompute_plan(self, ctx: SelectionContext):
         return self.base_selector.recompute_plan(ctx)

@@ -1,0 +1,120 @@
+"""recompute_ratio="auto": rounds of growing budget, convergence, the full-prefill fallback, the guard."""
+
+import pytest
+import torch
+
+from kvstitch import InputError
+from kvstitch.budget import AutoBudget, parse_ratio
+
+from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, TINY, make_tiny_engine
+
+CHUNKS = SAMPLE_CHUNKS * 2
+
+
+def _gen(eng, method="prophet", ratio="auto", **kw):
+    return eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, recompute_ratio=ratio,
+                        max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
+
+
+@pytest.mark.parametrize("tiny_engine", TINY, indirect=True)
+def test_tolerance_zero_is_full_prefill_exactly(tiny_engine):
+    full = _gen(tiny_engine, "full", 0.0)
+    auto = _gen(tiny_engine, auto={"tol": 0.0})
+    assert auto.token_ids == full.token_ids
+    assert torch.equal(auto.first_logits, full.first_logits)  # the fallback IS a full prefill
+    st = auto.stats
+    assert st["converged"] is False and st["ratio_used"] == 1.0 and st["rounds"] == 4
+    assert len(auto.recomputed) == st["context_tokens"]
+    assert all(r["agreed"] is not True for r in st["round_log"])
+
+
+@pytest.mark.parametrize("method", ["prophet", "infoflow", "a3", "cacheblend", "random"])
+def test_rounds_never_recompute_a_context_token_twice(smollm_tokenizer, method, monkeypatch):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    seen: list[torch.Tensor] = []
+    real = eng.forward
+
+    def spy(cache, ids, slots, plan=None, **kw):
+        out = real(cache, ids, slots, plan, **kw)
+        if out is not None and kw.get("write", True):  # a pass through all layers that writes K/V
+            seen.append(slots.clone())
+        return out
+
+    monkeypatch.setattr(eng, "forward", spy)
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    res = eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, recompute_ratio="auto", max_new_tokens=4,
+                       auto={"tol": 0.0, "max_ratio": 0.5})  # never converges: every round runs
+    c0, c1 = layout.context_start, layout.context_end
+    ctx_slots = [s[(s >= c0) & (s < c1)] for s in seen if s.numel() > 1 or (c0 <= int(s[0]) < c1)]
+    # scoring passes run the suffix only; the recompute rounds carry the context tokens
+    rounds = [s for s in ctx_slots if s.numel()]
+    flat = torch.cat(rounds)
+    assert flat.unique().numel() == flat.numel(), "a context token was recomputed twice"
+    st = res.stats
+    assert st["rounds"] == len(st["round_log"]) == 5  # 0.05, 0.1, 0.2, 0.4 and the ceiling 0.5
+    assert st["ratio_used"] == pytest.approx(len(res.recomputed) / layout.n_context)
+    assert st["ratio_used"] == pytest.approx(flat.numel() / layout.n_context)
+    assert st["round_log"][-1]["ratio"] == pytest.approx(st["ratio_used"])
+    assert st["converged"] is False
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_ratio_used_is_the_real_fraction_and_rounds_stop_at_the_first_agreement(smollm_tokenizer, name):
+    eng = make_tiny_engine(name, smollm_tokenizer)
+    res = _gen(eng, auto={"tol": 1e9, "probe_tokens": 4})  # KL never blocks: a reproduced probe converges
+    st = res.stats
+    agreed = [r["agreed"] for r in st["round_log"]]
+    assert agreed[0] is None  # the first round has nothing to compare with
+    if True in agreed:
+        assert st["converged"] is True and st["rounds"] == agreed.index(True) + 1 == len(agreed)
+        assert st["ratio_used"] == pytest.approx(len(res.recomputed) / st["context_tokens"])
+        assert st["ratio_used"] == pytest.approx(st["round_log"][-1]["ratio"], abs=1e-6) and st["ratio_used"] < 1.0
+    else:
+        assert st["converged"] is False and st["ratio_used"] == 1.0
+
+
+def test_converged_answer_equals_greedy_decode_of_the_same_cache(smollm_tokenizer):
+    """The answer read off the rounds (probe K/V reused) equals decoding the final round's cache step by step."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    res = _gen(eng, auto={"tol": 1e9, "probe_tokens": 3}, max_new_tokens=8)
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    # same final set, recomputed in one pass: the probe tokens must be that cache's greedy answer
+    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"tol": 1e9, "probe_tokens": 3})
+    tokens = list(eng.decode_tokens(pre, 8))
+    assert tokens == res.token_ids
+    assert len(res.token_ids) > 3 or eng.finished(res.token_ids)
+
+
+def test_ceiling_below_one_keeps_the_last_round_and_reports_not_converged(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    res = _gen(eng, auto={"tol": 0.0, "max_ratio": 0.3})
+    st = res.stats
+    assert st["converged"] is False and st["ratio_used"] < 0.31 and "fallback_s" not in st
+    assert [r["ratio"] for r in st["round_log"]] == sorted(r["ratio"] for r in st["round_log"])
+
+
+def test_bad_auto_values_are_input_errors(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    for bad in ("fast", "1.5", -0.1, float("nan"), True, [0.2]):
+        with pytest.raises(InputError):
+            _gen(eng, ratio=bad)
+    for opts in ({"tol": -1}, {"schedule": [0.4, 0.2]}, {"max_ratio": 0}, {"probe_tokens": 0}, {"bogus": 1}):
+        with pytest.raises(InputError):
+            _gen(eng, auto=opts)
+    with pytest.raises(InputError, match="does not rank"):
+        _gen(eng, method="naive")
+    assert parse_ratio("AUTO") == "auto" and parse_ratio("0.25") == 0.25
+    assert AutoBudget(max_ratio=0.3).rounds() == [0.05, 0.1, 0.2, 0.3]
+
+
+def test_guard_full_returns_full_prefill_answer(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    full = _gen(eng, "full", 0.0)
+    naive_guarded = _gen(eng, "random", 0.0, guard="full")
+    assert naive_guarded.token_ids == full.token_ids
+    g = naive_guarded.stats["guard"]
+    naive = _gen(eng, "random", 0.0)
+    assert g["agreed"] == (naive.token_ids == full.token_ids)
+    assert (g["first_divergence"] is None) == g["agreed"]
+    with pytest.raises(InputError):
+        _gen(eng, "random", 0.2, guard="sometimes")
