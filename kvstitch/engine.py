@@ -416,11 +416,12 @@ class Engine:
     @torch.no_grad()
     def prefill(self, layout: PromptLayout, method: str = "full", recompute_ratio: float | str = 0.2,
                 max_new_tokens: int = 32, method_options: dict | None = None,
-                auto: AutoBudget | dict | None = None) -> "Prefill":
+                auto: AutoBudget | dict | None = None, selector=None) -> "Prefill":
         """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
-        `decode_step`, the eval harness, benches) -> `Prefill` (cache with room for ``max_new_tokens``)."""
+        `decode_step`, the eval harness, benches) -> `Prefill` (cache with room for ``max_new_tokens``).
+        ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores)."""
         ratio = self._check_request(layout, method, recompute_ratio, max_new_tokens)
-        selector = make_selector(method, **(method_options or {}))
+        selector = selector or make_selector(method, **(method_options or {}))
         return self._prefill(layout, selector, ratio, max_new_tokens, {}, auto)
 
     def _prefill(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
@@ -476,7 +477,7 @@ class Engine:
     @torch.no_grad()
     def decode_tokens(self, pre: "Prefill", max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                       seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-                      decode_options: dict | None = None):
+                      decode_options: dict | None = None, plan: ForwardPlan | None = None):
         """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
         (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
         model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
@@ -493,7 +494,7 @@ class Engine:
         yield from tokens
         if len(tokens) >= max_new_tokens or self.finished(tokens):
             return
-        plan = pre.selector.decode_plan(self, cache, pre.layout, stats) or ForwardPlan()
+        plan = plan or pre.selector.decode_plan(self, cache, pre.layout, stats) or ForwardPlan()
         stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
         if decode != "full":
             options = dict(decode_options or {})

@@ -42,8 +42,14 @@ def _method_key(method: str) -> tuple[int, str]:
 
 
 def _ratio_key(ratio: Any) -> float:
+    if ratio == "auto":
+        return 2.0  # after every fixed ratio
     x = _num(ratio)
     return -1.0 if x is None else x
+
+
+def _ratio_cell(ratio: Any) -> str:
+    return "auto" if ratio == "auto" else _fmt(_num(ratio), 2)
 
 
 def _fmt(x: float, digits: int = 1) -> str:
@@ -79,7 +85,7 @@ def summary_table(rows: Sequence[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
 
     def emit(task: str, method: str, ratio: Any, c: dict, ref: float | None) -> None:
-        lines.append(f"| {task} | {method} | {_fmt(_num(ratio), 2)} | {c['n']} | {_fmt(c['score'])} | "
+        lines.append(f"| {task} | {method} | {_ratio_cell(ratio)} | {c['n']} | {_fmt(c['score'])} | "
                      f"{_fmt(pct(c['score'], ref))} | {_fmt(c['kl'], 4)} | {_fmt(c['rec'], 2)} | "
                      f"{_fmt(c['ttft'], 3)} |")
 

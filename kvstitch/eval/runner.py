@@ -42,7 +42,9 @@ from typing import Any, Optional
 import torch
 import typer
 
+from ..budget import AUTO
 from ..errors import InputError
+from .agreement import first_token_agree, first_words_agree
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import append_jsonl, plot_niah_heatmap, read_jsonl, summary_table
 from .scoring import scorer_for
@@ -75,6 +77,7 @@ class EvalConfig:
     overlap: bool = True  # overlap with the `oracle` set (costs one full-prefill scoring pass per sample
     #                       when `oracle` itself is not among the methods)
     storage_dtype: str = "float16"  # the chunk store's dtype (int8 = KIVI): what every stitched method reads
+    auto: dict | None = None  # options of the "auto" ratio (`kvstitch.budget.AutoBudget`), None = defaults
 
     def protocol(self) -> dict:
         """What must not change between a run and its resumption (rows would not be comparable)."""
@@ -82,6 +85,10 @@ class EvalConfig:
              "answer_slack": self.answer_slack, "answer_prefix": self.answer_prefix}
         if self.storage_dtype != "float16":  # (absent = float16: logs written before the option stay valid)
             p["storage_dtype"] = self.storage_dtype
+        if AUTO in self.ratios:
+            from ..budget import AutoBudget
+
+            p["auto"] = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(AutoBudget.of(self.auto)).items()}
         return p
 
 
@@ -92,8 +99,10 @@ def ordered_methods(methods: Sequence[str]) -> list[str]:
     return [*REFERENCES, *rest]
 
 
-def _norm_ratio(method: str, ratio: float | None) -> float | None:
-    return None if method in REFERENCES or ratio is None else round(float(ratio), 6)
+def _norm_ratio(method: str, ratio: float | str | None) -> float | str | None:
+    if method in REFERENCES or ratio is None:
+        return None
+    return AUTO if ratio == AUTO else round(float(ratio), 6)
 
 
 def row_key(row: dict) -> tuple:
@@ -106,7 +115,7 @@ def combos(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, f
         if m in REFERENCES:
             out.append((m, None))
         else:
-            out.extend((m, _norm_ratio(m, r)) for r in sorted(ratios))
+            out.extend((m, _norm_ratio(m, r)) for r in sorted(ratios, key=lambda r: (r == AUTO, 0 if r == AUTO else r)))
     return out
 
 
@@ -200,7 +209,7 @@ def _attach_score_cache(selector, method: str, cache: dict | None):
 @torch.no_grad()
 def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens: int,
                target: Sequence[int] | None = None, method_options: dict | None = None,
-               score_cache: dict | None = None) -> MethodRun:
+               score_cache: dict | None = None, auto: dict | None = None) -> MethodRun:
     """Prefill with `method` (timed, = TTFT), teacher-force `target`, and produce the greedy answer (see the
     module doc). With `target` None (the full-prefill reference itself), the answer is decoded normally."""
     from ..select import make_selector
@@ -210,22 +219,19 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     target_t = torch.zeros(0, dtype=torch.long) if target is None else torch.as_tensor(target, dtype=torch.long).flatten()
     T = target_t.numel()
     n = layout.n_total
-    stats: dict = {}
     t0 = time.perf_counter()
-    cache, used, logits, indices = engine._prefill(layout, selector, ratio or 0.0, max(max_new_tokens, T), stats)
-    first = int(torch.argmax(logits[-1]))
+    pre = engine.prefill(layout, method, 0.0 if ratio is None else ratio, max(max_new_tokens, T), selector=selector,
+                         auto=auto)
+    first = int(torch.argmax(pre.logits[-1]))
     ttft = time.perf_counter() - t0
+    stats, cache, used = pre.stats, pre.cache, pre.layout
     if cached_select_s():  # scores reused from this sample's other ratio: charge their measured cost
         ttft += cached_select_s()
         stats["select_s"] = stats.get("select_s", 0.0) + cached_select_s()
         stats["select_cached"] = True
     order = list(used.order)
     dplan = selector.decode_plan(engine, cache, used, stats)
-    rows = [logits[-1:].float().cpu()]
-    if T > 1:  # the answer tokens after the first see the method's decode plan, as in generation
-        rows.append(engine.forward(cache, target_t[:-1], torch.arange(n, n + T - 1), dplan,
-                                   logits_to_keep=T - 1).float().cpu())
-    tf_logits = torch.cat(rows) if T else None
+    tf_logits = engine.teacher_force(pre, target_t, dplan) if T else None
 
     # greedy answer: as far as the teacher-forced argmax agrees with the target, it IS the greedy answer
     tokens = [first]
@@ -239,26 +245,21 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
         else:
             tokens = target_t[:k].tolist() + [pred[k]]
     reused = len(tokens)
-    if len(tokens) < max_new_tokens and tokens[-1] not in engine.eos_ids and not engine._stop_text(tokens):
+    if len(tokens) < max_new_tokens and not engine.finished(tokens):
         cache.truncate(n + len(tokens) - 1)  # K/V of the agreeing target prefix are valid, drop the rest
-        tokens += list(engine._decode(cache, tokens[-1], max_new_tokens - len(tokens) + 1, 0.0, 1.0, 0, "full",
-                                      None, stats, dplan))
+        pre.greedy = list(tokens)
+        tokens = list(engine.decode_tokens(pre, max_new_tokens, plan=dplan))
     if T and k == T:
         reused = T
     for j in range(1, len(tokens)):  # base models stop at a line break (engine rule over the whole answer)
-        if engine._stop_text(tokens[:j]):
+        if engine.finished(tokens[:j]) and tokens[j - 1] not in engine.eos_ids:
             tokens = tokens[:j]
             break
     if not T:  # the reference itself: logits of its own answer, teacher-forced in one pass like the others
         target_t = torch.tensor(tokens, dtype=torch.long)
-        rows = [logits[-1:].float().cpu()]
-        if len(tokens) > 1:
-            cache.truncate(n)
-            rows.append(engine.forward(cache, target_t[:-1], torch.arange(n, n + len(tokens) - 1), dplan,
-                                       logits_to_keep=len(tokens) - 1).float().cpu())
-        tf_logits = torch.cat(rows)
+        tf_logits = engine.teacher_force(pre, target_t, dplan)
     text = engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True).strip()
-    idx = to_original_order(indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
+    idx = to_original_order(pre.indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
     stats.pop("order", None)
     return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused)
 
@@ -315,6 +316,14 @@ def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool =
 
 def _clean(x: float | None) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+def _auto_fields(stats: dict) -> dict:
+    """What an adaptive budget did (`kvstitch.budget`): rounds, convergence, signal, ratios per round."""
+    if "round_log" not in stats:
+        return {}
+    return {"rounds": stats.get("rounds"), "converged": stats.get("converged"), "signal": _clean(stats.get("signal")),
+            "round_ratios": [r["ratio"] for r in stats["round_log"]]}
 
 
 def _stage_fields(stats: dict) -> dict:
@@ -377,7 +386,7 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
     has_oracle = cfg.overlap and _oracle_registered()
 
     def reference_set(r: float | None) -> torch.Tensor | None:
-        if not has_oracle or r is None or r <= 0:
+        if not has_oracle or r is None or r == AUTO or r <= 0:  # auto: no single budget to compare at
             return None
         if r not in g_sets:
             if ("oracle", r) in runs:
@@ -399,7 +408,11 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
                 "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(nll_full),
                 "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
                 **_stage_fields(run.stats), "answer_tokens": len(target), "max_new_tokens": budget,
-                "reused_tokens": run.reused_tokens, "precompute_s": precompute_s}
+                "reused_tokens": run.reused_tokens, "precompute_s": precompute_s,
+                # agreement with full prefill's own answer, and what it cost
+                "agree_words": first_words_agree(run.text, ref.text), "agree_first": first_token_agree(run.tokens, ref.tokens),
+                "ttft_full_s": ref.ttft_s, "ratio_used": _clean(run.stats.get("ratio_used")),
+                "recompute_cost": _clean(run.stats.get("recompute_cost")), **_auto_fields(run.stats)}
 
     if ("full", None) in todo:
         row = make_row(ref)
@@ -424,7 +437,7 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
         if m in REFERENCES:
             continue
         start(m, r)
-        run = run_method(engine, layout, m, r, budget, target, score_cache=score_cache)
+        run = run_method(engine, layout, m, r, budget, target, score_cache=score_cache, auto=cfg.auto)
         runs[(m, r)] = run
         emit(make_row(run))
     return new_rows
@@ -725,7 +738,7 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
                 else:
                     pts: dict[float, list[dict]] = defaultdict(list)
                     for r in g:
-                        if r.get("ratio") is not None:
+                        if r.get("ratio") not in (None, AUTO):
                             pts[float(r["ratio"])].append(r)
                     ys = [(x, agg(pts[x])) for x in sorted(pts)]
                     ys = [(x, y) for x, y in ys if not math.isnan(y)]
@@ -817,7 +830,10 @@ def eval_command(
         chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
         methods: str = typer.Option("all", help="comma-separated methods, or 'all' (full and naive always run)"),
         exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
-        ratios: str = typer.Option("0.1,0.2", help="recompute ratios"),
+        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
+        auto_tol: Optional[float] = typer.Option(None, help="'auto': KL tolerance between rounds (default: AutoBudget)"),
+        auto_max_ratio: Optional[float] = typer.Option(None, help="'auto': ceiling (1 = fall back to full prefill)"),
+        auto_probe_tokens: Optional[int] = typer.Option(None, help="'auto': answer tokens compared between rounds"),
         n: int = typer.Option(20, help="samples per task and length"),
         seed: int = typer.Option(0, help="task generator seed"),
         max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
@@ -841,12 +857,14 @@ def eval_command(
         torch.set_num_threads(threads)
     try:
         lengths = [int(x) for x in _csv(length)]
-        ratio_list = [float(x) for x in _csv(ratios)]
+        ratio_list = [x.strip().lower() if x.strip().lower() == AUTO else float(x) for x in _csv(ratios)]
     except ValueError as e:
         raise InputError(f"--length and --ratios take comma-separated numbers: {e}") from None
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
-                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype)
+                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
+                     auto={k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio),
+                                              ("probe_tokens", auto_probe_tokens)) if v is not None} or None)
     args = sys.argv[1:]
     if args[:1] != ["eval"]:  # `python -m kvstitch.eval.runner ...` runs the same command
         args = ["eval", *args]

@@ -1,0 +1,32 @@
+"""Agreement with full prefill: does the stitched answer say what full prefill would have said?
+
+`first_words_agree`: the first ``words`` (12) whitespace words match exactly, after normalising case and
+surrounding punctuation — the check a user would make reading both answers side by side. Answers shorter
+than ``words`` must match whole. `first_token_agree`: the first generated token ids are equal.
+"""
+
+from __future__ import annotations
+
+import re
+
+WORDS = 12
+_STRIP = re.compile(r"^[\W_]+|[\W_]+$")
+
+
+def _words(text: str, n: int) -> list[str]:
+    out = []
+    for w in text.split():
+        w = _STRIP.sub("", w.lower())
+        if w:
+            out.append(w)
+        if len(out) == n:
+            break
+    return out
+
+
+def first_words_agree(text: str, reference: str, words: int = WORDS) -> bool:
+    return _words(text, words) == _words(reference, words)
+
+
+def first_token_agree(tokens, reference_tokens) -> bool:
+    return bool(tokens) and bool(reference_tokens) and int(tokens[0]) == int(reference_tokens[0])

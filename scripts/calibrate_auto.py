@@ -1,0 +1,127 @@
+"""Calibrate the convergence signal of recompute_ratio="auto" on a seed the eval never uses.
+
+For every sample: full prefill's greedy answer, then every round of the schedule run to the end (tol 0,
+ceiling = the last scheduled ratio) with each method, logging per round the probe (greedy answer start) and
+the KL to the previous round. Offline, for each (tol, patience) it replays where `auto` would have stopped
+and whether the answer there agrees with full prefill's (first 12 words), and the cost (recomputed
+fraction; a fallback costs the rounds plus a full prefill). Writes JSON lines + a markdown table.
+
+    python scripts/calibrate_auto.py --seed 1 --n 12 --length 2048 --out docs/results/auto-calibration
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from kvstitch import Engine
+from kvstitch.budget import DEFAULT_SCHEDULE
+from kvstitch.eval import generate
+from kvstitch.eval.agreement import first_words_agree
+from kvstitch.eval.runner import answer_budget, sample_layout, EvalConfig
+
+TOLS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, float("inf"))
+
+
+def collect(engine, args) -> list[dict]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "rounds.jsonl"
+    done = set()
+    if path.exists():
+        done = {(r["task"], r["index"], r["method"]) for r in map(json.loads, path.read_text().splitlines())}
+    cfg = EvalConfig(tasks=args.tasks.split(","), lengths=[args.length], methods=[], ratios=[], n=args.n,
+                     seed=args.seed)
+    def count(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    with path.open("a") as f:
+        for task in cfg.tasks:
+            for i, sample in enumerate(generate(task, args.n, args.length, 256, args.seed, count)):
+                layout = sample_layout(engine, sample)
+                budget = answer_budget(engine, sample, cfg)
+                engine.chunk_kvs(layout)
+                full = list(engine.decode_tokens(engine.prefill(layout, "full", 0.0, budget), budget))
+                full_text = engine.tokenizer.decode(full, skip_special_tokens=True)
+                for m in args.methods.split(","):
+                    if (task, i, m) in done:
+                        continue
+                    pre = engine.prefill(layout, m, "auto", budget,
+                                         auto={"tol": 0.0, "max_ratio": max(DEFAULT_SCHEDULE),
+                                               "probe_tokens": args.probe_tokens})
+                    rounds = []
+                    for r in pre.stats["round_log"]:
+                        text = engine.tokenizer.decode(r["probe"], skip_special_tokens=True)
+                        rounds.append({**r, "agrees_full": first_words_agree(text, full_text)})
+                    row = {"task": task, "index": i, "method": m, "full": full_text, "rounds": rounds}
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    print(task, i, m, [(x["ratio"], x["kl"], x["agrees_full"]) for x in rounds], flush=True)
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def replay(rows: list[dict], tol: float, patience: int) -> dict:
+    """Where auto stops for each row, its agreement with full and its cost."""
+    agree, cost, used = [], [], []
+    for row in rows:
+        streak, stop = 0, None
+        for j, r in enumerate(row["rounds"]):
+            ok = r["agreed"] is not None and r["kl"] is not None and r["kl"] < tol and r.get("first_divergence") is None
+            streak = streak + 1 if ok else 0
+            if streak >= patience:
+                stop = j
+                break
+        if stop is None:  # fallback: full prefill answers, after paying for every round
+            agree.append(True)
+            used.append(1.0)
+            cost.append(row["rounds"][-1]["ratio"] + 1.0)
+        else:
+            agree.append(bool(row["rounds"][stop]["agrees_full"]))
+            used.append(row["rounds"][stop]["ratio"])
+            cost.append(row["rounds"][stop]["ratio"])
+    n = max(len(rows), 1)
+    return {"tol": tol, "patience": patience, "agreement": sum(agree) / n, "ratio_used": sum(used) / n,
+            "cost": sum(cost) / n, "fallback": sum(u == 1.0 for u in used) / n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", default="niah_multikey,niah_multivalue,niah_multiquery")
+    ap.add_argument("--methods", default="prophet,infoflow")
+    ap.add_argument("--n", type=int, default=12)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--probe-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="docs/results/auto-calibration")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine.load()
+    rows = collect(engine, args)
+    lines = ["# auto: convergence-signal calibration", "",
+             f"`python scripts/calibrate_auto.py --seed {args.seed} --n {args.n} --length {args.length} "
+             f"--tasks {args.tasks} --methods {args.methods} --out {args.out}`", "",
+             "Fixed-ratio rows: the schedule's rounds themselves (agreement of that round's probe with full).", ""]
+    for m in args.methods.split(","):
+        mrows = [r for r in rows if r["method"] == m]
+        lines += [f"## {m} (n = {len(mrows)})", "", "| tol | patience | agreement | mean ratio used | mean cost | fallback |",
+                  "|---|---|---|---|---|---|"]
+        for patience in (1, 2):
+            for tol in TOLS:
+                s = replay(mrows, tol, patience)
+                lines.append(f"| {tol} | {patience} | {s['agreement']:.2f} | {s['ratio_used']:.3f} | {s['cost']:.3f} | "
+                             f"{s['fallback']:.2f} |")
+        for j, r in enumerate(DEFAULT_SCHEDULE):
+            agree = [row["rounds"][j]["agrees_full"] for row in mrows if len(row["rounds"]) > j]
+            lines.append(f"| fixed {r} | – | {sum(agree) / max(len(agree), 1):.2f} | {r} | {r} | – |")
+        lines.append("")
+    Path(args.out, "calibration.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
