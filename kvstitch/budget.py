@@ -143,7 +143,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     from .select import SelectionContext
 
     n = layout.n_context
-    n_probe = auto.probe_tokens
+    n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
     rounds = auto.rounds()
     kvs = engine.chunk_kvs(layout, stats)
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
@@ -178,7 +178,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
                 k += 1
             kl = max(0.0, float(_kl(prev.logits, out.cpu()).mean()))  # rounding can make it -1e-9
             agreed = k == len(prev.tokens) and kl < auto.tol
-            entry.update(agreed=agreed, kl=round(kl, 6), first_divergence=None if k == len(prev.tokens) else k)
+            entry.update(agreed=agreed, kl=round(kl, 6), first_divergence=None if k == len(prev.tokens) else k,
+                         max_kl=round(float(_kl(prev.logits, out.cpu()).max()), 6))
             streak = streak + 1 if agreed else 0
             stats["signal"] = kl
             if k == len(prev.tokens):
@@ -187,7 +188,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
                 cache.truncate(N + k)
                 probe = _greedy_probe(engine, cache, N, out[k], prev.tokens[:k] + [pred[k]],
                                       list(out[:k + 1].float().cpu()), n_probe)
-        entry["probe"] = list(probe.tokens)
+        p_tok = torch.softmax(probe.logits.float(), -1).gather(1, torch.tensor(probe.tokens).view(-1, 1)).flatten()
+        entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
         log.append(entry)
         prev = probe
         if streak >= auto.patience:

@@ -77,7 +77,10 @@ def ask(question: str = typer.Argument(..., help="the question"),
             None, "--collections-dir", help="where collections live (default: STORE/collections or "
                                             "$KVSTITCH_CACHE/collections)"),
         method: str = typer.Option("prophet", help="selection method (see `kvstitch methods`)"),
-        ratio: float = typer.Option(0.2, help="recompute ratio in [0, 1]"),
+        ratio: str = typer.Option("auto", help="recompute ratio in [0, 1], or 'auto' (rounds of growing budget "
+                                               "until the answer is stable; full prefill if it never is)"),
+        guard: bool = typer.Option(False, "--guard", help="verify the answer against full prefill (costs a full "
+                                                          "prefill; returns full prefill's answer if they differ)"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
         max_new_tokens: int = typer.Option(32, help="answer length cap"),
         model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
@@ -100,34 +103,57 @@ def ask(question: str = typer.Argument(..., help="the question"),
         if not p.is_file():
             raise InputError(f"chunk file {str(p)!r} does not exist or is not a file")
         texts.append(p.read_text(encoding="utf-8", errors="replace"))
+    from .budget import parse_ratio
+
+    ratio = parse_ratio(ratio)  # a bad value fails before the model loads
     eng = _load(model, store)
     runs = [(method, ratio)] + ([(compare, ratio)] if compare else [])
-    results = [eng.generate(question, texts, method=m, recompute_ratio=r, max_new_tokens=max_new_tokens)
-               for m, r in runs]
+    results = [eng.generate(question, texts, method=m, recompute_ratio=r, max_new_tokens=max_new_tokens,
+                            guard="full" if guard else None) for m, r in runs]
     for (m, _), res in zip(runs, results):
-        console.print(f"[bold]{m}[/] ({res.stats['recomputed_tokens']}/{res.stats['context_tokens']} recomputed, "
-                      f"TTFT {res.ttft_s * 1000:.0f} ms): {res.text}", highlight=False)
+        console.print(f"[bold]{m}[/] ({_budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): {res.text}",
+                      highlight=False)
     if compare:
         console.print(f"speedup of {method} over {compare}: {results[1].ttft_s / results[0].ttft_s:.2f}x TTFT")
+
+
+def _budget_note(stats: dict) -> str:
+    """"20% recomputed", or for ratio=auto "auto: 10% recomputed in 2 rounds" / "auto: full prefill after 4 rounds"."""
+    used = stats.get("ratio_used", 0.0)
+    note = f"{used:.0%} recomputed"
+    if stats.get("ratio") == "auto":
+        note = (f"auto: {used:.0%} recomputed, converged in {stats['rounds']} rounds" if stats.get("converged")
+                else f"auto: no convergence in {stats['rounds']} rounds, " +
+                ("full prefill" if used >= 1.0 else f"{used:.0%} recomputed"))
+    guard = stats.get("guard")
+    if guard:
+        note += ", guard: " + ("agrees with full prefill" if guard["agreed"] else "corrected to full prefill's answer")
+    return note
 
 
 @app.command()
 @friendly_errors
 def demo(method: str = typer.Option("prophet", help="stitched method to compare with full prefill"),
-         ratio: float = typer.Option(0.2, help="recompute ratio"),
+         ratio: str = typer.Option("auto", help="recompute ratio, or 'auto' (adaptive budget, the default)"),
          model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
-    """The main job in one command: bundled passages and questions, answered with `full` prefill and
-    with stitched reuse, answers and TTFT side by side."""
+    """The main job in one command: bundled passages and questions, answered with `full` prefill and with
+    stitched reuse (adaptive budget by default), answers, the budget each used and TTFT side by side."""
+    from .budget import parse_ratio
+    from .eval.agreement import first_words_agree
+
+    ratio = parse_ratio(ratio)
     data = json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())
     eng = _load(model, store)
     passages = data["passages"]
     eng.generate(data["questions"][0]["question"], passages, method="naive", max_new_tokens=1)  # warm + precompute
+    budget = "an adaptive budget" if ratio == "auto" else f"{ratio:.0%}"
     table = Table(title=f"{len(passages)} passages, {eng.layout('q', passages).n_context} context tokens; "
-                        f"{method} recomputes {ratio:.0%}")
-    for col in ("question", "expected", "full", "TTFT full", method, f"TTFT {method}", "speedup"):
+                        f"{method} recomputes {budget}")
+    for col in ("question", "expected", "full", "TTFT full", method, "budget used", f"TTFT {method}", "speedup",
+                "same as full"):
         table.add_column(col)
     right = {"full": 0, method: 0}
-    speedups = []
+    same, speedups = 0, []
     for q in data["questions"]:
         full = eng.generate(q["question"], passages, method="full", max_new_tokens=24)
         ours = eng.generate(q["question"], passages, method=method, recompute_ratio=ratio, max_new_tokens=24)
@@ -136,14 +162,18 @@ def demo(method: str = typer.Option("prophet", help="stitched method to compare 
             ok = q["answer"].lower() in res.text.lower()  # RULER-style string match
             right[name] += ok
             marks.append(f"{'✓' if ok else '✗'} {res.text}")
+        agree = first_words_agree(ours.text, full.text)
+        same += agree
         speedups.append(full.ttft_s / ours.ttft_s)
         table.add_row(q["question"], q["answer"], marks[0], f"{full.ttft_s * 1000:.0f} ms", marks[1],
-                      f"{ours.ttft_s * 1000:.0f} ms", f"{speedups[-1]:.1f}x")
+                      _budget_note(ours.stats), f"{ours.ttft_s * 1000:.0f} ms", f"{speedups[-1]:.1f}x",
+                      "yes" if agree else "NO")
     console.print(table)
     n = len(data["questions"])
-    console.print(f"answers containing the expected text: full {right['full']}/{n}, {method} {right[method]}/{n}; "
-                  f"median TTFT speedup {statistics.median(speedups):.1f}x. Short passages and a 135M model: see "
-                  f"docs/results/ for accuracy and fidelity at 2K-8K tokens.", highlight=False)
+    console.print(f"{method} says what full prefill says (first 12 words) in {same}/{n} answers; answers containing "
+                  f"the expected text: full {right['full']}/{n}, {method} {right[method]}/{n}; median TTFT speedup "
+                  f"{statistics.median(speedups):.1f}x. Short passages: the speedup grows with context length "
+                  f"(docs/results/).", highlight=False)
     console.print(f"chunk store: {eng.store.stats()}", highlight=False)
 
 

@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands othe
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
+from .budget import parse_ratio
 from .engine import GenerationResult
 from .errors import InputError, KVStitchError
 from .retrieval import CollectionCache, CollectionNotFound, collections_root
@@ -148,6 +149,11 @@ class Metrics:
         "kvstitch_queue_wait_seconds": ("histogram", "time a job waited in the queue"),
         "kvstitch_request_duration_seconds": ("histogram", "engine time of a whole answered job"),
         "kvstitch_recompute_ratio": ("histogram", "recomputed / context tokens per answered request"),
+        "kvstitch_auto_requests_total": ("counter", "ratio=auto requests by outcome (converged, full_prefill "
+                                                    "fallback, ceiling reached)"),
+        "kvstitch_guard_checks_total": ("counter", "answers checked against full prefill (guard)"),
+        "kvstitch_guard_disagreements_total": ("counter", "checked answers that differed from full prefill's "
+                                                          "(the full-prefill answer was returned)"),
     }
 
     def __init__(self):
@@ -366,7 +372,7 @@ class ChatRequest:
     collection: str | None
     top_k: int
     method: str
-    ratio: float
+    ratio: float | str  # a fraction, or "auto" (kvstitch.budget)
     decode: str
     kv_budget: int | None
     method_options: dict | None
@@ -377,6 +383,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    guard: str | None = None  # "full": verify the answer against full prefill
 
 
 def _bad(msg: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
@@ -475,7 +482,14 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
         raise _bad(f"unknown method {method!r:.60}; known methods: {', '.join(known)}", "method", "invalid_method")
     if "ratio" in body and "recompute_ratio" in body:
         raise _bad("pass 'ratio' or 'recompute_ratio', not both", "ratio")
-    ratio = _float(body, "ratio" if "ratio" in body else "recompute_ratio", default_ratio, 0.0, 1.0)
+    ratio_name = "ratio" if "ratio" in body else "recompute_ratio"
+    try:
+        ratio = parse_ratio(body.get(ratio_name, default_ratio))
+    except InputError as e:
+        raise _bad(f"'{ratio_name}': {e}", ratio_name) from None
+    guard = body.get("guard")
+    if guard not in (None, "full"):
+        raise _bad(f"'guard' must be \"full\" or absent, got {guard!r:.60}", "guard")
     decode = body.get("decode", default_decode)
     if not isinstance(decode, str) or decode not in decode_policies:
         raise _bad(f"unknown decode policy {decode!r:.60}; known: {', '.join(sorted(decode_policies))}",
@@ -506,7 +520,7 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
                        ratio=ratio, decode=decode, kv_budget=kv_budget, method_options=method_options,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
                        include_usage=bool(opts.get("include_usage", False)),
-                       model=model if isinstance(model, str) else None)
+                       model=model if isinstance(model, str) else None, guard=guard)
 
 
 def _decode_policies() -> set[str]:
@@ -576,9 +590,13 @@ class _StatusCounter:
 def create_app(engine, default_method: str = "prophet", default_ratio: float = 0.2, max_queue: int = 16,
                collections_dir: str | Path | None = None, default_decode: str = "full",
                max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
-               disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20) -> "FastAPI":
+               disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
+               guard_rate: float = 0.0) -> "FastAPI":
     """The FastAPI app serving `engine`. `collections_dir`: where `kvstitch index` put collections (None:
-    requests naming a collection get 404). The engine worker starts with the app (lifespan)."""
+    requests naming a collection get 404). The engine worker starts with the app (lifespan).
+    ``guard_rate``: the fraction of greedy requests checked against full prefill (``guard="full"``, chosen
+    at random); /metrics counts the checks and the disagreements, so the rate of stitched answers that
+    differ from full prefill is measured on live traffic."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -588,8 +606,12 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
 
     if default_method not in registered_methods():
         raise InputError(f"unknown method {default_method!r}; known methods: {', '.join(registered_methods())}")
-    if not 0.0 <= default_ratio <= 1.0:
-        raise InputError(f"ratio must be in [0, 1], got {default_ratio}")
+    default_ratio = parse_ratio(default_ratio)
+    if not 0.0 <= guard_rate <= 1.0:
+        raise InputError(f"guard rate must be in [0, 1], got {guard_rate}")
+    import random
+
+    guard_rng = random.Random(0)
     policies = _decode_policies()
     if default_decode not in policies:
         raise InputError(f"unknown decode policy {default_decode!r}; known: {', '.join(sorted(policies))}")
@@ -687,7 +709,8 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
                 "store_hits": st.get("store_hits", 0), "store_misses": st.get("store_misses", 0),
                 "recomputed_tokens": st.get("recomputed_tokens", 0), "context_tokens": st.get("context_tokens", 0),
                 "method": req.method, "ratio": req.ratio, "decode": req.decode,
-                "retrieved": retrieved,
+                "retrieved": retrieved, "ratio_used": st.get("ratio_used"),
+                **{k: st[k] for k in ("rounds", "converged", "signal", "guard") if k in st},
                 "timings_s": {k: round(st[k], 6) for k in ("tokenize_s", "chunk_load_s", "assemble_s", "select_s",
                                                             "recompute_s", "tpot_s") if k in st}}
 
@@ -717,6 +740,12 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
         metrics.inc("kvstitch_context_tokens_total", ctx)
         if ctx:
             metrics.observe("kvstitch_recompute_ratio", rec / ctx)
+        if "converged" in st:  # ratio="auto"
+            metrics.inc("kvstitch_auto_requests_total", outcome="converged" if st["converged"] else
+                        ("full_prefill" if st.get("ratio_used", 0) >= 1.0 else "ceiling"))
+        if "guard" in st:
+            metrics.inc("kvstitch_guard_checks_total")
+            metrics.inc("kvstitch_guard_disagreements_total", 0 if st["guard"]["agreed"] else 1)
 
     async def retrieve(req: ChatRequest) -> tuple[list[str], list[dict]]:
         try:
@@ -759,7 +788,9 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
 
         kwargs = dict(question=req.question, chunks=docs, method=req.method, recompute_ratio=req.ratio,
                       max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                      decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options)
+                      decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options,
+                      guard=req.guard or ("full" if req.temperature == 0 and guard_rate > 0 and req.method != "full"
+                                          and guard_rng.random() < guard_rate else None))
         job = Job(kwargs, asyncio.get_running_loop())
         try:
             worker.submit(job)
@@ -924,7 +955,9 @@ def serve_command(
     store: Optional[str] = typer.Option(None, "--store",
                                         help="chunk store: a directory, redis://host:port/db, or none (memory)"),
     method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
-    ratio: float = typer.Option(0.2, "--ratio", help="default recompute ratio (per-request: 'ratio')"),
+    ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
+    guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
+                                                               "prefill (disagreements in /metrics)"),
     decode: str = typer.Option("full", "--decode", help="default decode policy (per-request: 'decode')"),
     host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
     port: int = typer.Option(8000, "--port", help="port to bind"),
@@ -946,11 +979,13 @@ def serve_command(
         raise InputError(f"unknown method {method!r}; known methods: {', '.join(registered_methods())}")
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
+    ratio = parse_ratio(ratio)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
         eng = Engine.load(model, store=store)
     root = collections_root(store if store is not None else eng.store, collections_dir)
     app = create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue, collections_dir=root,
-                     default_decode=decode, max_tokens=max_tokens, model_name=_model_id(model), warmup=True)
+                     default_decode=decode, max_tokens=max_tokens, model_name=_model_id(model), warmup=True,
+                     guard_rate=guard_rate)
     console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} (method {method}, ratio {ratio}, "
                   f"store {eng.store!r}, collections {root})", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

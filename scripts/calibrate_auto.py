@@ -19,7 +19,7 @@ import torch
 
 from kvstitch import Engine
 from kvstitch.budget import DEFAULT_SCHEDULE
-from kvstitch.eval import generate
+from kvstitch.eval import generate, scorer_for
 from kvstitch.eval.agreement import first_words_agree
 from kvstitch.eval.runner import answer_budget, sample_layout, EvalConfig
 
@@ -30,6 +30,7 @@ def collect(engine, args) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "rounds.jsonl"
+    schedule = [float(x) for x in args.schedule.split(",")]
     done = set()
     if path.exists():
         done = {(r["task"], r["index"], r["method"]) for r in map(json.loads, path.read_text().splitlines())}
@@ -44,19 +45,23 @@ def collect(engine, args) -> list[dict]:
                 layout = sample_layout(engine, sample)
                 budget = answer_budget(engine, sample, cfg)
                 engine.chunk_kvs(layout)
-                full = list(engine.decode_tokens(engine.prefill(layout, "full", 0.0, budget), budget))
+                fpre = engine.prefill(layout, "full", 0.0, budget)
+                full = list(engine.decode_tokens(fpre, budget))
                 full_text = engine.tokenizer.decode(full, skip_special_tokens=True)
+                fl = engine.teacher_force(fpre, torch.tensor(full))
+                full_min_p = float(torch.softmax(fl, -1).gather(1, torch.tensor(full).view(-1, 1)).min())
                 for m in args.methods.split(","):
                     if (task, i, m) in done:
                         continue
                     pre = engine.prefill(layout, m, "auto", budget,
-                                         auto={"tol": 0.0, "max_ratio": max(DEFAULT_SCHEDULE),
+                                         auto={"tol": 0.0, "max_ratio": max(schedule), "schedule": schedule,
                                                "probe_tokens": args.probe_tokens})
                     rounds = []
                     for r in pre.stats["round_log"]:
                         text = engine.tokenizer.decode(r["probe"], skip_special_tokens=True)
                         rounds.append({**r, "agrees_full": first_words_agree(text, full_text)})
-                    row = {"task": task, "index": i, "method": m, "full": full_text, "rounds": rounds}
+                    row = {"task": task, "index": i, "method": m, "full": full_text, "full_min_p": full_min_p,
+                           "score_full": scorer_for(task)(full_text, sample.answers), "rounds": rounds}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     print(task, i, m, [(x["ratio"], x["kl"], x["agrees_full"]) for x in rounds], flush=True)
@@ -95,6 +100,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--probe-tokens", type=int, default=16)
+    ap.add_argument("--schedule", default="0.05,0.1,0.2,0.4,0.7")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="docs/results/auto-calibration")
     args = ap.parse_args()

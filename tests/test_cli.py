@@ -40,10 +40,19 @@ def test_ask_end_to_end_with_compare(chunk_files):
     assert "speedup of random over full" in r.output and "TTFT" in r.output
 
 
+def test_ask_auto_reports_the_budget_it_used(chunk_files):
+    r = runner.invoke(app, ["ask", SAMPLE_QUESTION, *_chunk_args(chunk_files), "--method", "prophet",
+                            "--ratio", "auto", "--max-new-tokens", "16"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "auto: " in r.output and ("converged in" in r.output or "no convergence" in r.output)
+
+
 @pytest.mark.parametrize("args,message", [
     (["", "--method", "random"], "question is empty"),
     (["Q?", "--method", "nope"], "unknown method 'nope'; known methods:"),
-    (["Q?", "--ratio", "1.5", "--method", "random"], "recompute_ratio must be in [0, 1]"),
+    (["Q?", "--ratio", "1.5", "--method", "random"], "recompute_ratio must be a number in [0, 1] or 'auto'"),
+    (["Q?", "--ratio", "fast", "--method", "random"], "recompute_ratio must be a number in [0, 1] or 'auto'"),
+    (["Q?", "--ratio", "auto", "--method", "naive"], "does not rank context tokens"),
 ])
 def test_ask_bad_input_is_one_clear_line(args, message, chunk_files):
     r = runner.invoke(app, ["ask", *args, *_chunk_args(chunk_files)])
