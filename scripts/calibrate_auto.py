@@ -55,7 +55,7 @@ def collect(engine, args) -> list[dict]:
                         continue
                     pre = engine.prefill(layout, m, "auto", budget,
                                          auto={"tol": 0.0, "max_ratio": max(schedule), "schedule": schedule,
-                                               "probe_tokens": args.probe_tokens})
+                                               "probe_tokens": args.probe_tokens, "mode": args.mode})
                     rounds = []
                     for r in pre.stats["round_log"]:
                         text = engine.tokenizer.decode(r["probe"], skip_special_tokens=True)
@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--probe-tokens", type=int, default=16)
     ap.add_argument("--schedule", default="0.05,0.1,0.2,0.4,0.7")
+    ap.add_argument("--mode", default="incremental", choices=["incremental", "refresh"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="docs/results/auto-calibration")
     args = ap.parse_args()
@@ -110,7 +111,7 @@ def main() -> None:
     rows = collect(engine, args)
     lines = ["# auto: convergence-signal calibration", "",
              f"`python scripts/calibrate_auto.py --seed {args.seed} --n {args.n} --length {args.length} "
-             f"--tasks {args.tasks} --methods {args.methods} --out {args.out}`", "",
+             f"--tasks {args.tasks} --methods {args.methods} --mode {args.mode} --schedule {args.schedule} --out {args.out}`", "",
              "Fixed-ratio rows: the schedule's rounds themselves (agreement of that round's probe with full).", ""]
     for m in args.methods.split(","):
         mrows = [r for r in rows if r["method"] == m]

@@ -118,3 +118,16 @@ def test_guard_full_returns_full_prefill_answer(smollm_tokenizer):
     assert (g["first_divergence"] is None) == g["agreed"]
     with pytest.raises(InputError):
         _gen(eng, "random", 0.2, guard="sometimes")
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_refresh_rounds_equal_a_fixed_ratio_prefill_at_their_budget(smollm_tokenizer, name):
+    eng = make_tiny_engine(name, smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"tol": 0.0, "max_ratio": 0.3, "mode": "refresh"})
+    last = pre.stats["round_log"][-1]
+    fixed = eng.prefill(layout, "prophet", 0.3, 8)
+    assert torch.equal(pre.indices, fixed.indices)
+    assert (pre.logits[-1] - fixed.logits[-1]).abs().max() < 1e-4
+    assert last["new_tokens"] == fixed.indices.numel()  # the whole set, recomputed in one pass
+    assert pre.stats["recompute_cost"] > pre.stats["ratio_used"]  # earlier rounds' tokens were paid again
