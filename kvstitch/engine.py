@@ -22,6 +22,7 @@ from .store import ChunkStore, chunk_key, open_store
 from .store.codec import roundtrip
 
 DEFAULT_METHOD = "prophet"
+STOP = object()  # `stream(...).send(STOP)`: end the generation after the token just yielded (stop sequences)
 
 
 @dataclass
@@ -212,7 +213,13 @@ class Engine:
         return cache, logits
 
     # ---- validation -----------------------------------------------------------------------------
-    def layout(self, question: str, chunks: list[str]) -> PromptLayout:
+    def layout(self, question: str | None, chunks: list[str] | None, messages: list[dict] | None = None) -> PromptLayout:
+        if messages is not None:  # a conversation: see `PromptBuilder.build_messages`
+            if question is not None:
+                raise InputError("pass either a question or messages, not both")
+            return self.builder.build_messages(messages, chunks)
+        if question is None:
+            raise InputError("pass a question or messages")
         if not isinstance(question, str) or not question.strip():
             raise InputError("the question is empty")
         if not chunks:
@@ -248,26 +255,31 @@ class Engine:
 
     # ---- the public entry points --------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
+    def generate(self, question: str | None = None, chunks: list[str] | None = None, method: str = DEFAULT_METHOD,
                  recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
                  method_options: dict | None = None, layout: PromptLayout | None = None,
-                 decode_options: dict | None = None) -> GenerationResult:
-        """Answer ``question`` over ``chunks`` (see `stream` for the arguments)."""
+                 decode_options: dict | None = None, messages: list[dict] | None = None) -> GenerationResult:
+        """Answer ``question`` (or the conversation ``messages``) over ``chunks`` (see `stream`)."""
         result = None
         for event in self.stream(question, chunks, method, recompute_ratio, max_new_tokens, temperature, top_p,
-                                 seed, decode, kv_budget, method_options, layout, decode_options):
+                                 seed, decode, kv_budget, method_options, layout, decode_options, messages=messages):
             if isinstance(event, GenerationResult):
                 result = event
         return result
 
     @torch.no_grad()
-    def stream(self, question: str, chunks: list[str], method: str = DEFAULT_METHOD,
+    def stream(self, question: str | None = None, chunks: list[str] | None = None, method: str = DEFAULT_METHOD,
                recompute_ratio: float = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
                method_options: dict | None = None, layout: PromptLayout | None = None,
-               decode_options: dict | None = None):
+               decode_options: dict | None = None, messages: list[dict] | None = None):
         """Yield each generated token id (int) as it is produced, then the `GenerationResult`.
+
+        ``messages`` (instead of ``question``): an OpenAI-style conversation, prompted with the model's chat
+        template and the ``chunks`` (optional) after the system prompt (`PromptBuilder.build_messages`).
+        A consumer may ``send(STOP)`` instead of ``next()`` to end the generation after the token just
+        yielded (stop sequences); the result then holds the tokens so far.
 
         ``decode_options`` (sparse ``decode`` only): ``diagnostic=True`` also runs dense attention at every
         step and puts the attention recall in ``stats["decode_recall"]`` (slow: a measurement mode);
@@ -278,7 +290,7 @@ class Engine:
         Input errors are raised before anything is computed. A consumer that stops iterating stops the
         generation (servers use this when a client disconnects)."""
         t_start = time.perf_counter()
-        layout = layout or self.layout(question, chunks)
+        layout = layout or self.layout(question, chunks, messages)
         self._check_request(layout, method, recompute_ratio, max_new_tokens, decode, kv_budget, decode_options)
         selector = make_selector(method, **(method_options or {}))
         if decode != "full" and selector.adjusts_decode():
@@ -293,16 +305,19 @@ class Engine:
         ttft = time.perf_counter() - t_start
         stats.update(recomputed_tokens=int(indices.numel()), ttft_s=ttft, order=layout.order)
         tokens = [first]
-        yield first
+        stopped = (yield first) is STOP
         t0, steps = time.perf_counter(), 0
         # after the first token: a method's decode plan (APE's attention, A3's KV eviction), if any
-        more = max_new_tokens > 1 and first not in self.eos_ids
+        more = max_new_tokens > 1 and first not in self.eos_ids and not stopped
         dplan = selector.decode_plan(self, cache, layout, stats) if more else None
-        for tok in self._decode(cache, first, max_new_tokens, temperature, top_p, seed, decode, kv_budget, stats,
-                                dplan, decode_options):
+        steps_it = self._decode(cache, first, max_new_tokens if not stopped else 1, temperature, top_p, seed, decode,
+                                kv_budget, stats, dplan, decode_options)
+        for tok in steps_it:
             tokens.append(tok)
             steps += 1
-            yield tok
+            if (yield tok) is STOP:
+                steps_it.close()
+                break
         stats.update(decode_tokens=len(tokens), tpot_s=(time.perf_counter() - t0) / max(steps, 1))
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
         yield GenerationResult(text=text.strip(), ttft_s=ttft, recomputed=indices.tolist(), stats=stats,
