@@ -213,7 +213,8 @@ class Engine:
         return cache, logits
 
     # ---- validation -----------------------------------------------------------------------------
-    def layout(self, question: str | None, chunks: list[str] | None, messages: list[dict] | None = None) -> PromptLayout:
+    def layout(self, question: str | None, chunks: list[str] | None,
+               messages: list[dict] | None = None) -> PromptLayout:
         if messages is not None:  # a conversation: see `PromptBuilder.build_messages`
             if question is not None:
                 raise InputError("pass either a question or messages, not both")

@@ -520,7 +520,8 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
     model = body.get("model")
     if documents is None and collection is None:
         method = "full"  # plain chat: nothing to stitch, an ordinary full prefill
-    return ChatRequest(question=question, messages=messages, stop=stop, documents=documents, collection=collection, top_k=top_k, method=method,
+    return ChatRequest(question=question, messages=messages, stop=stop, documents=documents, collection=collection,
+                       top_k=top_k, method=method,
                        ratio=ratio, decode=decode, kv_budget=kv_budget, method_options=method_options,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
                        include_usage=bool(opts.get("include_usage", False)),
