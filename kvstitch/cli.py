@@ -65,9 +65,30 @@ def methods() -> None:
         console.print(f"[bold]{name:<18}[/] {doc}", highlight=False)
 
 
+def _read_messages(path: Path) -> list[dict]:
+    from .errors import InputError
+
+    if not path.is_file():
+        raise InputError(f"messages file {str(path)!r} does not exist or is not a file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"messages file {str(path)!r} is not valid JSON: {e}") from None
+    if isinstance(data, dict) and "messages" in data:  # a whole chat request body
+        data = data["messages"]
+    if not isinstance(data, list):
+        raise InputError(f"messages file {str(path)!r} must hold a JSON list of {{role, content}} objects")
+    return data
+
+
 @app.command()
 @friendly_errors
-def ask(question: str = typer.Argument(..., help="the question"),
+def ask(question: Optional[str] = typer.Argument(None, help="the question (the last user turn with --messages)"),
+        system: Optional[str] = typer.Option(None, "--system", help="a system prompt: the request becomes a "
+                                             "conversation in the model's chat template"),
+        messages_file: Optional[Path] = typer.Option(None, "--messages", help="a JSON file with OpenAI-style "
+                                                     "messages [{role, content}, ...] (QUESTION, if given, is "
+                                                     "appended as the last user turn)"),
         chunk: Optional[list[Path]] = typer.Option(None, "--chunk", "-c",
                                                    help="a passage file (repeatable, in order)"),
         collection: Optional[str] = typer.Option(None, "--collection",
@@ -84,16 +105,37 @@ def ask(question: str = typer.Argument(..., help="the question"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
         max_new_tokens: int = typer.Option(32, help="answer length cap"),
         model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
-    """Answer QUESTION over passage files (--chunk) or the top-k chunks of an indexed collection (--collection)."""
+    """Answer QUESTION over passage files (--chunk) or the top-k chunks of an indexed collection (--collection).
+    With --system or --messages the prompt is a conversation in the model's chat template (passages after the
+    system prompt); without passages it is then a plain chat (full prefill)."""
     from .errors import InputError
 
-    if bool(chunk) == bool(collection):
-        raise InputError("pass passage files with --chunk, or an indexed collection with --collection (one of them)")
+    messages = None
+    if system is not None or messages_file is not None:
+        from .prompt import last_user_text
+
+        messages = _read_messages(messages_file) if messages_file is not None else []
+        if system is not None:
+            if messages and messages[0].get("role") in ("system", "developer"):
+                raise InputError("--system given, but the --messages file already starts with a system message")
+            messages.insert(0, {"role": "system", "content": system})
+        if question is not None:
+            messages.append({"role": "user", "content": question})
+        query = last_user_text(messages)
+        if chunk and collection:
+            raise InputError("pass passage files with --chunk or an indexed collection with --collection, not both")
+    elif question is None:
+        raise InputError("pass a QUESTION (or a conversation with --messages FILE.json)")
+    else:
+        query = question
+        if bool(chunk) == bool(collection):
+            raise InputError("pass passage files with --chunk, or an indexed collection with --collection "
+                             "(one of them)")
     texts = []
     if collection:
         from .retrieval import collections_root, retrieve
 
-        hits = retrieve(question, collection, collections_root(store, collections_dir), top_k)
+        hits = retrieve(query, collection, collections_root(store, collections_dir), top_k)
         if not hits:
             raise InputError(f"collection {collection!r} is empty")
         texts = [h.text for h in hits]
@@ -106,10 +148,15 @@ def ask(question: str = typer.Argument(..., help="the question"),
     from .budget import parse_ratio
 
     ratio = parse_ratio(ratio)  # a bad value fails before the model loads
+    if messages is not None and not texts:  # plain chat: nothing to stitch
+        if compare:
+            raise InputError("--compare needs passages (--chunk or --collection): plain chat is a full prefill")
+        method = "full"
     eng = _load(model, store)
     runs = [(method, ratio)] + ([(compare, ratio)] if compare else [])
-    results = [eng.generate(question, texts, method=m, recompute_ratio=r, max_new_tokens=max_new_tokens,
-                            guard="full" if guard else None) for m, r in runs]
+    results = [eng.generate(question if messages is None else None, texts, method=m, recompute_ratio=r,
+                            max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None)
+               for m, r in runs]
     for (m, _), res in zip(runs, results):
         console.print(f"[bold]{m}[/] ({_budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): {res.text}",
                       highlight=False)

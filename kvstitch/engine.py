@@ -23,6 +23,7 @@ from .store.codec import roundtrip
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
 DEFAULT_METHOD = "prophet"
+STOP = object()  # `stream(...).send(STOP)`: end the generation after the token just yielded (stop sequences)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class GenerationRequest:
 
     question: str | None = None
     chunks: list[str] | None = None
+    messages: list[dict] | None = None  # an OpenAI-style conversation instead of ``question``
     method: str = DEFAULT_METHOD
     recompute_ratio: float | str = 0.2
     max_new_tokens: int = 32
@@ -253,7 +255,14 @@ class Engine:
         return cache, logits
 
     # ---- validation -----------------------------------------------------------------------------
-    def layout(self, question: str, chunks: list[str]) -> PromptLayout:
+    def layout(self, question: str | None, chunks: list[str] | None,
+               messages: list[dict] | None = None) -> PromptLayout:
+        if messages is not None:  # a conversation: see `PromptBuilder.build_messages`
+            if question is not None:
+                raise InputError("pass either a question or messages, not both")
+            return self.builder.build_messages(messages, chunks)
+        if question is None:
+            raise InputError("pass a question or messages")
         if not isinstance(question, str) or not question.strip():
             raise InputError("the question is empty")
         if not chunks:
@@ -316,9 +325,11 @@ class Engine:
         Input errors are raised before anything is computed. A consumer that stops iterating stops the
         generation (servers use this when a client disconnects). With ``guard="full"`` the stitched answer is
         checked against full prefill before any token is yielded (see `verify_against_full`). The engine keeps
-        no state of its own between requests: every per-request object lives in the `Prefill`."""
+        no state of its own between requests: every per-request object lives in the `Prefill`. A consumer may
+        ``send(STOP)`` instead of ``next()`` to end the generation after the token just yielded (stop
+        sequences); the result then holds the tokens so far."""
         t_start = time.perf_counter()
-        layout = req.layout or self.layout(req.question, req.chunks)
+        layout = req.layout or self.layout(req.question, req.chunks, req.messages)
         ratio = self._check_request(layout, req.method, req.recompute_ratio, req.max_new_tokens, req.decode,
                                     req.kv_budget, req.decode_options)
         if req.guard not in (None, "full"):
@@ -335,13 +346,16 @@ class Engine:
             yield from self._guarded(req, pre, t_start)
             return
         tokens: list[int] = []
-        for tok in self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
-                                      req.kv_budget, req.decode_options):
+        steps = self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
+                                   req.kv_budget, req.decode_options)
+        for tok in steps:
             if not tokens:
                 stats["ttft_s"] = time.perf_counter() - t_start
                 t0 = time.perf_counter()
             tokens.append(tok)
-            yield tok
+            if (yield tok) is STOP:  # a stop sequence: end after this token, still report the result
+                steps.close()
+                break
         yield self._result(req, pre, tokens, (time.perf_counter() - t0) / max(len(tokens) - 1, 1))
 
     def _result(self, req: GenerationRequest, pre: "Prefill", tokens: list[int], tpot: float) -> GenerationResult:
@@ -363,7 +377,10 @@ class Engine:
         tokens, check = self.verify_against_full(pre.layout, tokens, req.max_new_tokens)
         pre.stats.update(guard={**check, "check_s": time.perf_counter() - t0})
         pre.stats["ttft_s"] = time.perf_counter() - t_start
-        yield from tokens
+        for i, tok in enumerate(tokens):
+            if (yield tok) is STOP:
+                tokens = tokens[:i + 1]
+                break
         yield self._result(req, pre, tokens, 0.0)
 
     @torch.no_grad()

@@ -31,23 +31,30 @@ class PrecomputeReport:
 
 def precompute_directory(engine: Engine, docs_dir, chunk_tokens: int = 256, overlap: int = 0,
                          batch_size: int = 8, progress: bool = True) -> tuple[PrecomputeReport, list[tuple[str, str]]]:
-    """Chunk every document, precompute the chunks missing from ``engine.store``, write them back.
+    """Chunk every document, precompute the chunks missing from ``engine.store`` (after every canonical
+    prefix: `PromptBuilder.canonical_prefixes`), write them back.
     Returns the report and the ``(document, chunk text)`` list (what `index` embeds)."""
     chunks = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
-    prefix = engine.builder.prefix_ids
-    ids = [engine.builder.encode_chunk(text) for _, text in chunks]
-    keys = [engine.chunk_key(prefix, c) for c in ids]
+    # one cache per chunk and canonical prefix (the question layout's and the conversation layout's)
+    chunk_ids = [engine.builder.encode_chunk(text) for _, text in chunks]
+    pairs = [(prefix, c) for prefix in engine.builder.canonical_prefixes() for c in chunk_ids]
+    keys = [engine.chunk_key(prefix, c) for prefix, c in pairs]
     todo = [i for i, k in enumerate(keys) if k not in engine.store]
-    rep = PrecomputeReport(chunks=len(chunks), skipped=len(chunks) - len(todo))
+    rep = PrecomputeReport(chunks=len(chunks), skipped=len(pairs) - len(todo))
     t0 = time.perf_counter()
     columns = [TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn()]
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("precompute", total=len(todo), tps=0.0)
-        for b in range(0, len(todo), batch_size):
-            batch = todo[b:b + batch_size]
+        batches: list[list[int]] = []  # up to batch_size chunks after one prefix
+        for i in todo:
+            if batches and len(batches[-1]) < batch_size and pairs[batches[-1][0]][0] is pairs[i][0]:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        for batch in batches:
             with torch.no_grad():
-                kvs = engine.compute_chunks(prefix, [ids[i] for i in batch], batch_size=batch_size)
+                kvs = engine.compute_chunks(pairs[batch[0]][0], [pairs[i][1] for i in batch], batch_size=batch_size)
             for i, kv in zip(batch, kvs):
                 engine.store.put(keys[i], kv)
                 rep.tokens += kv.n_tokens

@@ -13,10 +13,17 @@ Request extensions (top-level JSON fields; the OpenAI Python client sends them w
     documents: [str]            the retrieved passages, in prompt order ...
     collection: str, top_k: int ... or retrieve the top-k chunks of an indexed collection (`kvstitch index`)
     method, ratio (or recompute_ratio), decode, kv_budget, method_options: per-request overrides
-The question is the content of the last ``user`` message. ``system`` messages and earlier turns are not
-part of the prompt (the passages prompt has its own instruction; see `kvstitch.prompt`). ``temperature``
-defaults to 0 (greedy, as `Engine.generate`), ``seed`` to 0. ``n`` > 1, ``stop``, ``logprobs`` and
-``tools`` are refused with a 400 rather than silently ignored.
+The whole conversation is the prompt: the model's chat template over every message (system/developer,
+user, assistant, tool results as text), the passages appended to the system message - after the system
+prompt, before the conversation (`PromptBuilder.build_messages`). The system prompt is a stitched segment
+with its own store key (cached like a chunk); history and the last user turn are recomputed and are what
+query-driven selectors read. Retrieval from a collection searches with the last user message. Without
+``documents`` and ``collection`` the request is plain chat: an ordinary full prefill (method "full").
+``temperature`` defaults to 0 (greedy, as `Engine.generate`), ``seed`` to 0 (honoured when sampling).
+``stop`` (a string or up to 4) cuts the text before the first stop string, with finish_reason "stop"
+(streaming holds back text that may start a stop string). Every other parameter is a 400 naming it unless
+listed in `CHAT_PARAMS`: ``n`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``, ``logprobs``,
+``tools``, ``logit_bias``, a non-text ``response_format`` and unknown fields are refused, never ignored.
 
 The response carries OpenAI's ``usage`` plus ``kvstitch: {ttft_s, queue_wait_s, store_hits, store_misses,
 recomputed_tokens, context_tokens, method, ratio, decode, retrieved}`` (in the last SSE chunk when
@@ -48,13 +55,22 @@ if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands othe
     from fastapi.responses import JSONResponse
 
 from .budget import parse_ratio
-from .engine import GenerationResult
+from .engine import STOP, GenerationResult
 from .errors import InputError, KVStitchError
+from .prompt import normalize_messages
 from .retrieval import CollectionCache, CollectionNotFound, collections_root
 from .select import methods as registered_methods
 
 DEFAULT_MAX_TOKENS = 256
 MAX_TOP_K = 64
+MAX_STOP = 4
+# every request field this server understands (anything else is a 400 naming it): OpenAI's, then ours
+CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
+               "stream_options", "stop", "n", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
+               "tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "user",
+               "metadata", "store", "parallel_tool_calls",
+               "documents", "collection", "top_k", "method", "ratio", "recompute_ratio", "decode", "kv_budget",
+               "method_options", "guard"}
 
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -217,6 +233,7 @@ class Job:
     started_at: float | None = None
     tokens: int = 0
     checked_at: float = field(default_factory=time.monotonic)  # last client-disconnect check
+    stop: list[str] = field(default_factory=list)  # stop sequences (handled here, not by the engine)
 
     def emit(self, kind: str, value=None) -> None:
         try:
@@ -338,12 +355,14 @@ class EngineWorker:
         gen = None
         try:
             gen = self.engine.stream(**job.kwargs)
-            for ev in gen:
+            scan = StopScanner(self.engine.tokenizer, self.engine.eos_ids, job.stop) if job.stop else None
+            ev = next(gen)
+            while True:
                 if isinstance(ev, GenerationResult):
                     dt = time.perf_counter() - job.started_at
                     self._service_ema = dt if self._service_ema is None else 0.8 * self._service_ema + 0.2 * dt
                     self.metrics.observe("kvstitch_request_duration_seconds", dt)
-                    job.emit("result", ev)
+                    job.emit("result", scan.apply(ev) if scan is not None else ev)
                     break
                 job.tokens += 1
                 self.metrics.inc("kvstitch_generated_tokens_total")
@@ -351,6 +370,8 @@ class EngineWorker:
                 if job.cancelled.is_set():  # checked between model steps
                     self.metrics.inc("kvstitch_cancelled_total")
                     break
+                # a stop string in the text: the engine ends here and yields its result
+                ev = gen.send(STOP) if scan is not None and scan.push(ev) else next(gen)
         except InputError as e:
             job.emit("error", _input_error(e))
         except KVStitchError as e:
@@ -367,7 +388,9 @@ class EngineWorker:
 # ---- request parsing -------------------------------------------------------------------------------
 @dataclass
 class ChatRequest:
-    question: str
+    question: str  # the last user message (what retrieval searches with)
+    messages: list[dict]  # the whole conversation (normalized, see `kvstitch.prompt.normalize_messages`)
+    stop: list[str]
     documents: list[str] | None
     collection: str | None
     top_k: int
@@ -415,20 +438,6 @@ def _float(body: dict, name: str, default, lo: float, hi: float):
     return float(v)
 
 
-def _text_content(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            else:
-                raise _bad(f"{where}: only text content parts are supported", "messages")
-        return "\n".join(parts)
-    raise _bad(f"{where}: 'content' must be a string or a list of text parts", "messages")
-
-
 def parse_chat_request(body, default_method: str, default_ratio: float, default_decode: str,
                        default_max_tokens: int, decode_policies: set[str]) -> ChatRequest:
     if not isinstance(body, dict):
@@ -436,24 +445,34 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("'messages' is required: a non-empty list of {role, content} objects", "messages")
-    question = None
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad(f"messages[{i}] must be an object with a 'role' and a 'content'", "messages")
-        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise _bad(f"messages[{i}]: unknown role {m['role']!r:.40}", "messages")
-        if m["role"] == "user":
-            question = _text_content(m.get("content"), f"messages[{i}]")
-    if question is None:
-        raise _bad("no 'user' message: the question is the content of the last user message", "messages")
-    if not question.strip():
-        raise _bad("the question (last user message) is empty", "messages")
+    try:
+        messages = normalize_messages(msgs)
+    except InputError as e:
+        raise _bad(str(e), "messages") from None
+    question = [m["content"] for m in messages if m["role"] == "user"][-1]
 
-    for name, ok in (("n", lambda v: v in (None, 1)), ("stop", lambda v: v in (None, [], "")),
-                     ("logprobs", lambda v: v in (None, False)), ("tools", lambda v: v in (None, [])),
-                     ("functions", lambda v: v in (None, []))):
+    unknown = sorted(k for k in body if k not in CHAT_PARAMS)
+    if unknown:
+        raise _bad(f"unsupported parameter {unknown[0]!r:.60}: this server does not implement it (known: "
+                   f"{', '.join(sorted(CHAT_PARAMS))})", unknown[0], code="unsupported_parameter")
+    for name, ok in (("n", lambda v: v in (None, 1)), ("presence_penalty", lambda v: v in (None, 0)),
+                     ("frequency_penalty", lambda v: v in (None, 0)), ("logprobs", lambda v: v in (None, False)),
+                     ("top_logprobs", lambda v: v in (None, 0)), ("tools", lambda v: v in (None, [])),
+                     ("functions", lambda v: v in (None, [])), ("tool_choice", lambda v: v in (None, "none")),
+                     ("function_call", lambda v: v in (None, "none")), ("logit_bias", lambda v: v in (None, {})),
+                     ("response_format", lambda v: v in (None, {"type": "text"})),
+                     ("parallel_tool_calls", lambda v: v in (None, False, True)),
+                     ("store", lambda v: v in (None, False))):
         if not ok(body.get(name)):
-            raise _bad(f"'{name}' is not supported by this server", name, code="unsupported_parameter")
+            raise _bad(f"'{name}' is not supported by this server (value {body.get(name)!r:.60})", name,
+                       code="unsupported_parameter")
+    for name in ("user", "metadata"):  # no effect on the output: accepted when well-formed
+        if body.get(name) is not None and not isinstance(body[name], (str if name == "user" else dict)):
+            raise _bad(f"'{name}' must be a {'string' if name == 'user' else 'object'}", name)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop) or len(stop) > MAX_STOP:
+        raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
 
     documents = body.get("documents")
     if documents is not None:
@@ -467,9 +486,6 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
     collection = body.get("collection")
     if collection is not None and (not isinstance(collection, str) or not collection):
         raise _bad("'collection' must be a collection name (string)", "collection")
-    if documents is None and collection is None:
-        raise _bad("no passages: pass 'documents' (a list of strings) or 'collection' (an indexed collection "
-                   "name)", "documents")
     if documents is not None and collection is not None:
         raise _bad("pass either 'documents' or 'collection', not both", "collection")
     top_k = _int(body, "top_k", 4, 1, MAX_TOP_K)
@@ -516,7 +532,10 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
     if not isinstance(opts, dict):
         raise _bad("'stream_options' must be an object", "stream_options")
     model = body.get("model")
-    return ChatRequest(question=question, documents=documents, collection=collection, top_k=top_k, method=method,
+    if documents is None and collection is None:
+        method = "full"  # plain chat: nothing to stitch, an ordinary full prefill
+    return ChatRequest(question=question, messages=messages, stop=stop, documents=documents, collection=collection,
+                       top_k=top_k, method=method,
                        ratio=ratio, decode=decode, kv_budget=kv_budget, method_options=method_options,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
                        include_usage=bool(opts.get("include_usage", False)),
@@ -535,22 +554,77 @@ def _decode_policies() -> set[str]:
 
 
 # ---- detokenization for SSE ------------------------------------------------------------------------
+def first_stop(text: str, stop: list[str]) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in ``text``, or None."""
+    hits = [(text.find(s), s) for s in stop if s in text]
+    return min(hits) if hits else None
+
+
+def partial_stop(text: str, stop: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string (held back)."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class StopScanner:
+    """Watches the generated text for stop strings (the engine worker ends the generation at the first)
+    and cuts the final text before it."""
+
+    def __init__(self, tokenizer, eos_ids, stop: list[str]):
+        self.tok, self.eos, self.stop = tokenizer, set(eos_ids), list(stop)
+        self.ids: list[int] = []
+        self.hit: str | None = None
+
+    def push(self, token: int) -> bool:
+        if token not in self.eos:
+            self.ids.append(token)
+        if self.hit is None:
+            found = first_stop(self.tok.decode(self.ids, skip_special_tokens=True).lstrip(), self.stop)
+            self.hit = found[1] if found else None
+        return self.hit is not None
+
+    def apply(self, res: GenerationResult) -> GenerationResult:
+        if self.hit is None:
+            return res
+        from dataclasses import replace
+
+        found = first_stop(res.text, self.stop)
+        return replace(res, text=res.text[:found[0]] if found else res.text,
+                       stats={**res.stats, "stop_sequence": self.hit})
+
+
 class TextStream:
     """Incremental text of a token stream whose concatenated deltas equal the engine's final text
     (``decode(tokens minus EOS, skip_special_tokens=True).strip()``): leading whitespace is dropped,
-    trailing whitespace and incomplete UTF-8 are held back until more text follows."""
+    trailing whitespace and incomplete UTF-8 are held back until more text follows. With ``stop``
+    strings, nothing from the first stop string on is sent, and a tail that may start one is held back."""
 
-    def __init__(self, tokenizer, eos_ids):
+    def __init__(self, tokenizer, eos_ids, stop: list[str] | None = None):
         self.tok, self.eos = tokenizer, set(eos_ids)
+        self.stop = list(stop or [])
         self.ids: list[int] = []
         self.sent = ""
+        self.stopped = False
 
     def push(self, token: int) -> str:
-        if token in self.eos:
+        if token in self.eos or self.stopped:
             return ""
         self.ids.append(token)
         text = self.tok.decode(self.ids, skip_special_tokens=True).lstrip()
         safe = text.rstrip("\ufffd").rstrip()
+        if self.stop:
+            found = first_stop(text, self.stop)
+            if found is not None:
+                self.stopped = True
+                safe = text[:found[0]]
+            else:
+                visible = text.rstrip("\ufffd")
+                safe = safe[:len(visible) - partial_stop(visible, self.stop)]
         if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
             return ""
         delta, self.sent = safe[len(self.sent):], safe
@@ -721,6 +795,8 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _finish_reason(req: ChatRequest, res: GenerationResult) -> str:
+        if res.stats.get("stop_sequence") is not None:
+            return "stop"
         if res.token_ids and res.token_ids[-1] in engine.eos_ids:
             return "stop"
         return "length" if len(res.token_ids) >= req.max_tokens else "stop"
@@ -786,12 +862,12 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
             metrics.inc("kvstitch_chat_requests_total", outcome="invalid")
             return e.response()
 
-        kwargs = dict(question=req.question, chunks=docs, method=req.method, recompute_ratio=req.ratio,
+        kwargs = dict(messages=req.messages, chunks=docs, method=req.method, recompute_ratio=req.ratio,
                       max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                       decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options,
                       guard=req.guard or ("full" if req.temperature == 0 and guard_rate > 0 and req.method != "full"
                                           and guard_rng.random() < guard_rate else None))
-        job = Job(kwargs, asyncio.get_running_loop())
+        job = Job(kwargs, asyncio.get_running_loop(), stop=req.stop)
         try:
             worker.submit(job)
         except QueueFull as e:
@@ -861,7 +937,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     async def sse(req: ChatRequest, job: Job, kind, value, rid, created_at, wait, retrieved):
-        text = TextStream(engine.tokenizer, engine.eos_ids)
+        text = TextStream(engine.tokenizer, engine.eos_ids, req.stop)
         finished = False
         try:
             yield _chunk(rid, created_at, {"role": "assistant", "content": ""})

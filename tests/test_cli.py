@@ -82,3 +82,43 @@ def test_demo_answers_bundled_questions_with_full_and_stitched():
     n_full = int(line.split("full ")[1].split("/")[0])
     assert n_full >= 2, line
     assert r.output.count("✓") + r.output.count("✗") == 2 * 4
+
+
+REYNE = ["The Reyne Tower in Alder Bay was designed and built by the engineer Tomas Reyne.",
+         "Construction of the Reyne Tower finished in 1891, after six years of work.",
+         "Alder Bay is a fishing town known for its winter market and its lighthouse."]
+
+
+def test_ask_conversation_with_system_and_messages(tmp_path):
+    import json
+
+    history = tmp_path / "history.json"
+    history.write_text(json.dumps([{"role": "user", "content": "Who built the Reyne Tower?"},
+                                   {"role": "assistant", "content": "Tomas Reyne."}]))
+    files = []
+    for i, text in enumerate(REYNE):
+        (tmp_path / f"r{i}.txt").write_text(text)
+        files += ["--chunk", str(tmp_path / f"r{i}.txt")]
+    r = runner.invoke(app, ["ask", "When?", "--messages", str(history), "--system",
+                            "You are a helpful assistant. Answer briefly.", *files, "--method", "random",
+                            "--ratio", "1.0", "--max-new-tokens", "16"])
+    assert r.exit_code == 0, r.output
+    assert "1891" in r.output  # the history says what "When?" is about
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "pass a QUESTION"),
+    (["--messages", "MISSING"], "does not exist"),
+    (["--messages", "BADJSON"], "is not valid JSON"),
+    (["--messages", "SYSTEM", "--system", "x"], "already starts with a system message"),
+    (["--messages", "SYSTEM"], "no 'user' message"),
+    (["Q?", "--system", "x", "--compare", "full"], "--compare needs passages"),
+])
+def test_ask_conversation_errors_are_one_clear_line(args, message, tmp_path):
+    (tmp_path / "bad.json").write_text("[{")
+    (tmp_path / "sys.json").write_text('[{"role": "system", "content": "s"}]')
+    paths = {"MISSING": str(tmp_path / "missing.json"), "BADJSON": str(tmp_path / "bad.json"),
+             "SYSTEM": str(tmp_path / "sys.json")}
+    r = runner.invoke(app, ["ask", *[paths.get(a, a) for a in args]])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output

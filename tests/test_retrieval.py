@@ -92,7 +92,10 @@ def test_index_is_persisted_reloaded_and_precomputed(engine, docs_dir, tmp_path,
     assert {c.doc for c in col.chunks} == set(DOCS)  # image.bin ignored
     assert len({c.id for c in col.chunks}) == n and col.chunks[0].id.endswith("#0")
     unique = len({c.key for c in col.chunks})  # identical chunk texts share one cache (content-addressed)
-    assert col.meta["precompute"]["computed"] == unique and col.meta["precompute"]["already_stored"] == 0
+    n_prefixes = len(engine.builder.canonical_prefixes())  # question layout + conversation layout
+    assert n_prefixes == 2
+    assert col.meta["precompute"]["computed"] == unique * n_prefixes
+    assert col.meta["precompute"]["already_stored"] == 0
     assert all(c.key in engine.store for c in col.chunks)  # chunk caches are in the store
     assert list_collections(root) == ["kb"]
 
@@ -107,7 +110,8 @@ def test_index_is_persisted_reloaded_and_precomputed(engine, docs_dir, tmp_path,
 
     # re-indexing the same documents finds every chunk cache already stored
     col2 = build_index(engine, docs_dir, "kb", root, chunk_tokens=32)
-    assert col2.meta["precompute"] == {**col2.meta["precompute"], "computed": 0, "already_stored": unique}
+    assert col2.meta["precompute"] == {**col2.meta["precompute"], "computed": 0,
+                                                 "already_stored": unique * n_prefixes}
 
     # an embedding index queried where the embedding model is absent falls back to BM25
     monkey_hits = None

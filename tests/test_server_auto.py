@@ -36,8 +36,8 @@ def test_auto_is_the_default_and_reports_rounds(client, engine):
     ext = r.json()["kvstitch"]
     assert ext["ratio"] == "auto" and isinstance(ext["converged"], bool) and ext["rounds"] >= 1
     assert 0 < ext["ratio_used"] <= 1.0
-    direct = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="prophet", recompute_ratio="auto",
-                             max_new_tokens=6, guard="full")
+    direct = engine.generate(messages=[{"role": "user", "content": SAMPLE_QUESTION}], chunks=SAMPLE_CHUNKS,
+                             method="prophet", recompute_ratio="auto", max_new_tokens=6, guard="full")
     assert r.json()["choices"][0]["message"]["content"] == direct.text
 
 
@@ -52,7 +52,8 @@ def test_guard_rate_one_checks_every_greedy_request_and_counts_it(client, engine
     r = client.post("/v1/chat/completions", json=body(method="random", ratio=0.0))
     assert r.status_code == 200
     g = r.json()["kvstitch"]["guard"]
-    full = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="full", max_new_tokens=6)
+    full = engine.generate(messages=[{"role": "user", "content": SAMPLE_QUESTION}], chunks=SAMPLE_CHUNKS,
+                           method="full", max_new_tokens=6)
     assert r.json()["choices"][0]["message"]["content"] == full.text  # the guarded answer is full prefill's
     after = client.get("/metrics").text
 

@@ -106,6 +106,8 @@ class InfoFlowReorder(InfoFlow):
         importance = torch.zeros(len(local), dtype=torch.float64)
         importance.index_add_(0, chunk_of[top], flat[top].double())
         order = torch.sort(importance, stable=True).indices.tolist()  # ascending: most important last
+        pinned = ctx.layout.pinned  # a conversation's system segment stays first
+        order = list(range(pinned)) + [i for i in order if i >= pinned]
         return order, importance.tolist()
 
     def select(self, ctx: SelectionContext):
