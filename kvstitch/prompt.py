@@ -32,6 +32,7 @@ class PromptLayout:
     chunk_ids: list[torch.Tensor]
     suffix_ids: torch.Tensor
     order: list[int] = field(default_factory=list)  # chunk order used (identity unless reordered)
+    question: str | None = None  # the question text inside the suffix (methods that re-encode it: CacheClip)
 
     def __post_init__(self):
         if not self.order:
@@ -79,7 +80,7 @@ class PromptLayout:
 
     def reordered(self, order: list[int]) -> "PromptLayout":
         return PromptLayout(self.prefix_ids, [self.chunk_ids[i] for i in order], self.suffix_ids,
-                            [self.order[i] for i in order])
+                            [self.order[i] for i in order], self.question)
 
 
 class PromptBuilder:
@@ -129,7 +130,7 @@ class PromptBuilder:
     def build(self, question: str, chunks: list[str]) -> PromptLayout:
         return PromptLayout(self._encode(self.prefix_text, first=True),
                             [self.encode_chunk(c) for c in chunks],
-                            self._encode(self.suffix_text(question)))
+                            self._encode(self.suffix_text(question)), question=question.strip())
 
     def joint_ids(self, question: str, chunks: list[str]) -> torch.Tensor:
         text = self.prefix_text + "".join(self.chunk_piece(c) for c in chunks) + self.suffix_text(question)

@@ -124,7 +124,8 @@ def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
     if prefix:
         extra = engine.tokenizer.encode(prefix.strip(), add_special_tokens=False)
         layout = PromptLayout(layout.prefix_ids, layout.chunk_ids,
-                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]))
+                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]),
+                              question=layout.question)
     return layout
 
 
@@ -321,6 +322,16 @@ def _stage_fields(stats: dict) -> dict:
     return {k: float(stats[k]) for k in ("chunk_load_s", "assemble_s", "select_s", "recompute_s") if k in stats}
 
 
+# what a method reports about how it ran (kept in its row): CacheClip's auxiliary model / self-guidance,
+# grouping's unspent budget, the layers InfoFlow scored with and why, the chunk store's precompute mode
+METHOD_STATS = ("cacheclip_aux", "cacheclip_self_guided", "selection_budget", "grouping_dropped",
+                "infoflow_layers", "infoflow_layer_rule", "precompute")
+
+
+def _method_fields(stats: dict) -> dict:
+    return {k: stats[k] for k in METHOD_STATS if k in stats}
+
+
 def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]], done: dict[tuple, dict],
                 cfg: EvalConfig, on_row=None, on_start=None) -> list[dict]:
     """Run the missing (method, ratio) combos `todo` of one sample; `done` maps (method, ratio) -> rows
@@ -398,8 +409,8 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
                 "pred": run.text[:300], "answers": list(sample.answers), "recomputed": int(run.indices.numel()),
                 "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(nll_full),
                 "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
-                **_stage_fields(run.stats), "answer_tokens": len(target), "max_new_tokens": budget,
-                "reused_tokens": run.reused_tokens, "precompute_s": precompute_s}
+                **_stage_fields(run.stats), **_method_fields(run.stats), "answer_tokens": len(target),
+                "max_new_tokens": budget, "reused_tokens": run.reused_tokens, "precompute_s": precompute_s}
 
     if ("full", None) in todo:
         row = make_row(ref)

@@ -2,7 +2,8 @@
 
 A selector gets a `SelectionContext` (the stitched cache, the layout, the engine to run scoring
 passes) and returns per-context-token scores; `Selector.select` turns them into exactly ``budget``
-sorted, unique context indices (0-based within the context). The engine does the recompute.
+sorted, unique context indices (0-based within the context; at most ``budget`` for selectors that are not
+`exact_budget`). The engine does the recompute.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Selector:
     full_prefill: ClassVar[bool] = False  # `full`: the engine prefills from scratch instead
     needs_full_prefill: ClassVar[bool] = False  # `oracle`: scores need a full prefill (analysis only)
     zero_budget: ClassVar[bool] = False  # `ape`: never recomputes context tokens, whatever the ratio
+    # False: `select` may return FEWER than ``budget`` indices (CacheClip's grouping drops sparse windows,
+    # as the paper does); the engine reports the tokens actually recomputed (``recomputed_tokens``)
+    exact_budget: ClassVar[bool] = True
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         raise NotImplementedError  # abstract: every registered selector overrides it
@@ -89,7 +93,8 @@ class Selector:
         return None
 
     def select(self, ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (sorted unique context indices, exactly ``ctx.budget`` of them; scores or None)."""
+        """-> (sorted unique context indices, ``ctx.budget`` of them (at most, if not `exact_budget`);
+        scores or None)."""
         if ctx.budget <= 0 or self.zero_budget:
             return torch.zeros(0, dtype=torch.long), None
         if ctx.budget >= ctx.n_context:

@@ -20,19 +20,27 @@ An *auxiliary* model picks the tokens the primary model recomputes (Sec. 2.8, 3.
    token's score. Spans are compared in "core text" coordinates (the chunk text without the separator
    `PromptBuilder.chunk_piece` adds), so pairs whose builders chose different separators still align.
 5. Grouping (Sec. 3.3): windows of ``group_size`` = 8, a window keeps its selected tokens only if at
-   least ``group_min`` = 5 were selected; the budget is then refilled to exactly ``budget`` window-wise
-   (see `grouping.py`).
+   least ``group_min`` = 5 were selected; sparse windows are dropped and, as in the paper, their budget
+   is NOT spent elsewhere: CacheClip recomputes at most ``budget`` tokens (the engine reports how many,
+   ``recomputed_tokens``; ``stats["grouping_dropped"]`` = budget - recomputed). ``refill=True`` is the
+   named variant that refills the budget window-wise (see `grouping.py`).
 
-The auxiliary model: ``aux_engine=`` (any `Engine`), or ``aux_model=`` ("self" = the primary engine,
-otherwise anything `Engine.load` accepts, e.g. "gemma3" or a path), default the embedded SmolLM2-135M
-(lazily loaded once per process). The paper's default pair is a different family than the primary (its
-Sec. 2.8 finds last-layer attention aligned across families); kvstitch's default pair is Gemma 3 270M
-(primary) + SmolLM2-135M (auxiliary). Any pair works, aux == primary included. The paper fine-tunes
-the auxiliary model (Sec. 3.5); kvstitch uses it as released.
+The question is the layout's own (`PromptLayout.question`, set by `PromptBuilder.build`): it is never
+recovered from the suffix ids (a suffix carrying more than the builder's template, e.g. RULER's answer
+prefix, would silently turn into a different query). A layout without it is an `InputError`.
+
+The auxiliary model: ``aux_engine=`` (any engine object), or ``aux_model=`` ("self" = the primary engine,
+otherwise any model spec `kvstitch.models.load_model` accepts, e.g. "gemma3", "smollm2" or a path),
+default the embedded SmolLM2-135M, loaded once per process with `load_model` and wrapped in the primary
+engine's own class (this module does not import `kvstitch.engine`). The paper's pair is a small model of
+another family than the primary (its Sec. 2.8 finds last-layer attention aligned across families);
+kvstitch's reference pair is Gemma 3 270M (primary, ``Engine.load("gemma3")``) + SmolLM2-135M
+(auxiliary). Any pair works; when the auxiliary model is the primary model itself (same weights),
+``stats["cacheclip_self_guided"]`` is True: the rows then measure self-guidance, not CacheClip's
+small-model guidance. The paper fine-tunes the auxiliary model (Sec. 3.5); kvstitch uses it as released.
 
 The chunk texts are recovered from the primary layout's ids (decode; the spans come from re-encoding
-with ``return_offsets_mapping`` when that reproduces the ids, else from incremental decoding), and the
-question from the primary suffix (the builder's suffix template around it).
+with ``return_offsets_mapping`` when that reproduces the ids, else from incremental decoding).
 """
 
 from __future__ import annotations
@@ -43,22 +51,27 @@ from typing import ClassVar
 
 import torch
 
+from ..errors import InputError
 from ..prompt import PromptLayout
 from .base import SelectionContext, Selector, register
 from .grouping import grouped_top_k
 from .scoring import head_mean, query_attention
 
-_AUX_ENGINES: dict = {}  # (model spec, device) -> Engine: the lazily loaded auxiliary models
-_SENTINEL = "\ue000"
+_AUX_ENGINES: dict = {}  # (model spec, device) -> engine: the lazily loaded auxiliary models
 
 
-def default_aux_engine(model: str | None = None, device: str | None = None):
-    """The auxiliary engine for ``model`` (None = embedded SmolLM2), loaded once per process."""
-    key = (model, device)
+def default_aux_engine(model: str | None, engine_cls, device=None, dtype=None):
+    """The auxiliary engine for ``model`` (None = embedded SmolLM2), loaded once per process with
+    `kvstitch.models.load_model` and wrapped in ``engine_cls`` (the primary engine's class)."""
+    key = (model, None if device is None else str(device))
     if key not in _AUX_ENGINES:
-        from ..engine import Engine
+        from ..models import load_model
 
-        _AUX_ENGINES[key] = Engine.load(model, device=device)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dtype is None:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        model_, tok, weights_id = load_model(model, dev, dtype)
+        _AUX_ENGINES[key] = engine_cls(model_, tok, weights_id)
     return _AUX_ENGINES[key]
 
 
@@ -133,15 +146,6 @@ def align_scores(primary_spans: torch.Tensor, aux_spans: torch.Tensor, aux_score
     return out
 
 
-def recover_question(builder, tok, suffix_ids: torch.Tensor) -> str:
-    """The question text inside a layout's suffix (the builder's suffix template around it)."""
-    before, after = builder.suffix_text(_SENTINEL).split(_SENTINEL)
-    text = _decode(tok, suffix_ids.tolist())
-    if text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after):
-        return text[len(before):len(text) - len(after)].strip()
-    return text.strip()  # an unexpected suffix: use all of it as the query
-
-
 # ---- the selector -------------------------------------------------------------------------------
 @register
 @dataclass
@@ -150,11 +154,12 @@ class CacheClip(Selector):
     offsets, grouped in windows of 8 (>= 5 selected)."""
 
     name: ClassVar[str] = "cacheclip"
-    aux_model: str | None = None  # None: embedded SmolLM2; "self": the primary engine; else Engine.load spec
-    aux_device: str | None = None
+    aux_model: str | None = None  # None: embedded SmolLM2; "self": the primary engine; else a load_model spec
+    aux_device: str | None = None  # None: the primary engine's device
     align: str = "max"
     group_size: int = 8
     group_min: int = 5
+    refill: bool = False  # True: refill the budget of dropped windows (exact budget); False: the paper
     aux_engine: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -166,8 +171,13 @@ class CacheClip(Selector):
             return self.aux_engine
         if self.aux_model == "self":
             return ctx.engine
-        self.aux_engine = default_aux_engine(self.aux_model, self.aux_device)
+        eng = ctx.engine
+        self.aux_engine = default_aux_engine(self.aux_model, type(eng), self.aux_device or eng.device)
         return self.aux_engine
+
+    @property
+    def exact_budget(self) -> bool:
+        return self.refill
 
     def aux_token_scores(self, aux, question: str, cores: list[str]):
         """-> per chunk (aux chunk-piece spans in core coordinates, aux token scores)."""
@@ -195,11 +205,16 @@ class CacheClip(Selector):
             text, spans = spans_of_ids(eng.tokenizer, ids.tolist())
             texts.append(text)
             p_spans.append(spans - _lead(text))
-        question = recover_question(eng.builder, eng.tokenizer, lay.suffix_ids)
+        question = lay.question
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("cacheclip needs the question text: the layout has none (build it with "
+                             "Engine.layout / PromptBuilder.build, or pass PromptLayout(..., question=...))")
         per_chunk = self.aux_token_scores(aux, question, [t.strip() for t in texts])
         scores = torch.cat([align_scores(ps, a_spans, a_scores, self.align)
                             for ps, (a_spans, a_scores) in zip(p_spans, per_chunk)])
-        ctx.stats.update(cacheclip_aux=aux.adapter.family, cacheclip_aux_s=time.perf_counter() - t0)
+        self_guided = aux is eng or getattr(aux, "fingerprint", None) == getattr(eng, "fingerprint", 0)
+        ctx.stats.update(cacheclip_aux=aux.adapter.family, cacheclip_aux_s=time.perf_counter() - t0,
+                         cacheclip_self_guided=bool(self_guided))
         return scores
 
     def select(self, ctx: SelectionContext):
@@ -208,4 +223,6 @@ class CacheClip(Selector):
         if ctx.budget >= ctx.n_context:
             return torch.arange(ctx.n_context), None
         scores = self.score(ctx).float().cpu()
-        return grouped_top_k(scores, ctx.budget, self.group_size, self.group_min), scores
+        idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
+        ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
+        return idx, scores
