@@ -29,7 +29,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..attention import ForwardPlan
+import time
+
+from ..attention import ForwardPlan, attention_probs
 from ..errors import InputError
 from .base import SelectionContext, Selector, register
 from .scoring import group_mean, head_mean, query_attention
@@ -54,10 +56,35 @@ class A3(Selector):
     def scoring_layer(self, n_layers: int) -> int:
         return min(self.layer, n_layers - 1)
 
+    def actual_qk(self, ctx: SelectionContext) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The block-0 pass (Eq. 3): -> (layer, suffix queries [Hq, n_suffix, d] post-RoPE, keys [Hkv, n_total, d]
+        at slots 0..n_total-1: the exact prefix keys, then the pass's fresh context + suffix keys)."""
+        eng, cache, lay = ctx.engine, ctx.cache, ctx.layout
+        layer = self.scoring_layer(eng.adapter.num_layers)
+        c0 = lay.context_start
+        plan = ForwardPlan(stop_at_attention_layer=layer, capture_queries=lay.n_suffix)
+        saved = cache.capture, cache.captured
+        cache.capture, cache.captured = {layer}, {}
+        try:
+            eng.forward(cache, lay.ids[c0:], torch.arange(c0, lay.n_total), plan, write=False)
+            fresh_k = cache.captured[layer][0][0]
+        finally:
+            cache.capture, cache.captured = saved
+        prefix_k = cache.layers[layer].keys[0, :, :c0]
+        keys = torch.cat([prefix_k, fresh_k.to(prefix_k.dtype)], dim=1)
+        return layer, plan.queries[layer], keys
+
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        layer = self.scoring_layer(ctx.engine.adapter.num_layers)
-        att = query_attention(ctx.engine, ctx.cache, ctx.layout, [layer])[layer]
-        return head_mean(att, ctx.engine.adapter.num_kv_heads).float().cpu()
+        t0 = time.perf_counter()
+        eng, lay = ctx.engine, ctx.layout
+        layer, q, keys = self.actual_qk(ctx)
+        attn = eng.adapter.backbone.layers[layer].self_attn
+        scaling = getattr(attn, "scaling", None) or eng.adapter.head_dim ** -0.5
+        slots = torch.arange(lay.context_end, lay.n_total, device=keys.device)
+        probs = attention_probs(q[None], keys[None], slots, scaling, eng.adapter.sliding_window(layer))
+        att = probs[:, :, lay.context_start:lay.context_end].mean(dim=1)  # [Hq, n_context]
+        ctx.stats.update(score_layer=layer, a3_block0_pass_s=time.perf_counter() - t0)
+        return head_mean(att, eng.adapter.num_kv_heads).float().cpu()
 
     # ---- the eviction extension ---------------------------------------------------------------
     def eviction_mask(self, engine, cache, layout) -> torch.Tensor:
@@ -89,3 +116,18 @@ class A3(Selector):
         stats.update(evict_capacity=int(self.evict_capacity), evicted_per_head=int(layout.n_context - ctx_kept.min()),
                      kv_kept_per_head=int(layout.n_prefix + layout.n_suffix + ctx_kept.max()))
         return ForwardPlan(key_keep=keep)
+
+
+@register
+@dataclass
+class A3Stitched(A3):
+    """A3 scored on the stitched cache: the suffix's layer-1 attention over the precomputed (re-rotated)
+    layer-1 keys, no block-0 pass (ProphetKV's "Layer1"; see the module doc)."""
+
+    name: ClassVar[str] = "a3_stitched"
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        layer = self.scoring_layer(ctx.engine.adapter.num_layers)
+        att = query_attention(ctx.engine, ctx.cache, ctx.layout, [layer])[layer]
+        ctx.stats["score_layer"] = layer
+        return head_mean(att, ctx.engine.adapter.num_kv_heads).float().cpu()
