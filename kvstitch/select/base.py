@@ -50,6 +50,9 @@ class SelectionContext:
     layout: "PromptLayout"
     budget: int
     stats: dict = field(default_factory=dict)  # selectors may report what they measured
+    # how the chunk caches were precomputed: "shared_prefix" (after the shared prefix: the first chunk's
+    # cache is exact) or "isolated" (each chunk from position 0 on its own); see `kvstitch.store.chunk_key`
+    precompute: str = "shared_prefix"
 
     @property
     def n_context(self) -> int:
