@@ -178,3 +178,36 @@ def test_eval_command_wiring(engine, tmp_path, monkeypatch):
     assert sorted(r["method"] for r in rows) == ["full", "naive", "random"]
     assert (out / "summary.md").exists()
     assert not any(math.isnan(r["kl"]) for r in rows)
+
+
+def test_precompute_mode_flag_reaches_the_engine_rows_and_protocol(engine, tmp_path, monkeypatch):
+    """`--precompute-mode isolated` loads an isolated-precompute engine; its rows say so, and its protocol
+    keeps them out of a shared-prefix log."""
+    from kvstitch.engine import Engine
+    from kvstitch.eval.runner import eval_command
+    from kvstitch.store import MemoryStore
+
+    seen = {}
+
+    def load(cls, *a, **k):
+        seen.update(k)
+        return Engine(engine.model, engine.tokenizer, weights_id="tiny-llama", store=MemoryStore(storage_dtype="float32"),
+                      precompute=k.get("precompute", "shared_prefix"))
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    app = typer.Typer()
+    app.command("eval")(eval_command)
+    app.command("noop")(lambda: None)
+    out = tmp_path / "iso"
+    args = ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64", "--methods", "epic",
+            "--ratios", "0.2", "--n", "1", "--max-new-tokens", "4", "--out", str(out)]
+    r = CliRunner().invoke(app, [*args, "--precompute-mode", "isolated"])
+    assert r.exit_code == 0, r.output
+    assert seen["precompute"] == "isolated"
+    rows = {x["method"]: x for x in read_jsonl(out / RESULTS)}
+    assert rows["epic"]["precompute"] == "isolated" and rows["naive"]["precompute"] == "isolated"
+    assert json.loads((out / "run.json").read_text())["protocol"]["precompute_mode"] == "isolated"
+    r = CliRunner().invoke(app, args)  # the same directory with shared-prefix chunks: refused
+    assert r.exit_code != 0 and "protocol" in str(r.exception or r.output)
+    r = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "bad"), "--precompute-mode", "nope"])
+    assert r.exit_code != 0 and "precompute" in str(r.exception or r.output)

@@ -75,6 +75,7 @@ class EvalConfig:
     overlap: bool = True  # overlap with the `oracle` set (costs one full-prefill scoring pass per sample
     #                       when `oracle` itself is not among the methods)
     storage_dtype: str = "float16"  # the chunk store's dtype (int8 = KIVI): what every stitched method reads
+    precompute_mode: str = "shared_prefix"  # chunk caches after the shared prefix, or "isolated" (from 0, alone)
 
     def protocol(self) -> dict:
         """What must not change between a run and its resumption (rows would not be comparable)."""
@@ -82,6 +83,8 @@ class EvalConfig:
              "answer_slack": self.answer_slack, "answer_prefix": self.answer_prefix}
         if self.storage_dtype != "float16":  # (absent = float16: logs written before the option stay valid)
             p["storage_dtype"] = self.storage_dtype
+        if self.precompute_mode != "shared_prefix":  # (absent = shared_prefix, likewise)
+            p["precompute_mode"] = self.precompute_mode
         return p
 
 
@@ -297,7 +300,8 @@ def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool =
     kvs = engine.chunk_kvs(layout, stats)
     cache = engine.stitch(layout, kvs, extra=0)
     budget = round(ratio * layout.n_context)
-    ctx = SelectionContext(engine, cache, layout, budget, stats)
+    ctx = SelectionContext(engine, cache, layout, budget, stats,
+                           precompute=getattr(engine, "precompute_mode", "shared_prefix"))
     if keep_scores and budget >= layout.n_context and not selector.zero_budget and method != "naive":
         scores = selector.score(ctx).float().cpu()
         indices = torch.arange(layout.n_context)
@@ -528,6 +532,7 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
         raise InputError(f"ratios must be in [0, 1], got {cfg.ratios}")
     model_desc = _model_desc(engine)
     cfg.storage_dtype = getattr(engine.store, "storage_dtype", cfg.storage_dtype)  # the engine's store decides
+    cfg.precompute_mode = getattr(engine, "precompute_mode", cfg.precompute_mode)  # and so does the engine
     _check_protocol(out, cfg, model_desc)
     log = out / RESULTS
     rows = read_jsonl(log)
@@ -839,6 +844,9 @@ def eval_command(
         store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
         storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
                                                           "(KIVI; compare with a float16 run of the same samples)"),
+        precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "
+                                                                    "(shared_prefix) or each from position 0 on its "
+                                                                    "own (isolated); one mode per --out directory"),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
 ) -> None:
     """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
@@ -855,15 +863,19 @@ def eval_command(
         ratio_list = [float(x) for x in _csv(ratios)]
     except ValueError as e:
         raise InputError(f"--length and --ratios take comma-separated numbers: {e}") from None
+    from ..store import check_precompute
+
+    check_precompute(precompute_mode)  # before the model loads
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
-                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype)
+                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
+                     precompute_mode=precompute_mode)
     args = sys.argv[1:]
     if args[:1] != ["eval"]:  # `python -m kvstitch.eval.runner ...` runs the same command
         args = ["eval", *args]
     command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
     with console.status("loading the model ..."):
-        engine = Engine.load(model, store=store, storage_dtype=storage_dtype)
+        engine = Engine.load(model, store=store, storage_dtype=storage_dtype, precompute=precompute_mode)
     rows = run_eval(engine, cfg, out, command=command, console=console)
     console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
 
