@@ -211,3 +211,16 @@ def test_precompute_mode_flag_reaches_the_engine_rows_and_protocol(engine, tmp_p
     assert r.exit_code != 0 and "protocol" in str(r.exception or r.output)
     r = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "bad"), "--precompute-mode", "nope"])
     assert r.exit_code != 0 and "precompute" in str(r.exception or r.output)
+
+
+def test_haystack_flag_is_resolved_and_part_of_the_protocol(engine, tmp_path):
+    cfg = _cfg(tasks=["niah_multikey"], n=1, methods=["random"], haystack="auto", lengths=[160])
+    rows = run_eval(engine, cfg, tmp_path, progress=False, max_samples=1)
+    assert cfg.haystack == "essays"  # installed by scripts/setup.sh
+    assert json.loads((tmp_path / "run.json").read_text())["protocol"]["haystack"] == "essays"
+    assert rows and all(r["task"] == "niah_multikey" for r in rows)
+    with pytest.raises(kvstitch.InputError, match="protocol"):  # a synthetic-haystack run into the same log
+        run_eval(engine, _cfg(tasks=["niah_multikey"], n=0, methods=["random"], haystack="synthetic"), tmp_path,
+                 progress=False)
+    with pytest.raises(kvstitch.InputError, match="haystack"):
+        run_eval(engine, _cfg(haystack="novels", n=0), tmp_path / "x", progress=False)

