@@ -224,3 +224,26 @@ def test_haystack_flag_is_resolved_and_part_of_the_protocol(engine, tmp_path):
                  progress=False)
     with pytest.raises(kvstitch.InputError, match="haystack"):
         run_eval(engine, _cfg(haystack="novels", n=0), tmp_path / "x", progress=False)
+
+
+def test_fidelity_table_has_bootstrap_intervals():
+    from kvstitch.eval.runner import fidelity_table, pooled_recovery, pooled_recovery_ci
+
+    rows = []
+    for i in range(12):
+        key = dict(task="t", seed=0, index=i, length=100, chunk_tokens=10)
+        rows.append({**key, "method": "naive", "ratio": None, "nll": 2.0, "nll_full": 1.0, "kl": 0.4, "kl_first": 0.5})
+        rows.append({**key, "method": "m", "ratio": 0.2, "nll": 1.5 - 0.04 * i, "nll_full": 1.0, "kl": 0.1 + 0.01 * i,
+                     "kl_first": 0.2, "overlap": 0.5 + 0.02 * i, "nll_recovery": 0.5 + 0.04 * i})
+    table = fidelity_table(rows)
+    line = next(x for x in table.splitlines() if x.startswith("| m | 0.20 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3] == "0.2000 [0.2000, 0.2000]"  # constant: zero width
+    lo, hi = (float(v) for v in cells[4].split(" [")[1].rstrip("]").split(", "))
+    assert lo < 0.155 < hi  # mean KL 0.155
+    naive = {(r["task"], 0, r["index"], 100, 10): 2.0 for r in rows if r["method"] == "naive"}
+    m_rows = [r for r in rows if r["method"] == "m"]
+    p = pooled_recovery(m_rows, naive)
+    plo, phi = pooled_recovery_ci(m_rows, naive)
+    assert plo < p < phi and cells[7].startswith(f"{p:.2f} [")
+    assert " [" in cells[8]  # overlap too

@@ -655,10 +655,25 @@ def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> floa
     return num / den if abs(den) > 1e-9 else math.nan
 
 
+def pooled_recovery_ci(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> tuple[float, float]:
+    """95% bootstrap interval of `pooled_recovery` (samples resampled with their naive and full NLLs)."""
+    from .report import bootstrap_ratio_ci
+
+    num, den = [], []
+    for r in rows:
+        nv = naive_nll.get(_sample_key(r))
+        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
+            continue
+        num.append(nv - float(r["nll"]))
+        den.append(nv - float(r["nll_full"]))
+    return bootstrap_ratio_ci([(num, den)])
+
+
 def fidelity_table(rows: Sequence[dict]) -> str:
-    """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap, TTFT and
-    its stages (seconds, warm chunk store), share of answers read off the teacher-forced pass."""
-    from .report import _method_key, _ratio_key  # same ordering as the summary table
+    """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap (each with
+    its 95% bootstrap interval over the samples), TTFT and its stages (seconds, warm chunk store), share of
+    answers read off the teacher-forced pass."""
+    from .report import _method_key, _ratio_key, bootstrap_mean_ci, fmt_ci  # same ordering as the summary table
 
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -667,13 +682,17 @@ def fidelity_table(rows: Sequence[dict]) -> str:
     lines = ["| method | ratio | n | KL first | KL answer | NLL (nats/tok) | NLL rec. (mean) | NLL rec. (pooled) | "
              "overlap w/ oracle | TTFT (s) | load | assemble | select | recompute |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ci(g, field, digits):  # mean [95% CI]
+        return fmt_ci(_mean(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
+
     for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
         g = groups[key]
         m, r = key
-        lines.append(f"| {m} | {'–' if r is None else f'{r:.2f}'} | {len(g)} | {_f(_mean(x.get('kl_first') for x in g), 4)} | "
-                     f"{_f(_mean(x.get('kl') for x in g), 4)} | {_f(_mean(x.get('nll') for x in g))} | "
-                     f"{_f(_mean(x.get('nll_recovery') for x in g), 2)} | {_f(pooled_recovery(g, naive_nll), 2)} | "
-                     f"{_f(_mean(x.get('overlap') for x in g), 2)} | "
+        lines.append(f"| {m} | {'–' if r is None else f'{r:.2f}'} | {len(g)} | {ci(g, 'kl_first', 4)} | "
+                     f"{ci(g, 'kl', 4)} | {ci(g, 'nll', 3)} | {ci(g, 'nll_recovery', 2)} | "
+                     f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
+                     f"{ci(g, 'overlap', 2)} | "
                      f"{_f(_mean(x.get('ttft_s') for x in g))} | {_f(_mean(x.get('chunk_load_s') for x in g))} | "
                      f"{_f(_mean(x.get('assemble_s') for x in g))} | {_f(_mean(x.get('select_s') for x in g))} | "
                      f"{_f(_mean(x.get('recompute_s') for x in g))} |")
@@ -802,7 +821,8 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig 
     lengths = sorted({int(r["length"]) for r in rows})
     parts = ["# kvstitch eval summary", "",
              "Scores x100 (RULER string match), % of the `full` score on the same task, mean KL(full || method) "
-             "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store.",
+             "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store. "
+             "[lo, hi] = 95% percentile bootstrap interval over the samples (2000 resamples, fixed seed).",
              ""]
     for L in lengths:
         sub = [r for r in rows if int(r["length"]) == L]
