@@ -9,7 +9,7 @@ from kvstitch.attention import ForwardPlan
 from kvstitch.models.loader import resolve_model
 from kvstitch.prompt import PromptLayout
 from kvstitch.select import SelectionContext, make_selector
-from kvstitch.select import cacheclip
+from kvstitch.select import base as select_base
 from kvstitch.errors import InputError
 from kvstitch.select.cacheclip import align_scores, decode_spans, encode_with_spans, spans_of_ids
 from kvstitch.select.grouping import grouped_top_k
@@ -200,10 +200,11 @@ def test_cacheclip_grouping_options(smollm_tokenizer):
 @pytest.mark.slow
 def test_cacheclip_default_pair(gemma, smollm):
     # the default auxiliary model is the embedded SmolLM2, loaded once per process: reuse the fixture's
-    cacheclip._AUX_ENGINES.setdefault((None, "cpu"), smollm)
+    key = (None, "cpu", "torch.float32")
+    select_base._AUXILIARY.setdefault(key, smollm)
     sel = make_selector("cacheclip")
     ctx = _ctx(gemma, 0.2)
-    assert sel._aux(ctx) is cacheclip._AUX_ENGINES[(None, "cpu")]
+    assert sel._aux(ctx) is select_base._AUXILIARY[key]
     sel.aux_engine = smollm
     recorded = []
     aux_token_scores = sel.aux_token_scores

@@ -34,7 +34,7 @@ import time
 from ..attention import ForwardPlan, attention_probs
 from ..errors import InputError
 from .base import SelectionContext, Selector, register
-from .scoring import group_mean, head_mean, query_attention
+from .scoring import group_mean, head_mean
 
 
 @register
@@ -59,46 +59,35 @@ class A3(Selector):
     def actual_qk(self, ctx: SelectionContext) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The block-0 pass (Eq. 3): -> (layer, suffix queries [Hq, n_suffix, d] post-RoPE, keys [Hkv, n_total, d]
         at slots 0..n_total-1: the exact prefix keys, then the pass's fresh context + suffix keys)."""
-        eng, cache, lay = ctx.engine, ctx.cache, ctx.layout
-        layer = self.scoring_layer(eng.adapter.num_layers)
-        c0 = lay.context_start
-        plan = ForwardPlan(stop_at_attention_layer=layer, capture_queries=lay.n_suffix)
-        saved = cache.capture, cache.captured
-        cache.capture, cache.captured = {layer}, {}
-        try:
-            eng.forward(cache, lay.ids[c0:], torch.arange(c0, lay.n_total), plan, write=False)
-            fresh_k = cache.captured[layer][0][0]
-        finally:
-            cache.capture, cache.captured = saved
-        prefix_k = cache.layers[layer].keys[0, :, :c0]
-        keys = torch.cat([prefix_k, fresh_k.to(prefix_k.dtype)], dim=1)
-        return layer, plan.queries[layer], keys
+        lay = ctx.layout
+        fp = ctx.fresh_pass(self.scoring_layer(ctx.num_layers), include_suffix=True, queries=lay.n_suffix)
+        prefix_k = ctx.cache.layers[fp.layer].keys[0, :, :lay.context_start]
+        keys = torch.cat([prefix_k, fp.fresh_keys.to(prefix_k.dtype)], dim=1)
+        return fp.layer, fp.queries, keys
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         t0 = time.perf_counter()
-        eng, lay = ctx.engine, ctx.layout
+        lay = ctx.layout
         layer, q, keys = self.actual_qk(ctx)
-        attn = eng.adapter.backbone.layers[layer].self_attn
-        scaling = getattr(attn, "scaling", None) or eng.adapter.head_dim ** -0.5
         slots = torch.arange(lay.context_end, lay.n_total, device=keys.device)
-        probs = attention_probs(q[None], keys[None], slots, scaling, eng.adapter.sliding_window(layer))
+        probs = attention_probs(q[None], keys[None], slots, ctx.attention_scaling(layer), ctx.sliding_window(layer))
         att = probs[:, :, lay.context_start:lay.context_end].mean(dim=1)  # [Hq, n_context]
         ctx.stats.update(score_layer=layer, a3_block0_pass_s=time.perf_counter() - t0)
-        return head_mean(att, eng.adapter.num_kv_heads).float().cpu()
+        return head_mean(att, ctx.num_kv_heads).float().cpu()
 
     # ---- the eviction extension ---------------------------------------------------------------
     def eviction_mask(self, engine, cache, layout) -> torch.Tensor:
         """bool [L, Hkv, n_total]: prefix and suffix kept, ``evict_capacity`` context tokens per layer/head."""
-        ad = engine.adapter
+        ctx = SelectionContext(engine, cache, layout, 0)
         c0, c1, n = layout.context_start, layout.context_end, layout.n_context
-        keep = torch.ones(ad.num_layers, ad.num_kv_heads, layout.n_total, dtype=torch.bool, device=engine.device)
+        keep = torch.ones(ctx.num_layers, ctx.num_kv_heads, layout.n_total, dtype=torch.bool, device=ctx.device)
         cap = min(int(self.evict_capacity), n)
         if cap >= n:
             return keep
-        per_layer = query_attention(engine, cache, layout)
+        per_layer = ctx.query_attention()
         keep[:, :, c0:c1] = False
         for layer, att in per_layer.items():
-            s = group_mean(att, ad.num_kv_heads)  # [Hkv, n_context]
+            s = group_mean(att, ctx.num_kv_heads)  # [Hkv, n_context]
             k = self.evict_kernel
             s = F.avg_pool1d(s[:, None], kernel_size=k, stride=1, padding=k // 2, count_include_pad=False)[:, 0]
             top = torch.topk(s, cap, dim=-1).indices  # [Hkv, cap]
@@ -127,7 +116,7 @@ class A3Stitched(A3):
     name: ClassVar[str] = "a3_stitched"
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        layer = self.scoring_layer(ctx.engine.adapter.num_layers)
-        att = query_attention(ctx.engine, ctx.cache, ctx.layout, [layer])[layer]
+        layer = self.scoring_layer(ctx.num_layers)
+        att = ctx.query_attention([layer])[layer]
         ctx.stats["score_layer"] = layer
-        return head_mean(att, ctx.engine.adapter.num_kv_heads).float().cpu()
+        return head_mean(att, ctx.num_kv_heads).float().cpu()

@@ -31,8 +31,9 @@ prefix, would silently turn into a different query). A layout without it is an `
 
 The auxiliary model: ``aux_engine=`` (any engine object), or ``aux_model=`` ("self" = the primary engine,
 otherwise any model spec `kvstitch.models.load_model` accepts, e.g. "gemma3", "smollm2" or a path),
-default the embedded SmolLM2-135M, loaded once per process with `load_model` and wrapped in the primary
-engine's own class (this module does not import `kvstitch.engine`). The paper's pair is a small model of
+default the embedded SmolLM2-135M, loaded once per process by `SelectionContext.auxiliary_engine`
+(`kvstitch.models.load_model`, wrapped in the primary engine's own class: `select` never imports
+`kvstitch.engine`). The paper's pair is a small model of
 another family than the primary (its Sec. 2.8 finds last-layer attention aligned across families);
 kvstitch's reference pair is Gemma 3 270M (primary, ``Engine.load("gemma3")``) + SmolLM2-135M
 (auxiliary). Any pair works; when the auxiliary model is the primary model itself (same weights),
@@ -55,25 +56,7 @@ from ..errors import InputError
 from ..prompt import PromptLayout
 from .base import SelectionContext, Selector, register
 from .grouping import grouped_top_k
-from .scoring import head_mean, query_attention
-
-_AUX_ENGINES: dict = {}  # (model spec, device) -> engine: the lazily loaded auxiliary models
-
-
-def default_aux_engine(model: str | None, engine_cls, device=None, dtype=None):
-    """The auxiliary engine for ``model`` (None = embedded SmolLM2), loaded once per process with
-    `kvstitch.models.load_model` and wrapped in ``engine_cls`` (the primary engine's class)."""
-    key = (model, None if device is None else str(device))
-    if key not in _AUX_ENGINES:
-        from ..models import load_model
-
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        if dtype is None:
-            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        model_, tok, weights_id = load_model(model, dev, dtype)
-        _AUX_ENGINES[key] = engine_cls(model_, tok, weights_id)
-    return _AUX_ENGINES[key]
-
+from .scoring import head_mean
 
 # ---- character spans ----------------------------------------------------------------------------
 def _decode(tok, ids) -> str:
@@ -171,8 +154,7 @@ class CacheClip(Selector):
             return self.aux_engine
         if self.aux_model == "self":
             return ctx.engine
-        eng = ctx.engine
-        self.aux_engine = default_aux_engine(self.aux_model, type(eng), self.aux_device or eng.device)
+        self.aux_engine = ctx.auxiliary_engine(self.aux_model, self.aux_device)
         return self.aux_engine
 
     @property
@@ -180,29 +162,31 @@ class CacheClip(Selector):
         return self.refill
 
     def aux_token_scores(self, aux, question: str, cores: list[str]):
-        """-> per chunk (aux chunk-piece spans in core coordinates, aux token scores)."""
-        b, tok = aux.builder, aux.tokenizer
+        """-> per chunk (aux chunk-piece spans in core coordinates, aux token scores). ``aux``: an engine,
+        used through a `SelectionContext` of its own like the primary one."""
+        actx = SelectionContext(aux, None, None, 0)
+        b, tok = actx.builder, actx.tokenizer
         pieces = [b.chunk_piece(c) for c in cores]
         encoded = [encode_with_spans(tok, p) for p in pieces]
         suffix = torch.tensor(tok.encode(b.suffix_text(question), add_special_tokens=False), dtype=torch.long)
-        layout = PromptLayout(b.prefix_ids, [torch.tensor(ids, dtype=torch.long) for ids, _ in encoded], suffix)
-        kvs = aux.chunk_kvs(layout)  # the auxiliary model's own per-chunk caches (store-backed)
-        last = aux.adapter.num_layers - 1
+        layout = PromptLayout(b.prefix_ids, [torch.tensor(ids, dtype=torch.long) for ids, _ in encoded], suffix,
+                              question=question)
+        kvs = actx.chunk_kvs(layout)  # the auxiliary model's own per-chunk caches (store-backed)
+        last = actx.num_layers - 1
         out = []
         for piece, (ids, spans), kv in zip(pieces, encoded, kvs):
             one = PromptLayout(layout.prefix_ids, [kv.token_ids.to(torch.long)], suffix)  # chunk_i + question
-            cache = aux.stitch(one, [kv])
-            per_head = query_attention(aux, cache, one, [last])[last]  # [Hq, n_i], suffix-averaged
-            scores = head_mean(per_head, aux.adapter.num_kv_heads).float().cpu()
+            per_head = actx.query_attention([last], cache=actx.stitch(one, [kv]), layout=one)[last]  # [Hq, n_i]
+            scores = head_mean(per_head, actx.num_kv_heads).float().cpu()
             out.append((spans - _lead(piece), scores))
         return out
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         t0 = time.perf_counter()
-        aux, eng, lay = self._aux(ctx), ctx.engine, ctx.layout
+        aux, lay = self._aux(ctx), ctx.layout
         texts, p_spans = [], []
         for ids in lay.chunk_ids:
-            text, spans = spans_of_ids(eng.tokenizer, ids.tolist())
+            text, spans = spans_of_ids(ctx.tokenizer, ids.tolist())
             texts.append(text)
             p_spans.append(spans - _lead(text))
         question = lay.question
@@ -212,17 +196,13 @@ class CacheClip(Selector):
         per_chunk = self.aux_token_scores(aux, question, [t.strip() for t in texts])
         scores = torch.cat([align_scores(ps, a_spans, a_scores, self.align)
                             for ps, (a_spans, a_scores) in zip(p_spans, per_chunk)])
-        self_guided = aux is eng or getattr(aux, "fingerprint", None) == getattr(eng, "fingerprint", 0)
+        primary = ctx.engine
+        self_guided = aux is primary or getattr(aux, "fingerprint", None) == getattr(primary, "fingerprint", 0)
         ctx.stats.update(cacheclip_aux=aux.adapter.family, cacheclip_aux_s=time.perf_counter() - t0,
                          cacheclip_self_guided=bool(self_guided))
         return scores
 
-    def select(self, ctx: SelectionContext):
-        if ctx.budget <= 0:
-            return torch.zeros(0, dtype=torch.long), None
-        if ctx.budget >= ctx.n_context:
-            return torch.arange(ctx.n_context), None
-        scores = self.score(ctx).float().cpu()
+    def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
         idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
         ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
-        return idx, scores
+        return idx

@@ -102,6 +102,8 @@ class Grouped(Selector):
         if self.base == self.name:
             raise TypeError("grouped cannot wrap itself")  # make_selector reports it as an InputError
         self._base_selector = make_selector(self.base, **self.base_options)  # unknown base: InputError now
+        if self._base_selector.full_prefill:
+            raise TypeError(f"grouped cannot wrap {self.base!r}: it prefills from scratch and selects nothing")
 
     @property
     def base_selector(self) -> Selector:
@@ -115,18 +117,22 @@ class Grouped(Selector):
     def exact_budget(self) -> bool:
         return self.refill
 
+    @property
+    def needs_full_prefill(self) -> bool:  # e.g. grouped(oracle)
+        return self.base_selector.needs_full_prefill
+
+    # every capability of the base passes on: its prompt change (InfoFlow's reorder), its scores, its
+    # zero budget, its recompute and decode plans; only the picking is grouped
+    def prepare(self, ctx: SelectionContext) -> None:
+        self.base_selector.prepare(ctx)
+
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         return self.base_selector.score(ctx)
 
-    def select(self, ctx: SelectionContext):
-        # the base's own select runs (it may reorder chunks, force a zero budget, ...); its scores are
-        # then regrouped. No scores (budget 0 / all / naive) -> the base's choice stands.
-        idx, scores = self.base_selector.select(ctx)
-        if scores is None:
-            return idx, None
+    def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
         idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
         ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
-        return idx, scores
+        return idx
 
     def recompute_plan(self, ctx: SelectionContext):
         return self.base_selector.recompute_plan(ctx)

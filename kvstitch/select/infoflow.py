@@ -45,9 +45,8 @@ import torch
 
 from ..cache import StitchCache
 from ..errors import InputError
-from ..rope import rerotate
 from .base import SelectionContext, Selector, register
-from .scoring import band_layers, layer_mean, query_attention
+from .scoring import band_layers, layer_mean
 
 
 @register
@@ -81,20 +80,22 @@ class InfoFlow(Selector):
     def scoring_layers(self, n_layers: int) -> list[int]:
         return self.layer_choice(n_layers)[0]
 
-    def token_scores(self, engine, cache, layout, key_keep=None, stats: dict | None = None) -> torch.Tensor:
-        layers, rule = self.layer_choice(engine.adapter.num_layers)
-        if stats is not None:
-            stats.update(infoflow_layers=list(layers), infoflow_layer_rule=rule)
-        per_layer = query_attention(engine, cache, layout, layers, key_keep=key_keep)
+    def token_scores(self, ctx: SelectionContext, cache=None, key_keep=None, report: bool = False) -> torch.Tensor:
+        """Attention norms over ``cache`` (default: the stitched cache) at the chosen layers."""
+        cache = ctx.cache if cache is None else cache
+        layers, rule = self.layer_choice(ctx.num_layers)
+        if report:
+            ctx.stats.update(infoflow_layers=list(layers), infoflow_layer_rule=rule)
+        per_layer = ctx.query_attention(layers, cache=cache, key_keep=key_keep)
         if self.weight == "value":
-            c0, c1 = layout.context_start, layout.context_end
+            c0, c1 = ctx.layout.context_start, ctx.layout.context_end
             for i, att in per_layer.items():
                 vnorm = cache.layers[i].values[0, :, c0:c1].float().norm(dim=-1)  # [Hkv, n]
                 per_layer[i] = att * vnorm.repeat_interleave(att.shape[0] // vnorm.shape[0], 0)
-        return layer_mean(per_layer, engine.adapter.num_kv_heads)
+        return layer_mean(per_layer, ctx.num_kv_heads)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        return self.token_scores(ctx.engine, ctx.cache, ctx.layout, stats=ctx.stats)
+        return self.token_scores(ctx, report=True)
 
 
 @register
@@ -112,22 +113,22 @@ class InfoFlowReorder(InfoFlow):
     def local_scores(self, ctx: SelectionContext, kvs) -> list[torch.Tensor]:
         """First round, HL-TP: per chunk, the prompt (global positions) over prefix + that chunk alone at its
         precompute positions; the slots of the other chunks are masked out. -> one score vector per chunk."""
-        eng, layout = ctx.engine, ctx.layout
-        pk, pv = eng.prefix_kv(layout.prefix_ids)
+        layout = ctx.layout
+        pk, pv = ctx.prefix_kv()
         p, c1 = layout.n_prefix, layout.context_end
         tmp = StitchCache.from_stacked(pk, pv, capacity=layout.n_total)
         out = []
         for kv in kvs:
             n = kv.n_tokens
-            keys = kv.keys if kv.start == p else rerotate(kv.keys, p - kv.start, eng.inv_freq)  # isolated: 0 -> p
+            keys = kv.keys if kv.start == p else ctx.rerotate(kv.keys, p - kv.start)  # isolated: 0 -> p
             for i, layer in enumerate(tmp.layers):
                 layer.keys[0, :, p:p + n] = keys[i]
                 layer.values[0, :, p:p + n] = kv.values[i]
                 layer.length = c1
-            keep = torch.zeros(layout.n_total, dtype=torch.bool, device=eng.device)
+            keep = torch.zeros(layout.n_total, dtype=torch.bool, device=ctx.device)
             keep[:p + n] = True
             keep[c1:] = True
-            s = self.token_scores(eng, tmp, layout, key_keep=keep)
+            s = self.token_scores(ctx, tmp, key_keep=keep)
             out.append(s[:n])
         return out
 
@@ -138,17 +139,13 @@ class InfoFlowReorder(InfoFlow):
         order = torch.sort(importance, stable=True).indices.tolist()  # ascending: most important last
         return order, importance.tolist()
 
-    def select(self, ctx: SelectionContext):
+    def prepare(self, ctx: SelectionContext) -> None:
+        """First round and reorder; `score` is then the second round, GLOBAL geometry on the new prompt."""
         if len(ctx.layout.chunk_ids) > 1:
-            eng, layout = ctx.engine, ctx.layout
-            kvs = eng.chunk_kvs(layout)
+            kvs = ctx.chunk_kvs()
             order, importance = self.chunk_order(ctx, kvs)
-            extra = max(0, ctx.cache.layers[0].capacity - layout.n_total)
-            ctx.layout = layout.reordered(order)
-            ctx.cache = eng.stitch(ctx.layout, [kvs[i] for i in order], extra=extra)
-            ctx.stats.update(order=list(ctx.layout.order), chunk_importance=importance,
-                             chunk_score=self.chunk_score)
-        return super().select(ctx)  # second round: GLOBAL geometry over the reordered prompt
+            ctx.reorder(order, kvs)
+            ctx.stats.update(chunk_importance=importance, chunk_score=self.chunk_score)
 
 
 CHUNK_SCORES = ("topk_mass", "max")
