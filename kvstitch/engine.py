@@ -79,6 +79,7 @@ class Engine:
         elif isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
+        check_precompute(kwargs.get("precompute", "shared_prefix"))
         model_, tok, weights_id = load_model(model, dev, dtype)
         return cls(model_, tok, weights_id, store=store_, **kwargs)
 

@@ -178,6 +178,9 @@ def test_cacheclip_recomputes_fewer_tokens_by_default_refill_is_an_option(smollm
     assert idx.numel() < ctx.budget  # random tiny-model attention: some windows are sparse
     full, _ = make_selector("cacheclip", aux_engine=aux, refill=True).select(ctx)
     assert full.numel() == ctx.budget and set(idx.tolist()) <= set(full.tolist())
+    named = make_selector("cacheclip_refill", aux_engine=aux)  # the registered variant (for the eval)
+    assert named.exact_budget and not make_selector("cacheclip").exact_budget
+    assert torch.equal(named.select(ctx)[0], full)
     res = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="cacheclip", recompute_ratio=0.2, max_new_tokens=1,
                        method_options={"aux_engine": aux})
     assert res.stats["recomputed_tokens"] == len(res.recomputed) == idx.numel()

@@ -23,7 +23,7 @@ An *auxiliary* model picks the tokens the primary model recomputes (Sec. 2.8, 3.
    least ``group_min`` = 5 were selected; sparse windows are dropped and, as in the paper, their budget
    is NOT spent elsewhere: CacheClip recomputes at most ``budget`` tokens (the engine reports how many,
    ``recomputed_tokens``; ``stats["grouping_dropped"]`` = budget - recomputed). ``refill=True`` is the
-   named variant that refills the budget window-wise (see `grouping.py`).
+   named variant that refills the budget window-wise (see `grouping.py`), registered as `cacheclip_refill`.
 
 The question is the layout's own (`PromptLayout.question`, set by `PromptBuilder.build`): it is never
 recovered from the suffix ids (a suffix carrying more than the builder's template, e.g. RULER's answer
@@ -206,3 +206,13 @@ class CacheClip(Selector):
         idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
         ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
         return idx
+
+
+@register
+@dataclass
+class CacheClipRefill(CacheClip):
+    """CacheClip with the dropped windows' budget refilled window-wise (exactly ``budget`` tokens recomputed):
+    kvstitch's earlier rule, kept as a named variant next to the paper's `cacheclip`."""
+
+    name: ClassVar[str] = "cacheclip_refill"
+    refill: bool = True
