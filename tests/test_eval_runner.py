@@ -191,8 +191,8 @@ def test_precompute_mode_flag_reaches_the_engine_rows_and_protocol(engine, tmp_p
 
     def load(cls, *a, **k):
         seen.update(k)
-        return Engine(engine.model, engine.tokenizer, weights_id="tiny-llama", store=MemoryStore(storage_dtype="float32"),
-                      precompute=k.get("precompute", "shared_prefix"))
+        return Engine(engine.model, engine.tokenizer, weights_id="tiny-llama",
+                      store=MemoryStore(storage_dtype="float32"), precompute=k.get("precompute", "shared_prefix"))
 
     monkeypatch.setattr(Engine, "load", classmethod(load))
     app = typer.Typer()
