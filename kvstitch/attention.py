@@ -38,6 +38,9 @@ class ForwardPlan:
     attn_hook: Callable | None = None
     hook_layers: set[int] | None = None  # None = every layer
     stop_after_layer: int | None = None
+    # end the pass as soon as this layer's attention is entered: its fresh Q (``capture_queries``) and K/V
+    # (`StitchCache.capture`) exist, its O(q N) attention is never computed (A3's block-0 pass)
+    stop_at_attention_layer: int | None = None
     capture_queries: int = 0  # keep the last w post-RoPE queries per layer in `queries`
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     # APE (Yang et al. 2025): (temperature, scale, ctx_start, ctx_end); see `_ape_attention`.
@@ -151,6 +154,13 @@ def _probs(q, k, slots, scaling, softcap, window, keep=None) -> torch.Tensor:
     return torch.softmax(s, dim=-1)
 
 
+def attention_probs(query: torch.Tensor, key: torch.Tensor, slots: torch.Tensor, scaling: float,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Explicit causal attention probabilities ``[Hq, q, n]`` (float32) of queries ``[1, Hq, q, d]`` at
+    ``slots`` over keys ``[1, Hkv, n, d]`` at slots ``0..n-1`` (per query head; GQA by repetition)."""
+    return _probs(query, key, slots, scaling, softcap, window)
+
+
 def kvstitch_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
                        sliding_window=None, softcap=None, kvstitch_plan: ForwardPlan | None = None, **kwargs):
     """The transformers attention-interface entry point. query [1,Hq,q,d]; key/value [1,Hkv,n,d]."""
@@ -168,6 +178,8 @@ def kvstitch_attention(module, query, key, value, attention_mask=None, scaling=N
     keep = _layer_keep(plan.key_keep, layer, nk, query.device)
     if plan.capture_queries:
         plan.queries[layer] = query[0, :, -plan.capture_queries:].detach()
+    if plan.stop_at_attention_layer is not None and layer >= plan.stop_at_attention_layer:
+        raise StopForward(layer)
     if plan.ape is not None:
         out = _ape_attention(query, key, value, slots, scaling, sliding_window, plan.ape, softcap, keep)
     elif keep is None and nq == nk and sliding_window is None and int(slots[0]) == 0 and int(slots[-1]) == nk - 1:

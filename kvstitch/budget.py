@@ -155,7 +155,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     rounds = auto.rounds()
     kvs = engine.chunk_kvs(layout, stats)
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
-    ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats)
+    ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
+                           precompute=engine.precompute_mode)
     ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
     layout, cache = ctx.layout, ctx.cache
     plan = recompute_plan(ctx) if recompute_plan is not None else None

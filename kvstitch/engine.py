@@ -18,7 +18,7 @@ from .models import adapter_for, load_model
 from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
 from .select import SelectionContext, make_selector, methods
-from .store import ChunkStore, chunk_key, open_store
+from .store import ChunkStore, check_precompute, chunk_key, open_store
 from .store.codec import roundtrip
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
@@ -89,7 +89,11 @@ def default_device() -> torch.device:
 
 class Engine:
     def __init__(self, model, tokenizer, weights_id: str, store: ChunkStore | None = None,
-                 check_rope: bool = True):
+                 check_rope: bool = True, precompute: str = "shared_prefix"):
+        """``precompute``: how chunk caches are computed - "shared_prefix" (after the shared prefix, the one
+        attention sink) or "isolated" (each chunk from position 0 on its own, as A3 / InfoFlow do); part of
+        the chunk store key."""
+        self.precompute_mode = check_precompute(precompute)
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter_for(model)
@@ -118,6 +122,7 @@ class Engine:
         elif isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
+        check_precompute(kwargs.get("precompute", "shared_prefix"))
         model_, tok, weights_id = load_model(model, dev, dtype)
         return cls(model_, tok, weights_id, store=store_, **kwargs)
 
@@ -178,9 +183,12 @@ class Engine:
 
     def compute_chunks(self, prefix_ids: torch.Tensor, chunks: list[torch.Tensor], batch_size: int = 8) -> list[ChunkKV]:
         """Precompute several chunks, ``batch_size`` per forward. Chunks of a batch are right-padded to
-        one length; causal masks keep every real token blind to the padding after it."""
+        one length; causal masks keep every real token blind to the padding after it. In ``isolated``
+        precompute mode a chunk runs alone from position 0 (no prefix; ``ChunkKV.start`` = 0)."""
         pk, pv = self.prefix_kv(prefix_ids)
         p = prefix_ids.numel()
+        if self.precompute_mode == "isolated":
+            pk, pv, p = pk[:, :, :0], pv[:, :, :0], 0
         out: list[ChunkKV] = []
         for b0 in range(0, len(chunks), batch_size):
             batch = chunks[b0:b0 + batch_size]
@@ -198,16 +206,19 @@ class Engine:
         return out
 
     def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str:
-        return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"))
+        return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"),
+                         precompute=self.precompute_mode)
 
     def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None) -> list[ChunkKV]:
         """Look every chunk up in the store; precompute the misses (batched) and write them back."""
         t0 = time.perf_counter()
         keys = [self.chunk_key(layout.prefix_ids, ids) for ids in layout.chunk_ids]
         found: list[ChunkKV | None] = []
+        start = 0 if self.precompute_mode == "isolated" else layout.n_prefix
         for key, ids in zip(keys, layout.chunk_ids):
             kv = self.store.lookup(key)
-            if kv is not None and (kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu())):
+            if kv is not None and (kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu())
+                                   or kv.start != start):
                 kv = None  # a key collision or a foreign entry: never use it
             found.append(kv)
         miss = [i for i, kv in enumerate(found) if kv is None]
@@ -220,7 +231,7 @@ class Engine:
                 found[i] = roundtrip(kv, storage, self.dtype)
         if stats is not None:
             stats.update(store_hits=len(found) - len(miss), store_misses=len(miss),
-                         chunk_load_s=time.perf_counter() - t0)
+                         chunk_load_s=time.perf_counter() - t0, precompute=self.precompute_mode)
         return [kv.to(self.device, self.dtype) for kv in found]
 
     # ---- stitching ------------------------------------------------------------------------------
@@ -465,7 +476,8 @@ class Engine:
         cache = self.stitch(layout, kvs, extra=max_new_tokens)
         _sync(self.device)
         t2 = time.perf_counter()
-        ctx = SelectionContext(self, cache, layout, round(ratio * layout.n_context), stats)
+        ctx = SelectionContext(self, cache, layout, round(ratio * layout.n_context), stats,
+                               precompute=self.precompute_mode)
         indices, _ = selector.select(ctx)
         layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
         _sync(self.device)

@@ -51,6 +51,7 @@ class PromptLayout:
     suffix_ids: torch.Tensor
     order: list[int] = field(default_factory=list)  # chunk order used (identity unless reordered)
     pinned: int = 0  # leading chunks that must keep their place (a conversation's system segment)
+    question: str | None = None  # the question text inside the suffix (methods that re-encode it: CacheClip)
 
     def __post_init__(self):
         if not self.order:
@@ -100,7 +101,7 @@ class PromptLayout:
         if list(order[:self.pinned]) != list(range(self.pinned)):
             raise ValueError(f"the first {self.pinned} chunk(s) are pinned: order {order} moves them")
         return PromptLayout(self.prefix_ids, [self.chunk_ids[i] for i in order], self.suffix_ids,
-                            [self.order[i] for i in order], self.pinned)
+                            [self.order[i] for i in order], self.pinned, self.question)
 
 
 class PromptBuilder:
@@ -150,7 +151,7 @@ class PromptBuilder:
     def build(self, question: str, chunks: list[str]) -> PromptLayout:
         return PromptLayout(self._encode(self.prefix_text, first=True),
                             [self.encode_chunk(c) for c in chunks],
-                            self._encode(self.suffix_text(question)))
+                            self._encode(self.suffix_text(question)), question=question.strip())
 
     def joint_ids(self, question: str, chunks: list[str]) -> torch.Tensor:
         text = self.prefix_text + "".join(self.chunk_piece(c) for c in chunks) + self.suffix_text(question)
@@ -188,7 +189,8 @@ class PromptBuilder:
         if prefix_ids.numel() == 0:
             raise InputError("the conversation prompt has no prefix token to start from (no BOS, no template)")
         return PromptLayout(prefix_ids, [self._encode(self.system_segment(system, bool(chunks)))]
-                            + [self.encode_chunk(c) for c in chunks], self._encode(suffix), pinned=1)
+                            + [self.encode_chunk(c) for c in chunks], self._encode(suffix), pinned=1,
+                            question=next((m["content"] for m in reversed(msgs) if m["role"] == "user"), None))
 
     def system_segment(self, system: str | None, with_passages: bool) -> str:
         """The text of segment 0: the system prompt (stripped), then the passages header if any."""

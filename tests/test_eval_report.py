@@ -29,11 +29,12 @@ def _rows() -> list[dict]:
     return rows
 
 
-def _cells(table: str, task: str, method: str, ratio: str) -> list[str]:
+def _cells(table: str, task: str, method: str, ratio: str, with_ci: bool = False) -> list[str]:
+    """A row's cells; the 95% bootstrap intervals (" [lo, hi]") stripped unless ``with_ci``."""
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[:3] == [task, method, ratio]:
-            return cells
+            return cells if with_ci else [c.split(" [")[0] for c in cells]
     raise AssertionError(f"no row {task}/{method}/{ratio} in\n{table}")
 
 
@@ -103,3 +104,41 @@ def test_jsonl_corruption_in_the_middle_raises(tmp_path):
     path.write_text('{"i": 0}\n{"i": \n{"i": 2}\n')
     with pytest.raises(ValueError, match=":2:"):
         read_jsonl(path)
+
+
+def test_bootstrap_intervals():
+    import numpy as np
+
+    from kvstitch.eval.report import bootstrap_mean_ci, bootstrap_ratio_ci, fmt_ci
+
+    x = [0, 1] * 20  # mean 0.5, sd 0.5, n = 40: the normal 95% interval is about 0.5 +- 0.155
+    lo, hi = bootstrap_mean_ci([x])
+    assert lo < 0.5 < hi and 0.25 < hi - lo < 0.37
+    assert bootstrap_mean_ci([x]) == (lo, hi)  # fixed seed: reproducible tables
+    lo4, hi4 = bootstrap_mean_ci([x * 4])
+    assert hi4 - lo4 < 0.6 * (hi - lo)  # 4x the samples: about half the width
+    assert bootstrap_mean_ci([[1.0, 1.0, 1.0]]) == (1.0, 1.0)
+    assert all(np.isnan(bootstrap_mean_ci([[0.3]])))  # one value: no interval
+    assert all(np.isnan(bootstrap_mean_ci([[None, float("nan")]])))
+    # strata: the mean of per-stratum means, each resampled on its own
+    lo, hi = bootstrap_mean_ci([[0.0] * 10, [1.0] * 10])
+    assert lo == hi == 0.5
+    # paired ratio: num = den everywhere gives exactly 1
+    assert bootstrap_ratio_ci([([1, 2, 3], [1, 2, 3])]) == (1.0, 1.0)
+    lo, hi = bootstrap_ratio_ci([([0, 1] * 10, [1] * 20)])
+    assert lo < 0.5 < hi
+    assert fmt_ci(0.5, (0.25, 0.75), 1, 100) == "50.0 [25.0, 75.0]" and fmt_ci(0.5, (np.nan, np.nan), 2) == "0.50"
+
+
+def test_summary_table_has_intervals_on_score_and_fidelity_columns():
+    table = summary_table(_rows())
+    assert "score [95% CI]" in table and "KL [95% CI]" in table and "NLL rec. [95% CI]" in table
+    cells = _cells(table, "niah_multikey", "prophet", "0.20", with_ci=True)
+    # scores 1, 1, 0 over depths, twice (two lengths): 66.7 with a wide interval that contains it
+    lo, hi = (float(v) for v in cells[4].split(" [")[1].rstrip("]").split(", "))
+    assert lo < 66.7 < hi and lo >= 0 and hi <= 100
+    assert cells[5].split(" [")[1] == cells[4].split(" [")[1]  # full scores 100 on every sample: % full = score
+    assert cells[6] == "0.0500 [0.0500, 0.0500]"  # a constant KL has a zero-width interval
+    avg = _cells(table, "avg", "prophet", "0.20", with_ci=True)
+    lo_a, hi_a = (float(v) for v in avg[4].split(" [")[1].rstrip("]").split(", "))
+    assert hi_a - lo_a < hi - lo  # two tasks: twice the samples

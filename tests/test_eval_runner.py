@@ -178,3 +178,72 @@ def test_eval_command_wiring(engine, tmp_path, monkeypatch):
     assert sorted(r["method"] for r in rows) == ["full", "naive", "random"]
     assert (out / "summary.md").exists()
     assert not any(math.isnan(r["kl"]) for r in rows)
+
+
+def test_precompute_mode_flag_reaches_the_engine_rows_and_protocol(engine, tmp_path, monkeypatch):
+    """`--precompute-mode isolated` loads an isolated-precompute engine; its rows say so, and its protocol
+    keeps them out of a shared-prefix log."""
+    from kvstitch.engine import Engine
+    from kvstitch.eval.runner import eval_command
+    from kvstitch.store import MemoryStore
+
+    seen = {}
+
+    def load(cls, *a, **k):
+        seen.update(k)
+        return Engine(engine.model, engine.tokenizer, weights_id="tiny-llama",
+                      store=MemoryStore(storage_dtype="float32"), precompute=k.get("precompute", "shared_prefix"))
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    app = typer.Typer()
+    app.command("eval")(eval_command)
+    app.command("noop")(lambda: None)
+    out = tmp_path / "iso"
+    args = ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64", "--methods", "epic",
+            "--ratios", "0.2", "--n", "1", "--max-new-tokens", "4", "--out", str(out)]
+    r = CliRunner().invoke(app, [*args, "--precompute-mode", "isolated"])
+    assert r.exit_code == 0, r.output
+    assert seen["precompute"] == "isolated"
+    rows = {x["method"]: x for x in read_jsonl(out / RESULTS)}
+    assert rows["epic"]["precompute"] == "isolated" and rows["naive"]["precompute"] == "isolated"
+    assert json.loads((out / "run.json").read_text())["protocol"]["precompute_mode"] == "isolated"
+    r = CliRunner().invoke(app, args)  # the same directory with shared-prefix chunks: refused
+    assert r.exit_code != 0 and "protocol" in str(r.exception or r.output)
+    r = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "bad"), "--precompute-mode", "nope"])
+    assert r.exit_code != 0 and "precompute" in str(r.exception or r.output)
+
+
+def test_haystack_flag_is_resolved_and_part_of_the_protocol(engine, tmp_path):
+    cfg = _cfg(tasks=["niah_multikey"], n=1, methods=["random"], haystack="auto", lengths=[160])
+    rows = run_eval(engine, cfg, tmp_path, progress=False, max_samples=1)
+    assert cfg.haystack == "essays"  # installed by scripts/setup.sh
+    assert json.loads((tmp_path / "run.json").read_text())["protocol"]["haystack"] == "essays"
+    assert rows and all(r["task"] == "niah_multikey" for r in rows)
+    with pytest.raises(kvstitch.InputError, match="protocol"):  # a synthetic-haystack run into the same log
+        run_eval(engine, _cfg(tasks=["niah_multikey"], n=0, methods=["random"], haystack="synthetic"), tmp_path,
+                 progress=False)
+    with pytest.raises(kvstitch.InputError, match="haystack"):
+        run_eval(engine, _cfg(haystack="novels", n=0), tmp_path / "x", progress=False)
+
+
+def test_fidelity_table_has_bootstrap_intervals():
+    from kvstitch.eval.runner import fidelity_table, pooled_recovery, pooled_recovery_ci
+
+    rows = []
+    for i in range(12):
+        key = dict(task="t", seed=0, index=i, length=100, chunk_tokens=10)
+        rows.append({**key, "method": "naive", "ratio": None, "nll": 2.0, "nll_full": 1.0, "kl": 0.4, "kl_first": 0.5})
+        rows.append({**key, "method": "m", "ratio": 0.2, "nll": 1.5 - 0.04 * i, "nll_full": 1.0, "kl": 0.1 + 0.01 * i,
+                     "kl_first": 0.2, "overlap": 0.5 + 0.02 * i, "nll_recovery": 0.5 + 0.04 * i})
+    table = fidelity_table(rows)
+    line = next(x for x in table.splitlines() if x.startswith("| m | 0.20 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3] == "0.2000 [0.2000, 0.2000]"  # constant: zero width
+    lo, hi = (float(v) for v in cells[4].split(" [")[1].rstrip("]").split(", "))
+    assert lo < 0.155 < hi  # mean KL 0.155
+    naive = {(r["task"], 0, r["index"], 100, 10): 2.0 for r in rows if r["method"] == "naive"}
+    m_rows = [r for r in rows if r["method"] == "m"]
+    p = pooled_recovery(m_rows, naive)
+    plo, phi = pooled_recovery_ci(m_rows, naive)
+    assert plo < p < phi and cells[7].startswith(f"{p:.2f} [")
+    assert " [" in cells[8]  # overlap too

@@ -232,3 +232,41 @@ def test_layout_helpers():
     assert other_chunks(random.Random(0), 1, {0}, 2) == [0, 0]
     with pytest.raises(ValueError):
         locate(1.5, [100])
+
+
+NIAH_ESSAY = ["niah_single_essay", "niah_single_uuid", "niah_multikey", "niah_multivalue", "niah_multiquery"]
+
+
+@pytest.mark.parametrize("task", NIAH_ESSAY)
+def test_essays_haystack_is_the_installed_paul_graham_essays(task):
+    from kvstitch.eval.haystack import essay_dir, pg_essay_corpus
+
+    d = essay_dir()
+    assert d is not None and d.name == "PaulGrahamEssays" and "site-packages" in str(d)  # read from the package
+    assert len(list(d.glob("*.txt"))) == 49
+    corpus = set(pg_essay_corpus())
+    s = generate(task, 2, 1024, 256, seed=0, count_tokens=ws, haystack="essays")
+    assert s == generate(task, 2, 1024, 256, seed=0, count_tokens=ws, haystack="essays")  # deterministic
+    for sample in s:
+        assert sample.meta["haystack"] == "pg_essays"
+        assert all(any(a in c for c in sample.chunks) for a in sample.answers)
+        text = " ".join(sample.chunks)
+        for ins in sample.meta["inserts"]:
+            assert ins["text"] in text
+            text = text.replace(ins["text"], "")
+        # the chunks without inserts are essay text
+        filler = [c for i, c in enumerate(sample.chunks) if i not in sample.meta["needle_chunks"] +
+                  sample.meta["distractor_chunks"]]
+        for chunk in filler:
+            assert any(sent in chunk for sent in corpus)
+    # same keys and values as the synthetic haystack (only the filler changes)
+    syn = generate(task, 2, 1024, 256, seed=0, count_tokens=ws, haystack="synthetic")
+    assert [x.answers for x in syn] == [x.answers for x in s] and syn[0].meta["haystack"] == "essay"
+    assert generate(task, 1, 1024, 256, seed=0, count_tokens=ws, haystack="auto")[0].meta["haystack"] == "pg_essays"
+
+
+def test_essays_haystack_errors():
+    with pytest.raises(ValueError, match="haystack"):
+        generate("niah_multikey", 1, 512, 128, haystack="novels")
+    rep = generate("niah_single_repeat", 1, 512, 128, count_tokens=ws, haystack="essays")[0]
+    assert rep.meta["haystack"] == "repeat"  # the noise-haystack task keeps its noise

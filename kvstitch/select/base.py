@@ -1,12 +1,23 @@
 """The selection-method registry: small dataclasses with one signature (kvpress "presses" style).
 
-A selector gets a `SelectionContext` (the stitched cache, the layout, the engine to run scoring
-passes) and returns per-context-token scores; `Selector.select` turns them into exactly ``budget``
-sorted, unique context indices (0-based within the context). The engine does the recompute.
+A selector gets a `SelectionContext` and works through it only: the stitched cache and the layout, the
+model's shapes, and the few operations scoring needs (query attention over given layers, the low-layer
+pass of CacheBlend / KVShare / A3, the chunk caches, the exact-context cache of the oracle, a new chunk
+order). It never reaches into the engine. Like kvpress's `ScorerPress` (``score`` then ``compress``),
+selection is split in three steps, `Selector.select` running them:
+
+1. `prepare(ctx)`: optional, may change the prompt itself (InfoFlow's reorder calls `ctx.reorder`);
+2. `score(ctx)` -> per-context-token scores (higher = recompute first);
+3. `pick(scores, ctx)` -> sorted, unique context indices (0-based within the context): the top ``budget``
+   by default; CacheClip's and `grouped`'s grouping windows override only this step (and may return
+   fewer than ``budget``: they are not `exact_budget`).
+
+The engine does the recompute.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -15,6 +26,7 @@ import torch
 if TYPE_CHECKING:
     from ..attention import ForwardPlan
     from ..cache import StitchCache
+    from ..chunk import ChunkKV
     from ..engine import Engine
     from ..prompt import PromptLayout
 
@@ -43,12 +55,39 @@ def make_selector(name: str, **kwargs) -> "Selector":
 
 
 @dataclass
+class FreshPass:
+    """What an out-of-place pass of the context (+ suffix) through blocks 0..layer-1 measured at ``layer``:
+    exactly the full-prefill K/V (and Q) there, since block 0 sees the whole prompt under the global
+    causal mask against the exact prefix K/V."""
+
+    layer: int
+    fresh_keys: torch.Tensor  # [Hkv, q, d] post-RoPE keys of the pass's tokens (slots context_start..)
+    fresh_values: torch.Tensor  # [Hkv, q, d]
+    stitched_values: torch.Tensor  # [Hkv, n_context, d] what the stitched cache holds for the context
+    queries: torch.Tensor | None  # [Hq, w, d] post-RoPE queries of the pass's last w tokens (w = ``queries``)
+    slots: torch.Tensor  # [q] global positions of the pass's tokens
+
+    @property
+    def delta_v(self) -> torch.Tensor:
+        """[Hkv, n_context, d] float32: fresh minus stitched V of the context tokens."""
+        n = self.stitched_values.shape[1]
+        return self.fresh_values[:, :n].float() - self.stitched_values.float()
+
+
+@dataclass
 class SelectionContext:
+    """What a selector sees: the request (layout, naively stitched cache, budget), the model's shapes and
+    the operations scoring needs. ``engine`` is the seam's other side: selectors use the methods here,
+    never the engine itself."""
+
     engine: "Engine"
     cache: "StitchCache"  # the naively stitched cache (prefix + re-rotated chunks; suffix slots empty)
     layout: "PromptLayout"
     budget: int
     stats: dict = field(default_factory=dict)  # selectors may report what they measured
+    # how the chunk caches were precomputed: "shared_prefix" (after the shared prefix: the first chunk's
+    # cache is exact) or "isolated" (each chunk from position 0 on its own); see `kvstitch.store.chunk_key`
+    precompute: str = "shared_prefix"
 
     @property
     def n_context(self) -> int:
@@ -56,21 +95,176 @@ class SelectionContext:
 
     @property
     def context_slots(self) -> torch.Tensor:
-        return torch.arange(self.layout.context_start, self.layout.context_end, device=self.engine.device)
+        return torch.arange(self.layout.context_start, self.layout.context_end, device=self.device)
 
     @property
     def suffix_slots(self) -> torch.Tensor:
-        return torch.arange(self.layout.context_end, self.layout.n_total, device=self.engine.device)
+        return torch.arange(self.layout.context_end, self.layout.n_total, device=self.device)
+
+    # ---- the model's shapes ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def num_layers(self) -> int:
+        return self.engine.adapter.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.engine.adapter.num_kv_heads
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.engine.adapter.num_q_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.engine.adapter.head_dim
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The layer's attention window (None = global attention)."""
+        return self.engine.adapter.sliding_window(layer)
+
+    def attention_scaling(self, layer: int) -> float:
+        attn = self.engine.adapter.backbone.layers[layer].self_attn
+        return getattr(attn, "scaling", None) or self.head_dim ** -0.5
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- operations -----------------------------------------------------------------------------
+    def query_attention(self, layers=None, *, cache: "StitchCache | None" = None, layout: "PromptLayout | None" = None,
+                        key_keep: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+        """{layer: [Hq, n_context]}: the suffix's attention over the context, averaged over the suffix tokens,
+        at ``layers`` (None = all) over ``cache`` (default: the stitched cache); see `scoring.query_attention`."""
+        from ..attention import ForwardPlan
+
+        cache = self.cache if cache is None else cache
+        layout = self.layout if layout is None else layout
+        n_layers = self.num_layers
+        wanted = sorted(set(range(n_layers) if layers is None else layers))
+        if not wanted or wanted[0] < 0 or wanted[-1] >= n_layers:
+            raise ValueError(f"layers must be within 0..{n_layers - 1}, got {wanted}")
+        c0, c1 = layout.context_start, layout.context_end
+        out: dict[int, torch.Tensor] = {}
+
+        def hook(layer: int, probs: torch.Tensor, values: torch.Tensor) -> None:
+            out[layer] = probs[:, :, c0:c1].mean(dim=1)  # [Hq, q, n_keys] -> [Hq, n_context]
+
+        plan = ForwardPlan(attn_hook=hook, hook_layers=set(wanted), stop_after_layer=wanted[-1], key_keep=key_keep)
+        slots = torch.arange(layout.context_end, layout.n_total)
+        # writes the suffix K/V into the cache's suffix slots: the context slots are untouched and the
+        # recompute pass rewrites every suffix slot before anything reads them (see `scoring`)
+        self.engine.forward(cache, layout.suffix_ids, slots, plan, write=True)
+        return out
+
+    @torch.no_grad()
+    def fresh_pass(self, layer: int, *, include_suffix: bool = False, queries: int = 0) -> FreshPass:
+        """The low-layer pass: every context token (+ the suffix) through blocks 0..layer-1 out of place (the
+        stitched cache is untouched), stopped as soon as ``layer``'s attention is entered (its O(q N)
+        attention is never computed); captures that layer's fresh K/V and the last ``queries`` queries."""
+        from ..attention import ForwardPlan
+
+        cache, lay = self.cache, self.layout
+        layer = min(max(0, int(layer)), self.num_layers - 1)
+        c0, c1 = lay.context_start, lay.context_end
+        end = lay.n_total if include_suffix else c1
+        slots = torch.arange(c0, end)
+        plan = ForwardPlan(stop_at_attention_layer=layer, capture_queries=queries)
+        with _capturing(cache, layer) as captured:
+            self.engine.forward(cache, lay.ids[c0:end], slots, plan, write=False)
+            k, v = captured[layer]
+        stitched = cache.layers[layer].values[0, :, c0:c1]
+        q = plan.queries.get(layer) if queries else None
+        return FreshPass(layer, k[0], v[0], stitched, q, slots.to(self.device))
+
+    def chunk_kvs(self, layout: "PromptLayout | None" = None) -> list["ChunkKV"]:
+        """Every chunk's precomputed K/V (from the store; computed on a miss)."""
+        return self.engine.chunk_kvs(self.layout if layout is None else layout)
+
+    def prefix_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefix's K/V ``[L, Hkv, n_prefix, d]``."""
+        return self.engine.prefix_kv(self.layout.prefix_ids)
+
+    def stitch(self, layout: "PromptLayout", kvs: "list[ChunkKV]", extra: int = 0) -> "StitchCache":
+        """A naively stitched cache of ``layout`` from its chunks' caches (keys re-rotated to their slots)."""
+        return self.engine.stitch(layout, kvs, extra=extra)
+
+    @property
+    def builder(self):
+        """The engine's `PromptBuilder` (its prefix, chunk pieces and suffix template)."""
+        return self.engine.builder
+
+    def rerotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Post-RoPE keys moved by ``delta`` positions (the model's own RoPE)."""
+        from ..rope import rerotate
+
+        return rerotate(keys, delta, self.engine.inv_freq)
+
+    def exact_context_cache(self) -> "StitchCache":
+        """Prefix + context prefilled jointly (what a full prefill holds there), suffix slots empty (oracle)."""
+        from ..cache import StitchCache
+
+        eng, lay = self.engine, self.layout
+        cache = StitchCache.empty(eng.adapter, lay.n_total, eng.device, eng.dtype)
+        eng.forward(cache, lay.ids[:lay.context_end], torch.arange(lay.context_end))
+        return cache
+
+    def reorder(self, order: list[int], kvs: "list[ChunkKV] | None" = None) -> None:
+        """Apply a new chunk order (``order[j]`` = current chunk placed at slot j): the layout and the stitched
+        cache are rebuilt for it, and the engine recomputes and decodes over the new prompt (it reads
+        ``layout`` / ``cache`` back after selection). Reported in ``stats["order"]`` (original chunk ids).
+        ``kvs``: the current chunks' caches when the caller has them already (else read from the store)."""
+        if sorted(order) != list(range(len(self.layout.chunk_ids))):
+            raise ValueError(f"order must be a permutation of the {len(self.layout.chunk_ids)} chunks, got {order}")
+        kvs = self.chunk_kvs() if kvs is None else kvs
+        extra = max(0, self.cache.layers[0].capacity - self.layout.n_total)
+        self.layout = self.layout.reordered(list(order))
+        self.cache = self.engine.stitch(self.layout, [kvs[i] for i in order], extra=extra)
+        self.stats["order"] = list(self.layout.order)
+
+    def auxiliary_engine(self, model, device=None, dtype=None):
+        """Another model (`kvstitch.models.load_model` spec) behind the same interface as the primary one
+        (CacheClip's auxiliary model), loaded once per process."""
+        from ..models import load_model
+
+        dev = torch.device(device) if device is not None else self.device
+        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        key = (model, str(dev), str(dtype))
+        if key not in _AUXILIARY:
+            model_, tok, weights_id = load_model(model, dev, dtype)
+            _AUXILIARY[key] = type(self.engine)(model_, tok, weights_id)
+        return _AUXILIARY[key]
+
+
+_AUXILIARY: dict = {}  # (model spec, device, dtype) -> engine of an auxiliary model
+
+
+@contextmanager
+def _capturing(cache, layer: int):
+    """Capture ``layer``'s fresh K/V during a pass (``cache.captured``), restoring the cache's mode after."""
+    saved = cache.capture, cache.captured
+    cache.capture, cache.captured = {layer}, {}
+    try:
+        yield cache.captured
+    finally:
+        cache.capture, cache.captured = saved
 
 
 @dataclass
 class Selector:
-    """Base class. Subclasses set `name` and implement `score` (higher = recompute first)."""
+    """Base class. Subclasses set `name` and implement `score` (higher = recompute first); optionally
+    `prepare` and `pick` (see the module doc)."""
 
     name: ClassVar[str] = ""
     full_prefill: ClassVar[bool] = False  # `full`: the engine prefills from scratch instead
     needs_full_prefill: ClassVar[bool] = False  # `oracle`: scores need a full prefill (analysis only)
     zero_budget: ClassVar[bool] = False  # `ape`: never recomputes context tokens, whatever the ratio
+    # False: `select` may return FEWER than ``budget`` indices (CacheClip's grouping drops sparse windows,
+    # as the paper does); the engine reports the tokens actually recomputed (``recomputed_tokens``)
+    exact_budget: ClassVar[bool] = True
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         raise NotImplementedError  # abstract: every registered selector overrides it
@@ -88,33 +282,45 @@ class Selector:
         """Plan for the decode steps after the first token (APE's attention, A3's eviction); None = plain."""
         return None
 
+    def prepare(self, ctx: SelectionContext) -> None:
+        """Before scoring: change the prompt itself if the method does (InfoFlow's reorder); default nothing."""
+
+    def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
+        """Scores [n_context] -> sorted unique indices: the top ``ctx.budget`` (ties by position)."""
+        return top_k_indices(scores, ctx.budget)
+
     def select(self, ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (sorted unique context indices, exactly ``ctx.budget`` of them; scores or None)."""
+        """`prepare`, `score`, `pick` -> (sorted unique context indices, ``ctx.budget`` of them (at most, if
+        not `exact_budget`); scores or None). Subclasses override the steps, not this."""
+        self.prepare(ctx)
         if ctx.budget <= 0 or self.zero_budget:
             return torch.zeros(0, dtype=torch.long), None
         if ctx.budget >= ctx.n_context:
             return torch.arange(ctx.n_context), None
         scores = self.score(ctx).float().cpu()
-        return self.pick(scores, ctx.budget), scores
-
-    def pick(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        """The ``k`` context indices to recompute given the scores (sorted). Grouping methods override this."""
-        return top_k_indices(scores, k)
+        return self.pick(scores, ctx), scores
 
     def ranking(self, ctx: SelectionContext):
-        """For budgets decided later (``recompute_ratio="auto"``): select once at ``ctx.budget`` (scoring,
-        and any reordering a method does to ``ctx``), then -> a picker ``k -> sorted indices``."""
+        """For budgets decided later (``recompute_ratio="auto"``): `prepare` and `score` once, then -> a picker
+        ``k -> sorted indices`` (this method's own `pick` at budget k)."""
+        import dataclasses
+
         from ..errors import InputError
 
         n = ctx.n_context
-        if n <= 1:
-            return lambda k: torch.arange(min(max(k, 0), n))
-        ctx.budget = min(max(ctx.budget, 1), n - 1)  # below n: the base select scores instead of taking all
-        _, scores = self.select(ctx)
-        if scores is None:
+        self.prepare(ctx)
+        if self.zero_budget:
             raise InputError(f"method {self.name!r} does not rank context tokens, so it cannot choose a budget "
                              f"adaptively (recompute_ratio='auto'); use a scoring method such as prophet")
-        return lambda k: self.pick(scores, min(max(k, 0), n))
+        scores = self.score(ctx).float().cpu() if n > 1 else torch.zeros(n)
+
+        def pick(k: int) -> torch.Tensor:
+            k = min(max(int(k), 0), n)
+            if k == 0 or k == n:
+                return torch.arange(k)
+            return self.pick(scores, dataclasses.replace(ctx, budget=k))
+
+        return pick
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

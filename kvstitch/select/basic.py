@@ -28,9 +28,7 @@ class Naive(Selector):
     """Naive position-independent reuse: stitched caches, nothing recomputed (budget forced to 0)."""
 
     name: ClassVar[str] = "naive"
-
-    def select(self, ctx: SelectionContext):
-        return torch.zeros(0, dtype=torch.long), None
+    zero_budget: ClassVar[bool] = True
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         return torch.zeros(ctx.n_context)

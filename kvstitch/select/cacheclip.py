@@ -20,19 +20,28 @@ An *auxiliary* model picks the tokens the primary model recomputes (Sec. 2.8, 3.
    token's score. Spans are compared in "core text" coordinates (the chunk text without the separator
    `PromptBuilder.chunk_piece` adds), so pairs whose builders chose different separators still align.
 5. Grouping (Sec. 3.3): windows of ``group_size`` = 8, a window keeps its selected tokens only if at
-   least ``group_min`` = 5 were selected; the budget is then refilled to exactly ``budget`` window-wise
-   (see `grouping.py`).
+   least ``group_min`` = 5 were selected; sparse windows are dropped and, as in the paper, their budget
+   is NOT spent elsewhere: CacheClip recomputes at most ``budget`` tokens (the engine reports how many,
+   ``recomputed_tokens``; ``stats["grouping_dropped"]`` = budget - recomputed). ``refill=True`` is the
+   named variant that refills the budget window-wise (see `grouping.py`), registered as `cacheclip_refill`.
 
-The auxiliary model: ``aux_engine=`` (any `Engine`), or ``aux_model=`` ("self" = the primary engine,
-otherwise anything `Engine.load` accepts, e.g. "gemma3" or a path), default the embedded SmolLM2-135M
-(lazily loaded once per process). The paper's default pair is a different family than the primary (its
-Sec. 2.8 finds last-layer attention aligned across families); kvstitch's default pair is Gemma 3 270M
-(primary) + SmolLM2-135M (auxiliary). Any pair works, aux == primary included. The paper fine-tunes
-the auxiliary model (Sec. 3.5); kvstitch uses it as released.
+The question is the layout's own (`PromptLayout.question`, set by `PromptBuilder.build`): it is never
+recovered from the suffix ids (a suffix carrying more than the builder's template, e.g. RULER's answer
+prefix, would silently turn into a different query). A layout without it is an `InputError`.
+
+The auxiliary model: ``aux_engine=`` (any engine object), or ``aux_model=`` ("self" = the primary engine,
+otherwise any model spec `kvstitch.models.load_model` accepts, e.g. "gemma3", "smollm2" or a path),
+default the embedded SmolLM2-135M, loaded once per process by `SelectionContext.auxiliary_engine`
+(`kvstitch.models.load_model`, wrapped in the primary engine's own class: `select` never imports
+`kvstitch.engine`). The paper's pair is a small model of
+another family than the primary (its Sec. 2.8 finds last-layer attention aligned across families);
+kvstitch's reference pair is Gemma 3 270M (primary, ``Engine.load("gemma3")``) + SmolLM2-135M
+(auxiliary). Any pair works; when the auxiliary model is the primary model itself (same weights),
+``stats["cacheclip_self_guided"]`` is True: the rows then measure self-guidance, not CacheClip's
+small-model guidance. The paper fine-tunes the auxiliary model (Sec. 3.5); kvstitch uses it as released.
 
 The chunk texts are recovered from the primary layout's ids (decode; the spans come from re-encoding
-with ``return_offsets_mapping`` when that reproduces the ids, else from incremental decoding), and the
-question from the primary suffix (the builder's suffix template around it).
+with ``return_offsets_mapping`` when that reproduces the ids, else from incremental decoding).
 """
 
 from __future__ import annotations
@@ -43,24 +52,11 @@ from typing import ClassVar
 
 import torch
 
+from ..errors import InputError
 from ..prompt import PromptLayout
 from .base import SelectionContext, Selector, register
 from .grouping import grouped_top_k
-from .scoring import head_mean, query_attention
-
-_AUX_ENGINES: dict = {}  # (model spec, device) -> Engine: the lazily loaded auxiliary models
-_SENTINEL = "\ue000"
-
-
-def default_aux_engine(model: str | None = None, device: str | None = None):
-    """The auxiliary engine for ``model`` (None = embedded SmolLM2), loaded once per process."""
-    key = (model, device)
-    if key not in _AUX_ENGINES:
-        from ..engine import Engine
-
-        _AUX_ENGINES[key] = Engine.load(model, device=device)
-    return _AUX_ENGINES[key]
-
+from .scoring import head_mean
 
 # ---- character spans ----------------------------------------------------------------------------
 def _decode(tok, ids) -> str:
@@ -133,15 +129,6 @@ def align_scores(primary_spans: torch.Tensor, aux_spans: torch.Tensor, aux_score
     return out
 
 
-def recover_question(builder, tok, suffix_ids: torch.Tensor) -> str:
-    """The question text inside a layout's suffix (the builder's suffix template around it)."""
-    before, after = builder.suffix_text(_SENTINEL).split(_SENTINEL)
-    text = _decode(tok, suffix_ids.tolist())
-    if text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after):
-        return text[len(before):len(text) - len(after)].strip()
-    return text.strip()  # an unexpected suffix: use all of it as the query
-
-
 # ---- the selector -------------------------------------------------------------------------------
 @register
 @dataclass
@@ -150,11 +137,12 @@ class CacheClip(Selector):
     offsets, grouped in windows of 8 (>= 5 selected)."""
 
     name: ClassVar[str] = "cacheclip"
-    aux_model: str | None = None  # None: embedded SmolLM2; "self": the primary engine; else Engine.load spec
-    aux_device: str | None = None
+    aux_model: str | None = None  # None: embedded SmolLM2; "self": the primary engine; else a load_model spec
+    aux_device: str | None = None  # None: the primary engine's device
     align: str = "max"
     group_size: int = 8
     group_min: int = 5
+    refill: bool = False  # True: refill the budget of dropped windows (exact budget); False: the paper
     aux_engine: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -166,49 +154,65 @@ class CacheClip(Selector):
             return self.aux_engine
         if self.aux_model == "self":
             return ctx.engine
-        self.aux_engine = default_aux_engine(self.aux_model, self.aux_device)
+        self.aux_engine = ctx.auxiliary_engine(self.aux_model, self.aux_device)
         return self.aux_engine
 
+    @property
+    def exact_budget(self) -> bool:
+        return self.refill
+
     def aux_token_scores(self, aux, question: str, cores: list[str]):
-        """-> per chunk (aux chunk-piece spans in core coordinates, aux token scores)."""
-        b, tok = aux.builder, aux.tokenizer
+        """-> per chunk (aux chunk-piece spans in core coordinates, aux token scores). ``aux``: an engine,
+        used through a `SelectionContext` of its own like the primary one."""
+        actx = SelectionContext(aux, None, None, 0)
+        b, tok = actx.builder, actx.tokenizer
         pieces = [b.chunk_piece(c) for c in cores]
         encoded = [encode_with_spans(tok, p) for p in pieces]
         suffix = torch.tensor(tok.encode(b.suffix_text(question), add_special_tokens=False), dtype=torch.long)
-        layout = PromptLayout(b.prefix_ids, [torch.tensor(ids, dtype=torch.long) for ids, _ in encoded], suffix)
-        kvs = aux.chunk_kvs(layout)  # the auxiliary model's own per-chunk caches (store-backed)
-        last = aux.adapter.num_layers - 1
+        layout = PromptLayout(b.prefix_ids, [torch.tensor(ids, dtype=torch.long) for ids, _ in encoded], suffix,
+                              question=question)
+        kvs = actx.chunk_kvs(layout)  # the auxiliary model's own per-chunk caches (store-backed)
+        last = actx.num_layers - 1
         out = []
         for piece, (ids, spans), kv in zip(pieces, encoded, kvs):
             one = PromptLayout(layout.prefix_ids, [kv.token_ids.to(torch.long)], suffix)  # chunk_i + question
-            cache = aux.stitch(one, [kv])
-            per_head = query_attention(aux, cache, one, [last])[last]  # [Hq, n_i], suffix-averaged
-            scores = head_mean(per_head, aux.adapter.num_kv_heads).float().cpu()
+            per_head = actx.query_attention([last], cache=actx.stitch(one, [kv]), layout=one)[last]  # [Hq, n_i]
+            scores = head_mean(per_head, actx.num_kv_heads).float().cpu()
             out.append((spans - _lead(piece), scores))
         return out
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         t0 = time.perf_counter()
-        aux, eng, lay = self._aux(ctx), ctx.engine, ctx.layout
+        aux, lay = self._aux(ctx), ctx.layout
         texts, p_spans = [], []
         for ids in lay.chunk_ids:
-            text, spans = spans_of_ids(eng.tokenizer, ids.tolist())
+            text, spans = spans_of_ids(ctx.tokenizer, ids.tolist())
             texts.append(text)
             p_spans.append(spans - _lead(text))
-        question = recover_question(eng.builder, eng.tokenizer, lay.suffix_ids)
+        question = lay.question
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("cacheclip needs the question text: the layout has none (build it with "
+                             "Engine.layout / PromptBuilder.build, or pass PromptLayout(..., question=...))")
         per_chunk = self.aux_token_scores(aux, question, [t.strip() for t in texts])
         scores = torch.cat([align_scores(ps, a_spans, a_scores, self.align)
                             for ps, (a_spans, a_scores) in zip(p_spans, per_chunk)])
-        ctx.stats.update(cacheclip_aux=aux.adapter.family, cacheclip_aux_s=time.perf_counter() - t0)
+        primary = ctx.engine
+        self_guided = aux is primary or getattr(aux, "fingerprint", None) == getattr(primary, "fingerprint", 0)
+        ctx.stats.update(cacheclip_aux=aux.adapter.family, cacheclip_aux_s=time.perf_counter() - t0,
+                         cacheclip_self_guided=bool(self_guided))
         return scores
 
-    def select(self, ctx: SelectionContext):
-        if ctx.budget <= 0:
-            return torch.zeros(0, dtype=torch.long), None
-        if ctx.budget >= ctx.n_context:
-            return torch.arange(ctx.n_context), None
-        scores = self.score(ctx).float().cpu()
-        return self.pick(scores, ctx.budget), scores
+    def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
+        idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
+        ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
+        return idx
 
-    def pick(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        return grouped_top_k(scores, k, self.group_size, self.group_min)
+
+@register
+@dataclass
+class CacheClipRefill(CacheClip):
+    """CacheClip with the dropped windows' budget refilled window-wise (exactly ``budget`` tokens recomputed):
+    kvstitch's earlier rule, kept as a named variant next to the paper's `cacheclip`."""
+
+    name: ClassVar[str] = "cacheclip_refill"
+    refill: bool = True

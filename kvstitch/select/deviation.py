@@ -1,11 +1,12 @@
 """Deviation-based selection with the low-layer approximation: CacheBlend and KVShare.
 
 Both run one *scoring pass* of the primary model over every context token (and, for KVShare, the
-suffix), out-of-place (``write=False``: the stitched cache is not touched), stopped after layer 1:
+suffix), out-of-place (the stitched cache is not touched), stopped as soon as layer 1's attention is
+entered (`SelectionContext.fresh_pass`):
 
 - layer 0 is recomputed for all of them against the exact prefix K/V, so its output is exactly what a
   full prefill computes there;
-- layer 1's fresh K/V (``cache.capture = {1}``) are therefore the full-prefill layer-1 K/V, and its
+- layer 1's fresh K/V (captured as the pass enters layer 1) are therefore the full-prefill layer-1 K/V, and its
   fresh V can be compared with the stitched (precomputed-per-chunk) layer-1 V.
 
 `cacheblend` (Yao et al., EuroSys 2025, "selecting which tokens to recompute": HKVD tokens), as
@@ -32,74 +33,46 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import ForwardPlan, _probs
-from .base import SelectionContext, Selector, register
+from ..attention import attention_probs
+from .base import FreshPass, SelectionContext, Selector, register
 
 SCORE_LAYER = 1  # "the second layer" of CacheBlend: the first whose V depends on cross-chunk attention
 _BLOCK_BYTES = 64 << 20  # float32 probabilities per query block of the column-sum pass
 
-
-@dataclass
-class LowLayerPass:
-    """What the scoring pass measured at ``layer`` (context tokens first, then the suffix if included)."""
-
-    layer: int
-    fresh_keys: torch.Tensor  # [Hkv, q, d] fresh layer keys of the pass's tokens (slots context_start..)
-    fresh_values: torch.Tensor  # [Hkv, q, d]
-    stitched_values: torch.Tensor  # [Hkv, n_context, d] what the stitched cache holds for the context
-    queries: torch.Tensor | None  # [Hq, q, d] post-RoPE queries at ``layer`` (only with_queries=True)
-    slots: torch.Tensor  # [q] global positions of the pass's tokens
-
-    @property
-    def delta_v(self) -> torch.Tensor:
-        """[Hkv, n_context, d] float32: fresh minus stitched V of the context tokens."""
-        n = self.stitched_values.shape[1]
-        return self.fresh_values[:, :n].float() - self.stitched_values.float()
+LowLayerPass = FreshPass  # what the scoring pass measured (see `SelectionContext.fresh_pass`)
 
 
-def score_layer(engine) -> int:
-    return min(SCORE_LAYER, engine.adapter.num_layers - 1)
+def score_layer(n_layers: int) -> int:
+    return min(SCORE_LAYER, n_layers - 1)
 
 
 @torch.no_grad()
-def low_layer_pass(ctx: SelectionContext, include_suffix: bool = False, with_queries: bool = False) -> LowLayerPass:
-    """Recompute layers 0..1 for all context tokens (+ suffix) out of place; the stitched cache is untouched."""
-    eng, cache, lay = ctx.engine, ctx.cache, ctx.layout
-    layer = score_layer(eng)
-    c0, c1 = lay.context_start, lay.context_end
-    end = lay.n_total if include_suffix else c1
-    slots = torch.arange(c0, end)
-    q = end - c0
-    plan = ForwardPlan(stop_after_layer=layer, capture_queries=q if with_queries else 0)
-    saved = cache.capture, cache.captured
-    cache.capture, cache.captured = {layer}, {}
-    try:
-        eng.forward(cache, lay.ids[c0:end], slots, plan, write=False)
-        k, v = cache.captured[layer]
-    finally:
-        cache.capture, cache.captured = saved
-    stitched = cache.layers[layer].values[0, :, c0:c1]
-    queries = plan.queries.get(layer) if with_queries else None
-    return LowLayerPass(layer, k[0], v[0], stitched, queries, slots.to(eng.device))
+def low_layer_pass(ctx: SelectionContext, include_suffix: bool = False, with_queries: bool = False) -> FreshPass:
+    """Recompute layer 0 (and layer 1's projections) for all context tokens (+ suffix) out of place; the
+    stitched cache is untouched. Layer 1's attention itself is never computed: its fresh K/V/Q are all the
+    scores need."""
+    lay = ctx.layout
+    q = (lay.n_total if include_suffix else lay.context_end) - lay.context_start
+    return ctx.fresh_pass(score_layer(ctx.num_layers), include_suffix=include_suffix,
+                          queries=q if with_queries else 0)
 
 
 @torch.no_grad()
-def attention_received(ctx: SelectionContext, lp: LowLayerPass) -> torch.Tensor:
+def attention_received(ctx: SelectionContext, lp: FreshPass) -> torch.Tensor:
     """[n_context] sum over the pass's queries n of Phi_{n,t} at ``lp.layer``, mean over query heads."""
-    eng, cache, lay = ctx.engine, ctx.cache, ctx.layout
+    cache, lay = ctx.cache, ctx.layout
     c0, c1 = lay.context_start, lay.context_end
     layer = lp.layer
-    attn = eng.adapter.backbone.layers[layer].self_attn
-    scaling = getattr(attn, "scaling", None) or eng.adapter.head_dim ** -0.5
+    scaling = ctx.attention_scaling(layer)
     # none of the supported families (llama, qwen2/3, mistral, gemma3) passes a logit softcap to the
-    # attention interface; the window is the adapter's per-layer one, exactly what the masks use.
-    window = eng.adapter.sliding_window(layer)
+    # attention interface; the window is the model's per-layer one, exactly what the masks use.
+    window = ctx.sliding_window(layer)
     keys = torch.cat([cache.layers[layer].keys[0, :, :c0], lp.fresh_keys.to(cache.layers[layer].keys.dtype)], 1)
     n_keys, hq = keys.shape[1], lp.queries.shape[0]
     block = max(1, _BLOCK_BYTES // (4 * hq * n_keys))
     col = torch.zeros(hq, c1 - c0, dtype=torch.float32, device=keys.device)
     for a in range(0, lp.slots.numel(), block):
-        probs = _probs(lp.queries[None, :, a:a + block], keys[None], lp.slots[a:a + block], scaling, None, window)
+        probs = attention_probs(lp.queries[None, :, a:a + block], keys[None], lp.slots[a:a + block], scaling, window)
         col += probs[:, :, c0:c1].sum(1)
     return col.mean(0)
 

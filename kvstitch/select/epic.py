@@ -13,10 +13,14 @@ stable) is exactly "spread the budget evenly over the chunks":
 "Chunk start" is the first token of the chunk *piece*, i.e. including the leading separator that
 `PromptBuilder.chunk_piece` adds: that is where the precomputed chunk's attention sink sits.
 
-Note: with kvstitch's shared prefix (APE / CacheClip Sec. 3.1) the *first* chunk's cache is already
-exact (it was precomputed right after the same prefix at the same positions), so its head tokens gain
-nothing from recompute. ``skip_first_chunk=True`` spends the budget on the other chunks only (falling
-back to chunk 0 when they are exhausted); the default keeps the paper's "every chunk".
+The first chunk under a shared prefix: with kvstitch's ``shared_prefix`` precompute (APE / CacheClip
+Sec. 3.1) the *first* chunk's cache is already exact (it was precomputed right after the same prefix at
+the same positions, which is what a full prefill computes there), so recomputing its head tokens buys
+nothing. By default (``skip_first_chunk=None``) EPIC then gives the first chunk no budget and spreads it
+over the other chunks (falling back to chunk 0 only when they are exhausted); in ``isolated`` precompute
+mode (each chunk from position 0 on its own, the paper's setting) every chunk, the first included, gets
+its share. ``skip_first_chunk=True``/``False`` forces either rule; ``stats["epic_skip_first_chunk"]``
+says which ran.
 """
 
 from __future__ import annotations
@@ -41,11 +45,18 @@ class Epic(Selector):
     """EPIC/LegoLink: the first tokens of every chunk, the budget spread evenly over the chunks."""
 
     name: ClassVar[str] = "epic"
-    skip_first_chunk: bool = False
+    skip_first_chunk: bool | None = None  # None: skip exactly when the shared prefix makes chunk 0 exact
+
+    def skips_first_chunk(self, ctx: SelectionContext) -> bool:
+        if self.skip_first_chunk is not None:
+            return bool(self.skip_first_chunk)
+        return ctx.precompute == "shared_prefix"
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         lengths = [int(c.numel()) for c in ctx.layout.chunk_ids]
         score = -distance_to_chunk_start(lengths).float()
-        if self.skip_first_chunk and len(lengths) > 1:
+        skip = self.skips_first_chunk(ctx)
+        ctx.stats["epic_skip_first_chunk"] = skip
+        if skip and len(lengths) > 1:
             score[:lengths[0]] -= float(max(lengths) + 1)  # after every head of the later chunks
         return score

@@ -3,9 +3,10 @@ Sec. 2.6 and 4.2: recomputing only part of a multi-token entity such as "5663623
 
 The context is cut into consecutive windows of ``group_size`` tokens (default 8) starting at the first
 context token. After the scorer's top-``budget`` pick, a window keeps its selected tokens only when at
-least ``group_min`` of them (default 5) were selected; sparse windows are dropped. The paper stops there
-(it recomputes fewer tokens than the budget); kvstitch's contract is an exact budget, so the freed
-budget is refilled deterministically, window-wise so the refill stays dense:
+least ``group_min`` of them (default 5) were selected; sparse windows are dropped. The paper stops there:
+it recomputes FEWER tokens than the budget, and so does kvstitch by default (``refill=False``; the
+tokens actually recomputed are what the engine reports, ``recomputed_tokens``). ``refill=True`` is a
+named variant that spends the freed budget, deterministically and window-wise so the refill stays dense:
 
 1. the not-yet-selected tokens of the *kept* windows (completing them: whole windows, as the paper's
    "contextual integrity" argument asks), kept windows by mean score, best first;
@@ -18,7 +19,7 @@ A trailing window shorter than ``group_size`` needs ceil(group_min * len / group
 Any scorer can be grouped: `grouped_top_k(scores, budget)` is a plain function (CacheClip calls it), and
 the registered ``grouped`` selector wraps any registered method by name::
 
-    make_selector("grouped", base="prophet", base_options={...}, group_size=8, group_min=5)
+    make_selector("grouped", base="prophet", base_options={...}, group_size=8, group_min=5, refill=False)
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def kept_windows(selected: torch.Tensor, group_size: int = 8, group_min: int = 5
     return counts >= window_thresholds(n, group_size, group_min)
 
 
-def grouped_top_k(scores: torch.Tensor, k: int, group_size: int = 8, group_min: int = 5) -> torch.Tensor:
-    """Exactly ``k`` sorted unique indices: top-k, sparse windows dropped, refilled window-wise."""
+def grouped_top_k(scores: torch.Tensor, k: int, group_size: int = 8, group_min: int = 5,
+                  refill: bool = False) -> torch.Tensor:
+    """Sorted unique indices: top-k with sparse windows dropped (at most ``k``, the paper); with ``refill``
+    exactly ``k``, the dropped budget refilled window-wise."""
     scores = scores.float().cpu()
     n = scores.numel()
     if k <= 0:
@@ -67,7 +70,7 @@ def grouped_top_k(scores: torch.Tensor, k: int, group_size: int = 8, group_min: 
     kept = kept_windows(selected, group_size, group_min)
     keep = selected & kept[win]
     short = k - int(keep.sum())
-    if short > 0:
+    if short > 0 and refill:
         n_win = kept.numel()
         sums = torch.zeros(n_win, dtype=torch.float64).index_add_(0, win, scores.double())
         mean = sums / torch.bincount(win, minlength=n_win).double()
@@ -91,6 +94,7 @@ class Grouped(Selector):
     base_options: dict = field(default_factory=dict)
     group_size: int = 8
     group_min: int = 5
+    refill: bool = False  # True: refill the dropped budget window-wise (exact budget); False: the paper
 
     _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -98,6 +102,8 @@ class Grouped(Selector):
         if self.base == self.name:
             raise TypeError("grouped cannot wrap itself")  # make_selector reports it as an InputError
         self._base_selector = make_selector(self.base, **self.base_options)  # unknown base: InputError now
+        if self._base_selector.full_prefill:
+            raise TypeError(f"grouped cannot wrap {self.base!r}: it prefills from scratch and selects nothing")
 
     @property
     def base_selector(self) -> Selector:
@@ -107,19 +113,26 @@ class Grouped(Selector):
     def zero_budget(self) -> bool:  # e.g. grouped(ape): still nothing to recompute
         return getattr(self.base_selector, "zero_budget", False)
 
+    @property
+    def exact_budget(self) -> bool:
+        return self.refill
+
+    @property
+    def needs_full_prefill(self) -> bool:  # e.g. grouped(oracle)
+        return self.base_selector.needs_full_prefill
+
+    # every capability of the base passes on: its prompt change (InfoFlow's reorder), its scores, its
+    # zero budget, its recompute and decode plans; only the picking is grouped
+    def prepare(self, ctx: SelectionContext) -> None:
+        self.base_selector.prepare(ctx)
+
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         return self.base_selector.score(ctx)
 
-    def select(self, ctx: SelectionContext):
-        # the base's own select runs (it may reorder chunks, force a zero budget, ...); its scores are
-        # then regrouped. No scores (budget 0 / all / naive) -> the base's choice stands.
-        idx, scores = self.base_selector.select(ctx)
-        if scores is None:
-            return idx, None
-        return self.pick(scores, ctx.budget), scores
-
-    def pick(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        return grouped_top_k(scores, k, self.group_size, self.group_min)
+    def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
+        idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
+        ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
+        return idx
 
     def recompute_plan(self, ctx: SelectionContext):
         return self.base_selector.recompute_plan(ctx)

@@ -21,10 +21,9 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import StitchCache
 from ..errors import InputError
 from .base import SelectionContext, Selector, register
-from .scoring import layer_mean, query_attention
+from .scoring import layer_mean
 
 
 def overlap_ratio(selected, reference) -> float:
@@ -32,13 +31,6 @@ def overlap_ratio(selected, reference) -> float:
     s = {int(i) for i in torch.as_tensor(selected).flatten().tolist()}
     g = {int(i) for i in torch.as_tensor(reference).flatten().tolist()}
     return len(s & g) / len(g) if g else 1.0
-
-
-def exact_context_cache(engine, layout) -> StitchCache:
-    """Prefix + context prefilled jointly (the K/V a full prefill has), suffix slots still empty."""
-    cache = StitchCache.empty(engine.adapter, layout.n_total, engine.device, engine.dtype)
-    engine.forward(cache, layout.ids[:layout.context_end], torch.arange(layout.context_end))
-    return cache
 
 
 @register
@@ -53,13 +45,12 @@ class Oracle(Selector):
             raise InputError(f"oracle: mode must be 'attention' or 'ideal', got {self.mode!r}")
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        eng, layout = ctx.engine, ctx.layout
-        nkv = eng.adapter.num_kv_heads
-        exact = exact_context_cache(eng, layout)
-        full_att = query_attention(eng, exact, layout)
+        layout, nkv = ctx.layout, ctx.num_kv_heads
+        exact = ctx.exact_context_cache()
+        full_att = ctx.query_attention(cache=exact)
         if self.mode == "attention":
             return layer_mean(full_att, nkv)
-        reuse_att = query_attention(eng, ctx.cache, layout)
+        reuse_att = ctx.query_attention()
         c0, c1 = layout.context_start, layout.context_end
 
         def values(cache):  # mean over layers of [n, Hkv * d]

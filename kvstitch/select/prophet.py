@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from .base import SelectionContext, Selector, register
-from .scoring import layer_mean, query_attention
+from .scoring import layer_mean
 
 
 @register
@@ -28,5 +28,5 @@ class Prophet(Selector):
     name: ClassVar[str] = "prophet"
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        per_layer = query_attention(ctx.engine, ctx.cache, ctx.layout)  # Stage I: every layer
-        return layer_mean(per_layer, ctx.engine.adapter.num_kv_heads)
+        per_layer = ctx.query_attention()  # Stage I: every layer
+        return layer_mean(per_layer, ctx.num_kv_heads)

@@ -20,28 +20,15 @@ from typing import Iterable
 
 import torch
 
-from ..attention import ForwardPlan
-
 
 def query_attention(engine, cache, layout, layers: Iterable[int] | None = None, *,
-                    key_keep: torch.Tensor | None = None, write: bool = True) -> dict[int, torch.Tensor]:
-    """{layer: [Hq, n_context] float32}: suffix-averaged attention of each query head to each context token.
+                    key_keep: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    """{layer: [Hq, n_context] float32}: suffix-averaged attention of each query head to each context token
+    (`SelectionContext.query_attention` over ``engine``'s model; for callers holding an engine, e.g. A3's
+    decode plan)."""
+    from .base import SelectionContext
 
-    ``layers`` None = every layer. ``key_keep``: see `ForwardPlan.key_keep` (InfoFlow's local pass)."""
-    n_layers = engine.adapter.num_layers
-    wanted = sorted(set(range(n_layers) if layers is None else layers))
-    if not wanted or wanted[0] < 0 or wanted[-1] >= n_layers:
-        raise ValueError(f"layers must be within 0..{n_layers - 1}, got {wanted}")
-    c0, c1 = layout.context_start, layout.context_end
-    out: dict[int, torch.Tensor] = {}
-
-    def hook(layer: int, probs: torch.Tensor, values: torch.Tensor) -> None:
-        out[layer] = probs[:, :, c0:c1].mean(dim=1)  # [Hq, q, n_keys] -> [Hq, n_context]
-
-    plan = ForwardPlan(attn_hook=hook, hook_layers=set(wanted), stop_after_layer=wanted[-1], key_keep=key_keep)
-    slots = torch.arange(layout.context_end, layout.n_total)
-    engine.forward(cache, layout.suffix_ids, slots, plan, write=write)
-    return out
+    return SelectionContext(engine, cache, layout, 0).query_attention(layers, key_keep=key_keep)
 
 
 def group_mean(per_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import os
 import torch
 
 from ..errors import StoreError
-from .base import LAYOUT_VERSION, ChunkStore, InvalidKeyError, check_key, chunk_key
+from .base import LAYOUT_VERSION, PRECOMPUTE_MODES, ChunkStore, InvalidKeyError, check_key, check_precompute, chunk_key
 from .codec import STORAGE_DTYPES, check_storage_dtype
 from .disk import DiskStore
 from .memory import MemoryStore
@@ -65,4 +65,4 @@ def open_store(spec=None, *, storage_dtype: str = "float16", compute_dtype: torc
 
 
 __all__ = ["ChunkStore", "MemoryStore", "DiskStore", "RedisStore", "TieredStore", "chunk_key", "check_key",
-           "open_store", "LAYOUT_VERSION", "STORAGE_DTYPES", "InvalidKeyError"]
+           "open_store", "LAYOUT_VERSION", "STORAGE_DTYPES", "InvalidKeyError", "PRECOMPUTE_MODES", "check_precompute"]

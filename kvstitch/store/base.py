@@ -1,8 +1,10 @@
 """The chunk-store interface and its content-addressed key.
 
 A key is the sha256 of everything that determines a chunk's K/V: the model fingerprint (weights hash,
-RoPE config, compute dtype), the shared-prefix ids, the chunk ids, the storage dtype and the layout
-version. Never Python's `hash()` (salted per process).
+RoPE config, compute dtype), the shared-prefix ids, the chunk ids, the storage dtype, the precompute mode
+(``shared_prefix``: the chunk computed after the shared prefix; ``isolated``: from position 0 on its own,
+no prefix, so the prefix ids do not enter the key) and the layout version. Never Python's `hash()`
+(salted per process).
 
 Every backend keeps the same contract (LMCache's lesson: silent misses and silently wrong hits are the
 bugs that cost most): a corrupt, truncated or foreign entry is never returned. It is a miss, it is
@@ -19,7 +21,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..chunk import ChunkKV
-from ..errors import StoreError
+from ..errors import InputError, StoreError
 
 LAYOUT_VERSION = 1
 
@@ -44,10 +46,24 @@ def _ids_bytes(ids) -> bytes:
     return t.numpy().tobytes()
 
 
-def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "float16") -> str:
+PRECOMPUTE_MODES = ("shared_prefix", "isolated")
+
+
+def check_precompute(mode) -> str:
+    if mode not in PRECOMPUTE_MODES:
+        raise InputError(f"unknown precompute mode {mode!r}; known: {', '.join(PRECOMPUTE_MODES)}")
+    return mode
+
+
+def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "float16", *,
+              precompute: str = "shared_prefix") -> str:
     h = hashlib.sha256()
-    for part in (f"kvstitch-layout-{LAYOUT_VERSION}".encode(), fingerprint.encode(), _ids_bytes(prefix_ids),
-                 _ids_bytes(chunk_ids), storage_dtype.encode()):
+    parts = [f"kvstitch-layout-{LAYOUT_VERSION}".encode(), fingerprint.encode(), _ids_bytes(prefix_ids),
+             _ids_bytes(chunk_ids), storage_dtype.encode()]
+    if check_precompute(precompute) != "shared_prefix":  # (shared_prefix keys are those of earlier versions)
+        parts[2] = b""  # an isolated chunk's K/V do not depend on the prefix
+        parts.append(f"precompute={precompute}".encode())
+    for part in parts:
         h.update(len(part).to_bytes(8, "little"))  # length-prefix: no ambiguity between parts
         h.update(part)
     return h.hexdigest()
