@@ -15,11 +15,11 @@ from .cache import StitchCache
 from .chunk import ChunkKV
 from .errors import InputError
 from .models import adapter_for, load_model
+from .precompute import ensure_chunks
 from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
 from .select import SelectionContext, make_selector, methods
 from .store import ChunkStore, chunk_key, open_store
-from .store.codec import roundtrip
 
 DEFAULT_METHOD = "prophet"
 
@@ -160,25 +160,10 @@ class Engine:
     def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None) -> list[ChunkKV]:
         """Look every chunk up in the store; precompute the misses (batched) and write them back."""
         t0 = time.perf_counter()
-        keys = [self.chunk_key(layout.prefix_ids, ids) for ids in layout.chunk_ids]
-        found: list[ChunkKV | None] = []
-        for key, ids in zip(keys, layout.chunk_ids):
-            kv = self.store.lookup(key)
-            if kv is not None and (kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu())):
-                kv = None  # a key collision or a foreign entry: never use it
-            found.append(kv)
-        miss = [i for i, kv in enumerate(found) if kv is None]
-        if miss:
-            fresh = self.compute_chunks(layout.prefix_ids, [layout.chunk_ids[i] for i in miss])
-            storage = getattr(self.store, "storage_dtype", "float32")
-            for i, kv in zip(miss, fresh):
-                self.store.put(keys[i], kv)
-                # use what a later hit will return (storage dtype), so cold and warm requests agree
-                found[i] = roundtrip(kv, storage, self.dtype)
+        res = ensure_chunks(self, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True)
         if stats is not None:
-            stats.update(store_hits=len(found) - len(miss), store_misses=len(miss),
-                         chunk_load_s=time.perf_counter() - t0)
-        return [kv.to(self.device, self.dtype) for kv in found]
+            stats.update(store_hits=res.hits, store_misses=res.misses, chunk_load_s=time.perf_counter() - t0)
+        return [kv.to(self.device, self.dtype) for kv in res.kvs]
 
     # ---- stitching ------------------------------------------------------------------------------
     def stitch(self, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:

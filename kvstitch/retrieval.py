@@ -457,32 +457,12 @@ def precompute_chunks(engine, texts: list[str], batch: int = 8, progress=None) -
     """Compute the KV cache of every passage not yet in ``engine.store`` (``batch`` chunks per forward)
     and store it. Existing entries are only checked for presence (not loaded). -> {"computed": distinct
     caches computed, "already_stored": distinct caches found, "seconds": s}."""
-    prefix = engine.builder.prefix_ids
-    todo: dict[str, torch.Tensor] = {}
-    stored = set()
-    for text in texts:
-        ids = engine.builder.build("?", [text]).chunk_ids[0]
-        key = engine.chunk_key(prefix, ids)
-        if key in todo or key in stored:
-            continue
-        if key in engine.store:
-            stored.add(key)
-        else:
-            todo[key] = ids
-    t0 = time.perf_counter()
-    items = list(todo.items())
-    for i in range(0, len(items), batch):
-        part = items[i:i + batch]
-        with torch.no_grad():
-            if hasattr(engine, "compute_chunks"):
-                kvs = engine.compute_chunks(prefix, [ids for _, ids in part], batch_size=batch)
-            else:
-                kvs = [engine.compute_chunk(prefix, ids) for _, ids in part]
-        for (key, _), kv in zip(part, kvs):
-            engine.store.put(key, kv)
-        if progress is not None:
-            progress(min(i + batch, len(items)), len(items))
-    return {"computed": len(items), "already_stored": len(stored), "seconds": round(time.perf_counter() - t0, 3)}
+    from .precompute import ensure_chunks
+
+    ids = [engine.builder.build("?", [text]).chunk_ids[0] for text in texts]
+    res = ensure_chunks(engine, ids, batch_size=batch,
+                        on_batch=None if progress is None else (lambda done, total, _tokens: progress(done, total)))
+    return {"computed": res.computed, "already_stored": res.already_stored, "seconds": round(res.seconds, 3)}
 
 
 # ---- asking ----------------------------------------------------------------------------------------
