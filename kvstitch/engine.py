@@ -14,6 +14,7 @@ from .attention import ForwardPlan, StopForward
 from .cache import StitchCache
 from .chunk import ChunkKV
 from .errors import InputError
+from .identity import register_model, tokenizer_fingerprint
 from .models import adapter_for, load_model
 from .precompute import ensure_chunks
 from .prompt import PromptBuilder, PromptLayout
@@ -55,7 +56,10 @@ class Engine:
         self.builder = PromptBuilder(tokenizer)
         self.store = store if store is not None else open_store(None, compute_dtype=self.dtype)
         self.inv_freq = inv_freq_table(self.adapter).to(self.device)
+        self.weights_id = weights_id
         self.fingerprint = self._fingerprint(weights_id)
+        self.tokenizer_id = tokenizer_fingerprint(tokenizer)
+        register_model(self)
         if getattr(self.store, "fingerprint", None) is None and hasattr(self.store, "fingerprint"):
             self.store.fingerprint = self.fingerprint  # entries of another model are reported, never used
         self._prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -155,7 +159,8 @@ class Engine:
         return out
 
     def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str:
-        return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"))
+        return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"),
+                         tokenizer=self.tokenizer_id)
 
     def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None) -> list[ChunkKV]:
         """Look every chunk up in the store; precompute the misses (batched) and write them back."""

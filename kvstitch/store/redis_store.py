@@ -9,13 +9,14 @@ Eviction: configure Redis ``maxmemory`` + ``allkeys-lru`` for a hard budget; `gc
 
 from __future__ import annotations
 
+import json
 import re
 
 import torch
 
 from ..chunk import ChunkKV
 from ..errors import CorruptEntryError, StoreError
-from .base import ChunkStore, check_key
+from .base import ChunkStore, check_key, check_meta, group_by_model
 from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info
 
 try:
@@ -41,6 +42,7 @@ class RedisStore(ChunkStore):
         self.compute_dtype = compute_dtype
         self.fingerprint = fingerprint
         self.prefix = prefix
+        self.meta_prefix = (prefix[:-len("chunk:")] + "meta:") if prefix.endswith("chunk:") else prefix + "~meta:"
         self.ttl_s = ttl_s
         self.checksum_alg = checksum_alg
         try:
@@ -134,9 +136,12 @@ class RedisStore(ChunkStore):
         rows = self._sizes_and_idle(self.keys())
         total = sum(r[1] for r in rows)
         removed = freed = 0
+        pins = self.pinned()
         for key, size, _ in sorted(rows, key=lambda r: -r[2]):  # longest idle first
             if total <= max_bytes:
                 break
+            if key in pins:
+                continue  # pinned (`pin`): kept whatever the budget
             if self._call(self._r.delete, self.prefix + key):
                 removed, freed = removed + 1, freed + size
             total -= size
@@ -152,11 +157,13 @@ class RedisStore(ChunkStore):
                 p.getrange(self.prefix + k, 0, _HEADER_PEEK - 1)
             return p.execute(raise_on_error=False)
         by: dict[str, dict] = {}
+        per_model = []
         for (_, size, _), head in zip(rows, self._call(heads) if keys else []):
             try:
                 info = entry_info(head)
             except (CorruptEntryError, TypeError):
                 info = {"storage_dtype": "unreadable", "n_tokens": 0}
+            per_model.append((info.get("fingerprint"), size, info["n_tokens"]))
             d = by.setdefault(info["storage_dtype"], {"entries": 0, "bytes": 0, "tokens": 0})
             d["entries"] += 1
             d["bytes"] += size
@@ -164,7 +171,42 @@ class RedisStore(ChunkStore):
         for d in by.values():
             d["bytes_per_token"] = d["bytes"] / d["tokens"] if d["tokens"] else 0.0
         return {**super().stats(), "url": self.url, "entries": len(rows), "bytes": sum(r[1] for r in rows),
-                "by_dtype": by}
+                "by_dtype": by, "by_model": group_by_model(per_model, self.models()), "pinned": len(self.pinned())}
+
+    # -- metadata: <meta_prefix><namespace>:<name> -> JSON ---------------------------------------
+    def meta_put(self, ns: str, name: str, value: dict) -> None:
+        check_meta(ns, name)
+        self._call(self._r.set, f"{self.meta_prefix}{ns}:{name}", json.dumps(value, sort_keys=True))
+
+    def meta_get(self, ns: str, name: str) -> dict | None:
+        check_meta(ns, name)
+        data = self._call(self._r.get, f"{self.meta_prefix}{ns}:{name}")
+        try:
+            return json.loads(data) if data is not None else None
+        except ValueError:
+            return None
+
+    def meta_delete(self, ns: str, name: str) -> bool:
+        check_meta(ns, name)
+        return bool(self._call(self._r.delete, f"{self.meta_prefix}{ns}:{name}"))
+
+    def meta_list(self, ns: str) -> dict[str, dict]:
+        check_meta(ns)
+        head = f"{self.meta_prefix}{ns}:"
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", head) + "*"
+
+        def run():
+            names = [k.decode() for k in self._r.scan_iter(match=pattern, count=1000)]
+            return names, (self._r.mget(names) if names else [])
+        names, values = self._call(run)
+        out = {}
+        for k, v in zip(names, values):
+            try:
+                if v is not None:
+                    out[k[len(head):]] = json.loads(v)
+            except ValueError:
+                continue
+        return dict(sorted(out.items()))
 
     def close(self) -> None:
         try:
