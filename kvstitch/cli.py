@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import KVStitchError
@@ -35,10 +36,10 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except KVStitchError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -266,7 +267,16 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
                overlap: int = typer.Option(0, help="tokens of trailing sentences repeated in the next chunk"),
                batch_size: int = typer.Option(8, help="chunks per forward"),
                storage_dtype: str = typer.Option("float16", help="float16, bfloat16, float32 or int8"),
-               model: Optional[str] = ModelOpt) -> None:
+               model: Optional[str] = ModelOpt,
+               ray: bool = typer.Option(False, "--ray", help="shard the chunks across Ray workers (one model each) "
+                                                          "writing into the shared --store; pip install "
+                                                          "'kvstitch[ray]'"),
+               ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                                         help="Ray cluster to join (default: $RAY_ADDRESS, else a "
+                                                              "local cluster), e.g. auto or ray://head:10001"),
+               ray_workers: int = typer.Option(2, "--ray-workers", help="Ray workers (actors), one model each"),
+               threads_per_worker: int = typer.Option(1, "--threads-per-worker", help="CPU threads per Ray worker"),
+               gpus_per_worker: float = typer.Option(0.0, "--gpus-per-worker", help="GPUs per Ray worker")) -> None:
     """Chunk DOCS_DIR and precompute every chunk's KV cache into the store (skips what is stored)."""
     from .engine import Engine
     from .errors import InputError
@@ -274,6 +284,17 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
 
     if not docs_dir.is_dir():
         raise InputError(f"{str(docs_dir)!r} is not a directory")
+    if ray or ray_address:
+        from .ray_precompute import precompute_ray
+
+        rep = precompute_ray(docs_dir, store, model=model, workers=ray_workers, address=ray_address,
+                             chunk_tokens=chunk_tokens, overlap=overlap, batch_size=batch_size,
+                             storage_dtype=storage_dtype, threads_per_worker=threads_per_worker,
+                             gpus_per_worker=gpus_per_worker)
+        console.print(f"{rep.chunks} chunks ({rep.distinct} distinct): {rep.computed} computed, {rep.skipped} already "
+                      f"stored, {rep.retried_batches} batches retried; {rep.tokens} tokens in {rep.seconds:.1f} s "
+                      f"({rep.tokens_per_s:,.0f} tok/s) on {rep.workers} Ray workers", highlight=False)
+        return
     with console.status("loading model ..."):
         eng = Engine.load(model, store=store, storage_dtype=storage_dtype)
     rep, _ = precompute_directory(eng, docs_dir, chunk_tokens, overlap, batch_size)
