@@ -302,6 +302,37 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
                   f"{rep.tokens} tokens in {rep.seconds:.1f} s ({rep.tokens_per_s:,.0f} tok/s)", highlight=False)
 
 
+@bench_app.command("precompute")
+@friendly_errors
+def bench_precompute_cmd(ray_workers: str = typer.Option("0,1,2", "--ray-workers",
+                                                         help="comma-separated worker counts; 0 = single process"),
+                         docs: int = typer.Option(16, help="synthetic documents"),
+                         words: int = typer.Option(1500, help="words per document"),
+                         chunk_tokens: int = typer.Option(256), batch_size: int = typer.Option(8),
+                         threads: int = typer.Option(1, help="torch threads per process / Ray worker"),
+                         ray_address: Optional[str] = typer.Option(None, "--ray-address"),
+                         out: Path = typer.Option(Path("docs/results"), help="output directory"),
+                         model: Optional[str] = ModelOpt) -> None:
+    """Precompute throughput (tokens/s): single process vs 1, 2, ... Ray workers on the same folder."""
+    from .bench import write_results
+    from .bench_precompute import bench_precompute, precompute_table
+    from .errors import InputError
+
+    try:
+        counts = _csv_ints(ray_workers)
+    except ValueError:
+        raise InputError(f"--ray-workers takes comma-separated integers, got {ray_workers!r}") from None
+    if not counts or min(counts) < 0:
+        raise InputError("--ray-workers needs worker counts >= 0 (0 = single process)")
+    rows = bench_precompute(model, counts, docs, words, chunk_tokens, batch_size, threads, ray_address)
+    table = precompute_table(rows)
+    write_results(rows, out, "bench_precompute", table, {"model": model or "smollm2", "docs": docs, "words": words,
+                                                         "chunk_tokens": chunk_tokens, "batch_size": batch_size,
+                                                         "threads_per_worker": threads})
+    console.print(table, highlight=False)
+    console.print(f"written: {out / 'bench_precompute.json'}, {out / 'bench_precompute.md'}")
+
+
 @bench_app.command("store")
 @friendly_errors
 def bench_store_cmd(path: Path = typer.Option(Path("/tmp/kvstitch-bench-store"), help="disk store directory"),

@@ -169,3 +169,21 @@ def test_ray_flag_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", ray)
     out = CliRunner().invoke(app, ["precompute", str(tmp_path), "--store", "memory", "--ray"])
     assert out.exit_code == 2 and "shared --store" in out.output
+
+
+def test_bench_precompute_single_vs_ray(ray_cluster, tiny_dir, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvstitch.cli import app
+
+    out = CliRunner().invoke(app, ["bench", "precompute", "--ray-workers", "0,1", "--docs", "2", "--words", "80",
+                                   "--chunk-tokens", "32", "--batch-size", "2", "--model", str(tiny_dir),
+                                   "--out", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    rows = json.loads((tmp_path / "bench_precompute.json").read_text())["rows"]
+    assert [r["workers"] for r in rows] == [0, 1]
+    assert rows[0]["computed"] == rows[1]["computed"] == rows[0]["chunks"] > 0  # fresh store each
+    assert rows[0]["tokens"] == rows[1]["tokens"] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert "| Ray, 1 worker |" in (tmp_path / "bench_precompute.md").read_text()
