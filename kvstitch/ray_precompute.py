@@ -7,6 +7,8 @@ so the entries are byte-identical to a single-process run. Each Ray actor loads 
 `kvstitch.precompute.ensure_chunks` on the batches it is given, writing straight into the shared store
 (Redis, or a directory on a shared filesystem); results travel back as small reports, never as tensors.
 
+A batch that fails (the store unreachable, say) is retried with exponential backoff, and after
+``max_attempts`` the job fails with the batch's error: never a hang (every store call has a timeout).
 Fault tolerance: actors restart (``max_restarts``) and their in-flight task is retried
 (``max_task_retries``); the driver also re-queues a batch whose task failed for good, on another worker.
 A retried batch skips the chunks its dead predecessor already stored (`ensure_chunks` checks presence),
@@ -205,6 +207,8 @@ class RayPrecompute:
                         raise KVStitchError(f"batch {b} failed {attempt + 1} times, last: {e}") from None
                     rep.retried_batches += 1
                     batches.appendleft((b, part, attempt + 1))
+                    if not isinstance(e, ray.exceptions.RayActorError):  # e.g. the store is down: back off
+                        time.sleep(min(0.5 * 2 ** attempt, 8.0))
                     if isinstance(e, ray.exceptions.RayActorError):
                         try:
                             ray.get(actor.info.remote(), timeout=120)  # restarted? else stop using it

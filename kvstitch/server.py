@@ -53,6 +53,7 @@ from .retrieval import CollectionCache, CollectionNotFound, collections_root
 from .select import methods as registered_methods
 from .server_documents import DocumentService, documents_router, resolve_document_ids
 from .server_security import SecurityConfig, install_security
+from .store.resilient import resilient
 
 DEFAULT_MAX_TOKENS = 256
 MAX_TOP_K = 64
@@ -150,6 +151,9 @@ class Metrics:
         "kvstitch_queue_wait_seconds": ("histogram", "time a job waited in the queue"),
         "kvstitch_request_duration_seconds": ("histogram", "engine time of a whole answered job"),
         "kvstitch_recompute_ratio": ("histogram", "recomputed / context tokens per answered request"),
+        "kvstitch_store_up": ("gauge", "1 while the chunk store answers, 0 while requests are served without it"),
+        "kvstitch_store_degraded_ops_total": ("counter", "store reads/writes skipped because the store was down"),
+        "kvstitch_store_outages_total": ("counter", "times the chunk store became unreachable"),
     }
 
     def __init__(self):
@@ -605,10 +609,13 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
     collections = CollectionCache(collections_dir)
     model_id = model_name or getattr(engine, "model_name", None) or "kvstitch"
     created = int(time.time())
-    store = engine.store
+    store = engine.store = resilient(engine.store)  # a store outage degrades to computing chunks (store/resilient)
     metrics.gauges.update({"kvstitch_queue_depth": lambda: worker.waiting,
                            "kvstitch_busy": lambda: int(worker.busy),
-                           "kvstitch_max_queue": max_queue})
+                           "kvstitch_max_queue": max_queue,
+                           "kvstitch_store_up": lambda: int(getattr(store, "up", True)),
+                           "kvstitch_store_degraded_ops_total": lambda: getattr(store, "degraded_ops", 0),
+                           "kvstitch_store_outages_total": lambda: getattr(store, "outages", 0)})
 
     @asynccontextmanager
     async def lifespan(app):
@@ -646,7 +653,8 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
         ok = worker.alive
         body = {"status": "ok" if ok else "unavailable", "model": model_id, "worker_alive": ok,
                 "ready": worker.ready.is_set(), "busy": worker.busy, "queue_depth": worker.waiting,
-                "max_queue": max_queue}
+                "max_queue": max_queue, "store": store.health() if hasattr(store, "health") else
+                {"status": "up", "backend": repr(store)}}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")

@@ -186,3 +186,67 @@ def test_memory_tier_eviction_keeps_pins():
     assert keys[0] in s and len(s) == 3 and keys[5] in s and keys[1] not in s  # LRU among the unpinned
     assert s.gc(0)["entries"] == 1 and keys[0] in s
     assert s.unpin(keys[0]) and s.gc(0)["entries"] == 0
+
+
+# ---- a store outage is not an outage ------------------------------------------------------------------
+def test_redis_stopped_and_restarted_mid_stream_loses_no_request(tiny):
+    import shutil
+    import subprocess
+    import time
+
+    from kvstitch.store import RedisStore
+    from kvstitch.store.resilient import ResilientStore
+
+    from .test_store_redis import free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    cmd = [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+    def start():
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                RedisStore(url, check=True, connect_timeout=0.2).close()
+                return p
+            except Exception:  # noqa: BLE001
+                time.sleep(0.05)
+        raise AssertionError("redis-server did not start")
+
+    proc = start()
+    shared = Engine(tiny.model, tiny.tokenizer, "tiny-llama", check_rope=False,
+                    store=ResilientStore(RedisStore(url, compute_dtype=torch.float32), retry_after_s=0.2))
+    healthy = Engine(tiny.model, tiny.tokenizer, "tiny-llama", check_rope=False,
+                     store=MemoryStore(storage_dtype="float16", compute_dtype=torch.float32))
+    extra = [f"Note {i}: the courier number {i} delivers to gate {i * 7 % 13}." for i in range(9)]
+    bodies = [chat([SAMPLE_CHUNKS[i % 4], extra[i], SAMPLE_CHUNKS[(i + 1) % 4]]) for i in range(9)]
+    try:
+        with ServerThread(create_app(healthy)) as ref_srv:
+            expected = [httpx.post(f"{ref_srv.url}/v1/chat/completions", json=b, timeout=120).json() for b in bodies]
+        with ServerThread(create_app(shared)) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+            got = []
+            for i, b in enumerate(bodies):
+                if i == 3:
+                    proc.terminate()
+                    proc.wait(10)
+                if i == 6:
+                    h = c.get("/health").json()
+                    assert h["status"] == "ok" and h["store"]["status"] == "down" and h["store"]["last_error"]
+                    m = c.get("/metrics").text
+                    assert "kvstitch_store_up 0" in m and "kvstitch_store_outages_total 1" in m
+                    proc = start()
+                    time.sleep(0.3)  # past the retry interval
+                r = c.post("/v1/chat/completions", json=b)
+                assert r.status_code == 200, (i, r.text)
+                got.append(r.json())
+            assert c.get("/health").json()["store"]["status"] == "up"
+            stored = RedisStore(url).keys()
+        for e, g in zip(expected, got):
+            assert g["choices"][0]["message"] == e["choices"][0]["message"]
+        assert [g["kvstitch"]["store_misses"] for g in got[3:6]] == [3, 3, 3]  # computed while the store was down
+        # writes resumed: the chunks of the last requests are stored again
+        keys = {shared.chunk_key(shared.builder.prefix_ids, ids) for ids in shared.layout("q", bodies[8]["documents"]).chunk_ids}
+        assert keys <= set(stored)
+    finally:
+        proc.terminate()
+        proc.wait(10)
