@@ -363,7 +363,7 @@ def _mount_optional() -> None:
     app.command("eval")(friendly_errors(eval_command))
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
-    app.command("serve")(friendly_errors(serve_command))
+    app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))
     try:
         from .store.cli import store_app
 

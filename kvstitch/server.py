@@ -52,6 +52,7 @@ from .errors import InputError, KVStitchError
 from .retrieval import CollectionCache, CollectionNotFound, collections_root
 from .select import methods as registered_methods
 from .server_documents import DocumentService, documents_router, resolve_document_ids
+from .server_config import config_callback, print_config
 from .server_security import SecurityConfig, install_security
 from .store.resilient import resilient
 
@@ -938,6 +939,7 @@ class ServerThread:
 
 
 def serve_command(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m",
                                         help="embedded name (smollm2, gemma3), HF directory or .gguf file"),
     store: Optional[str] = typer.Option(None, "--store",
@@ -967,6 +969,8 @@ def serve_command(
     max_bytes: Optional[str] = typer.Option(None, "--max-bytes",
                                             help="store budget: unpinned chunk caches are evicted least-recently-"
                                                  "used above it (memory / directory stores)"),
+    config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=config_callback,
+                                          help="a TOML file of serve options (flags > KVSTITCH_* env > file)"),
 ) -> None:
     """Serve the OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, /health, /metrics)."""
     import uvicorn
@@ -975,6 +979,7 @@ def serve_command(
     from .engine import Engine
 
     console = Console(stderr=True)
+    print_config(ctx, console)  # the effective configuration, once (server_config)
     if method not in registered_methods():  # before the (slow) model load
         raise InputError(f"unknown method {method!r}; known methods: {', '.join(registered_methods())}")
     if max_queue < 0:

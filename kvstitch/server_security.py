@@ -67,8 +67,8 @@ class SecurityConfig:
 
 def api_keys_from(flags: list[str] | None, env: dict | None = None) -> tuple[str, ...]:
     """``--api-key`` flags, else ``KVSTITCH_API_KEY`` (comma-separated)."""
-    if flags:
-        return tuple(flags)
+    if flags:  # a flag value (or KVSTITCH_API_KEY read by the CLI) may hold several comma-separated keys
+        return tuple(k.strip() for f in flags for k in str(f).split(",") if k.strip())
     raw = (os.environ if env is None else env).get(ENV_API_KEY, "")
     return tuple(k.strip() for k in raw.split(",") if k.strip())
 

@@ -250,3 +250,40 @@ def test_redis_stopped_and_restarted_mid_stream_loses_no_request(tiny):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# ---- one configuration --------------------------------------------------------------------------------
+def test_serve_config_flags_over_env_over_file(monkeypatch, tmp_path):
+    import uvicorn
+
+    from kvstitch import server
+    from kvstitch.cli import app
+
+    seen = {}
+
+    class FakeEngine:
+        store = MemoryStore()
+        dtype = torch.float32
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: FakeEngine()))
+    monkeypatch.setattr(server, "create_app", lambda eng, **kw: seen.update(kw) or "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(host=host, port=port))
+    cfg = tmp_path / "kvstitch.toml"
+    cfg.write_text('[serve]\nport = 7000\nmethod = "random"\nmax-queue = 3\nratio = 0.1\nhost = "0.0.0.0"\n'
+                   'api_key = ["file-key-123456"]\n')
+    monkeypatch.setenv("KVSTITCH_PORT", "9000")
+    monkeypatch.setenv("KVSTITCH_RATIO", "0.3")
+    monkeypatch.delenv("KVSTITCH_API_KEY", raising=False)
+    out = CliRunner().invoke(app, ["serve", "--config", str(cfg), "--ratio", "0.5"])
+    assert out.exit_code == 0, out.output
+    assert seen["port"] == 9000 and seen["host"] == "0.0.0.0"  # env over file; file over default
+    assert seen["default_ratio"] == 0.5 and seen["default_method"] == "random" and seen["max_queue"] == 3
+    assert seen["security"].api_keys == ("file-key-123456",)  # the key let it bind 0.0.0.0
+    assert out.output.count("configuration (flag > env") == 1
+    for part in ("port=9000 (env)", "ratio=0.5 (flag)", "method=random (file)", "api_key=<1 key> (file)",
+                 "decode=full (default)"):
+        assert part in out.output
+    assert "file-key-123456" not in out.output
+    cfg.write_text("prot = 1\n")
+    out = CliRunner().invoke(app, ["serve", "--config", str(cfg)])
+    assert out.exit_code == 2 and "unknown option 'prot'" in out.output
