@@ -65,7 +65,7 @@ class DocumentService:
     def public(self, rec: dict) -> dict:
         key = rec.get("keys", {}).get(self.engine.fingerprint)
         return {"id": rec["id"], "object": "document", "created": rec["created"], "chars": len(rec["text"]),
-                "tokens": rec.get("tokens"), "pinned": bool(key) and key in self.store.pinned(),
+                "tokens": rec.get("tokens"), "pinned": bool(key) and self.store.meta_get("pins", key) is not None,
                 "cached": bool(key) and key in self.store}
 
     def texts(self, ids) -> list[str]:
@@ -133,9 +133,7 @@ def documents_router(service: DocumentService):
     from fastapi import APIRouter, Request
     from starlette.concurrency import run_in_threadpool
 
-    from .server import ApiError
-
-    router = APIRouter()
+    router = APIRouter()  # errors are ApiError, answered by the app's handler
 
     @router.post("/v1/documents")
     async def create(request: Request):
@@ -204,7 +202,6 @@ def documents_router(service: DocumentService):
             raise _store_down(e) from None
         return {"id": doc_id, "object": "document.deleted", "deleted": True}
 
-    assert ApiError  # errors raised above are answered by the app's ApiError handler
     return router
 
 
