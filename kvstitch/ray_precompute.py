@@ -116,6 +116,7 @@ class RayPrecompute:
         self.storage_dtype, self.threads, self.gpus = storage_dtype, threads_per_worker, gpus_per_worker
         self.max_restarts, self.max_attempts = max_restarts, max_attempts
         self.actors: list = []
+        self.inflight: dict = {}  # while running: task ref -> (actor, batch id, chunks, attempt)
 
     # -- setup ---------------------------------------------------------------------------------
     def _init_ray(self) -> None:
@@ -187,6 +188,7 @@ class RayPrecompute:
         t1 = time.perf_counter()
         alive = list(self.actors)
         inflight: dict = {}  # ref -> (actor, batch id, chunks, attempt)
+        self.inflight = inflight
         done_chunks = 0
         with progress_bar(progress) as bar:
             task = bar.add_task(f"precompute on {len(alive)} Ray workers", total=len(todo), tps=0.0, cps=0.0)

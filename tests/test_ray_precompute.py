@@ -140,10 +140,12 @@ def test_a_killed_worker_loses_only_its_batch_and_the_job_completes(ray_cluster,
         def kill_once(j, res):
             if not killed:  # the first finished batch: the other worker still has batches in flight
                 victim = 1 if res["pid"] == pids[0] else 0
-                killed.update(victim=victim, pid=pids[victim], done=res["batch"])
+                killed.update(victim=victim, pid=pids[victim], done=res["batch"],
+                              inflight=sum(1 for a, *_ in j.inflight.values() if a is j.actors[victim]))
                 ray.kill(j.actors[victim], no_restart=False)  # the process dies; Ray restarts the actor
         rep = job.run(progress=False, on_result=kill_once)
-        assert killed and 0 < rep.computed <= len(expected)  # a retried batch skips what its dead run stored
+        assert killed and killed["inflight"] >= 1  # it died with a batch in flight (mid-run)
+        assert 0 < rep.computed <= len(expected)  # a retried batch skips what its dead run stored
         new_pid = ray.get(job.actors[killed["victim"]].info.remote())["pid"]
         assert new_pid != killed["pid"]  # it really died and came back
     finally:
