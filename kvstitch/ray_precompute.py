@@ -111,6 +111,11 @@ class RayPrecompute:
             raise InputError(f"--ray-workers must be >= 1, got {workers}")
         if batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+        # workers run in their own directory: name paths absolutely (a shared filesystem keeps them valid)
+        if "://" not in str(store):
+            store = os.path.abspath(os.path.expanduser(str(store).removeprefix("file://")))
+        if model is not None and os.path.exists(os.path.expanduser(model)):
+            model = os.path.abspath(os.path.expanduser(model))
         self.docs_dir, self.store, self.model, self.n_workers = docs_dir, store, model, workers
         self.address, self.chunk_tokens, self.overlap, self.batch_size = address, chunk_tokens, overlap, batch_size
         self.storage_dtype, self.threads, self.gpus = storage_dtype, threads_per_worker, gpus_per_worker
