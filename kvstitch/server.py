@@ -968,7 +968,7 @@ def serve_command(
                                                      help="passage tokens per request (413 above it)"),
     max_bytes: Optional[str] = typer.Option(None, "--max-bytes",
                                             help="store budget: unpinned chunk caches are evicted least-recently-"
-                                                 "used above it (memory / directory stores)"),
+                                                 "used above it (memory, directory and Redis stores)"),
     config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=config_callback,
                                           help="a TOML file of serve options (flags > KVSTITCH_* env > file)"),
 ) -> None:

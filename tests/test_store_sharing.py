@@ -81,3 +81,29 @@ def test_two_models_share_one_redis_without_reading_each_other(redis_url, smollm
     out = CliRunner().invoke(app, ["store", "stats", url])
     assert out.exit_code == 0, out.output
     assert "by model" in out.output and big.fingerprint[:16] in out.output and tiny.fingerprint[:16] in out.output
+
+
+def test_redis_budget_evicts_unpinned_lru_and_keeps_pins(redis_url):  # noqa: F811
+    import time
+
+    from kvstitch.chunk import ChunkKV
+
+    def kv(i):
+        g = torch.Generator().manual_seed(i)
+        return ChunkKV(torch.randn(2, 2, 32, 8, generator=g), torch.randn(2, 2, 32, 8, generator=g),
+                       torch.arange(32), 4, "m")
+
+    url = redis_url.rsplit("/", 1)[0] + "/7"
+    RedisStore(url)._r.flushdb()
+    keys = [chunk_key("m", [1], [i], "float16") for i in range(8)]
+    probe = RedisStore(url)
+    probe.put(keys[0], kv(0))
+    one = probe._r.strlen(probe.prefix + keys[0])
+    probe.pin(keys[0])
+    s = RedisStore(url, max_bytes=4 * one)
+    for i, k in enumerate(keys[1:], 1):
+        s.put(k, kv(i))
+        time.sleep(1.1 if i == 1 else 0)  # OBJECT IDLETIME has 1 s resolution: keys[1] is the oldest unpinned
+    left = set(s.keys())
+    assert keys[0] in left and keys[7] in left and keys[1] not in left  # pinned kept; LRU among the unpinned
+    assert sum(s._r.strlen(s.prefix + k) for k in left) <= 4 * one

@@ -3,7 +3,9 @@
 Values are the same safetensors blobs as on disk (``<prefix><key>`` -> bytes), so an entry checks itself
 wherever it travelled. Every socket operation has a timeout and no retries: an unreachable server is a
 `StoreError` within ~`connect_timeout` seconds, never a hang (a tiered store then serves a miss).
-Eviction: configure Redis ``maxmemory`` + ``allkeys-lru`` for a hard budget; `gc(max_bytes)` evicts by
+Eviction: ``max_bytes`` (``serve --max-bytes``) trims least-recently-used unpinned entries after a put that
+crosses it (an estimate per put, a scan per trim); Redis ``maxmemory`` + ``allkeys-lru`` is a hard budget
+but does not know pins (use ``noeviction``/``volatile-lru`` with pins); `gc(max_bytes)` evicts by
 ``OBJECT IDLETIME`` for a one-off trim.
 """
 
@@ -33,7 +35,8 @@ class RedisStore(ChunkStore):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", storage_dtype: str = "float16",
                  compute_dtype: torch.dtype | None = None, fingerprint: str | None = None,
                  prefix: str = "kvstitch:chunk:", ttl_s: int | None = None, connect_timeout: float = 1.0,
-                 timeout: float = 5.0, check: bool = False, checksum_alg: str = DEFAULT_CHECKSUM) -> None:
+                 timeout: float = 5.0, check: bool = False, checksum_alg: str = DEFAULT_CHECKSUM,
+                 max_bytes: int | None = None) -> None:
         super().__init__()
         if redis is None:
             raise StoreError("the redis package is not installed (pip install redis)")
@@ -45,6 +48,8 @@ class RedisStore(ChunkStore):
         self.meta_prefix = (prefix[:-len("chunk:")] + "meta:") if prefix.endswith("chunk:") else prefix + "~meta:"
         self.ttl_s = ttl_s
         self.checksum_alg = checksum_alg
+        self.max_bytes = max_bytes  # budget: unpinned entries evicted by idle time above it (see put)
+        self._approx_bytes: int | None = None
         try:
             self._r = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
                                            retry_on_timeout=False, retry=Retry(NoBackoff(), 0),
@@ -84,6 +89,13 @@ class RedisStore(ChunkStore):
         blob = b"".join(encode(key, kv, self.storage_dtype, self.checksum_alg))
         self._call(self._r.set, self._k(key), blob, self.ttl_s)
         self._reported = {kp for kp in self._reported if kp[0] != key}
+        if self.max_bytes is not None:  # as DiskStore: an estimate per put, the truth (a scan) per gc
+            if self._approx_bytes is None:
+                self._approx_bytes = sum(r[1] for r in self._sizes_and_idle(self.keys()))
+            else:
+                self._approx_bytes += len(blob)
+            if self._approx_bytes > self.max_bytes:
+                self._approx_bytes = self.gc(int(self.max_bytes * 0.9))["bytes"]
 
     def put_raw(self, key: str, blob: bytes) -> None:
         """Store bytes as-is (tests and tools: simulate damage)."""
@@ -123,14 +135,17 @@ class RedisStore(ChunkStore):
 
     def _sizes_and_idle(self, keys: list[str]):
         def run():
+            # idle times first, for every key: OBJECT does not touch the LRU clock, STRLEN does
             p = self._r.pipeline(transaction=False)
             for k in keys:
-                p.strlen(self.prefix + k)
                 p.object("idletime", self.prefix + k)
+            for k in keys:
+                p.strlen(self.prefix + k)
             return p.execute(raise_on_error=False)
         res = self._call(run)
-        return [(k, res[2 * i] if isinstance(res[2 * i], int) else 0,
-                 res[2 * i + 1] if isinstance(res[2 * i + 1], int) else 0) for i, k in enumerate(keys)]
+        n = len(keys)
+        return [(k, res[n + i] if isinstance(res[n + i], int) else 0,
+                 res[i] if isinstance(res[i], int) else 0) for i, k in enumerate(keys)]
 
     def gc(self, max_bytes: int) -> dict:
         rows = self._sizes_and_idle(self.keys())
