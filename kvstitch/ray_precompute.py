@@ -211,7 +211,9 @@ class RayPrecompute:
                     res = ray.get(ref)
                 except ray.exceptions.RayError as e:
                     if attempt + 1 >= self.max_attempts:
-                        raise KVStitchError(f"batch {b} failed {attempt + 1} times, last: {e}") from None
+                        cause = getattr(e, "cause", None) or e
+                        raise KVStitchError(f"precompute failed: batch {b} failed {attempt + 1} times (with backoff); "
+                                            f"last error: {type(cause).__name__}: {cause}") from None
                     rep.retried_batches += 1
                     batches.appendleft((b, part, attempt + 1))
                     if not isinstance(e, ray.exceptions.RayActorError):  # e.g. the store is down: back off

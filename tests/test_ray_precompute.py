@@ -189,3 +189,40 @@ def test_bench_precompute_single_vs_ray(ray_cluster, tiny_dir, tmp_path):
     assert rows[0]["computed"] == rows[1]["computed"] == rows[0]["chunks"] > 0  # fresh store each
     assert rows[0]["tokens"] == rows[1]["tokens"] and all(r["tokens_per_s"] > 0 for r in rows)
     assert "| Ray, 1 worker |" in (tmp_path / "bench_precompute.md").read_text()
+
+
+def test_store_lost_mid_run_fails_the_job_with_a_clear_message(ray_cluster, tiny_dir, docs):
+    import shutil
+    import subprocess
+    import time
+
+    from kvstitch.errors import KVStitchError
+
+    from .test_store_redis import free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            RedisStore(url, check=True, connect_timeout=0.2).close()
+            break
+        except Exception:  # noqa: BLE001
+            time.sleep(0.05)
+    job = RayPrecompute(docs, url, model=str(tiny_dir), workers=2, chunk_tokens=CHUNK_TOKENS, batch_size=1,
+                        max_attempts=3)
+
+    def stop_store(j, res):
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KVStitchError, match=r"failed 3 times .*StoreError: Redis at .* unavailable"):
+            job.run(progress=False, on_result=stop_store)
+    finally:
+        job.shutdown()
+        if proc.poll() is None:
+            proc.terminate()
+    assert time.monotonic() - t0 < 120  # retried with backoff, then failed: no hang
