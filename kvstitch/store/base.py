@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -56,17 +57,48 @@ def check_precompute(mode) -> str:
 
 
 def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "float16", *,
-              precompute: str = "shared_prefix") -> str:
-    h = hashlib.sha256()
+              precompute: str = "shared_prefix", tokenizer: str = "") -> str:
+    """`fingerprint` names the weights (+ RoPE, shapes, compute dtype); `tokenizer` the tokenizer
+    (`kvstitch.identity.tokenizer_fingerprint`: vocabulary, merges, configuration; "" = not named, the
+    key of older stores); the ids are the chunk's text under that tokenizer; `precompute` how it was
+    computed (after the shared prefix, or isolated from position 0)."""
     parts = [f"kvstitch-layout-{LAYOUT_VERSION}".encode(), fingerprint.encode(), _ids_bytes(prefix_ids),
              _ids_bytes(chunk_ids), storage_dtype.encode()]
     if check_precompute(precompute) != "shared_prefix":  # (shared_prefix keys are those of earlier versions)
         parts[2] = b""  # an isolated chunk's K/V do not depend on the prefix
         parts.append(f"precompute={precompute}".encode())
+    if tokenizer:
+        parts.append(b"tokenizer:" + tokenizer.encode())
+    h = hashlib.sha256()
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))  # length-prefix: no ambiguity between parts
         h.update(part)
     return h.hexdigest()
+
+
+_META_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+META_NAMESPACES = ("models", "pins", "documents")
+
+
+def check_meta(ns: str, name: str | None = None) -> None:
+    """Metadata records live in a few fixed namespaces under names that cannot form a path."""
+    if ns not in META_NAMESPACES:
+        raise StoreError(f"unknown store metadata namespace {ns!r}")
+    if name is not None and (not isinstance(name, str) or _META_NAME_RE.fullmatch(name) is None):
+        raise InvalidKeyError(f"invalid store metadata name {name!r:.80}")
+
+
+def group_by_model(rows, models: dict) -> dict:
+    """``[(fingerprint, bytes, tokens)]`` -> ``{fingerprint: {name, entries, bytes, tokens}}``."""
+    out: dict[str, dict] = {}
+    for fp, size, tokens in rows:
+        fp = fp or "unreadable"
+        d = out.setdefault(fp, {"name": (models.get(fp) or {}).get("name", "?"), "entries": 0, "bytes": 0,
+                                "tokens": 0})
+        d["entries"] += 1
+        d["bytes"] += size
+        d["tokens"] += tokens
+    return out
 
 
 class ChunkStore(ABC):
@@ -117,6 +149,37 @@ class ChunkStore(ABC):
 
     def close(self) -> None:
         """Release connections / handles (idempotent)."""
+
+    # -- metadata records: model descriptors, pins, documents (small JSON objects) ---------------
+    def meta_put(self, ns: str, name: str, value: dict) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
+
+    def meta_get(self, ns: str, name: str) -> dict | None:
+        return None
+
+    def meta_delete(self, ns: str, name: str) -> bool:
+        return False
+
+    def meta_list(self, ns: str) -> dict[str, dict]:
+        return {}
+
+    def register_model(self, record: dict) -> None:
+        """Name a model fingerprint (what `stats()["by_model"]` shows); best effort."""
+        if self.meta_get("models", record["fingerprint"]) != record:
+            self.meta_put("models", record["fingerprint"], record)
+
+    def models(self) -> dict[str, dict]:
+        return self.meta_list("models")
+
+    def pin(self, key: str, **info) -> None:
+        """Keep `key` through `gc` and LRU eviction until `unpin`."""
+        self.meta_put("pins", check_key(key), {"pinned_at": time.time(), **info})
+
+    def unpin(self, key: str) -> bool:
+        return self.meta_delete("pins", check_key(key))
+
+    def pinned(self) -> set[str]:
+        return set(self.meta_list("pins"))
 
     # -- shared behaviour ----------------------------------------------------------------------
     @property

@@ -70,6 +70,13 @@ def stats(path: str = typer.Argument(..., help="store directory or redis://host:
         for dt, d in sorted(s["by_dtype"].items()):
             t.add_row(dt, str(d["entries"]), str(d["tokens"]), human(d["bytes"]), f"{d['bytes_per_token']:.0f}")
         console.print(t)
+    if s.get("by_model"):
+        t = Table("model", "fingerprint", "entries", "tokens", "bytes", title="by model")
+        for fp, d in sorted(s["by_model"].items(), key=lambda kv: -kv[1]["bytes"]):
+            t.add_row(d["name"], fp[:16], str(d["entries"]), str(d["tokens"]), human(d["bytes"]))
+        console.print(t)
+    if s.get("pinned"):
+        console.print(f"{s['pinned']} pinned entries (kept by gc)")
     store.close()
 
 

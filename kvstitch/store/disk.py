@@ -22,7 +22,7 @@ import torch
 
 from ..chunk import ChunkKV
 from ..errors import CorruptEntryError, StoreError
-from .base import LAYOUT_VERSION, ChunkStore, check_key
+from .base import LAYOUT_VERSION, ChunkStore, check_key, check_meta, group_by_model
 from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info
 
 MARKER = "KVSTITCH_STORE.json"
@@ -257,9 +257,12 @@ class DiskStore(ChunkStore):
             entries.append((st.st_atime_ns, st.st_mtime_ns, p, st.st_size))
         total = sum(e[3] for e in entries)
         removed = freed = 0
+        pins = self.pinned()
         for _, _, p, size in sorted(entries):
             if total <= max_bytes:
                 break
+            if p.name[:-len(SUFFIX)] in pins:
+                continue  # pinned (`pin`): kept whatever the budget
             if self._unlink(p) is not None:
                 removed, freed = removed + 1, freed + size
             total -= size  # gone either way (another gc may have taken it)
@@ -277,6 +280,7 @@ class DiskStore(ChunkStore):
 
     def stats(self) -> dict:
         by: dict[str, dict] = {}
+        rows = []
         n = total = tmp = 0
         for key, p, st in self._scan(with_tmp=True):
             if not key:
@@ -291,7 +295,51 @@ class DiskStore(ChunkStore):
             d["entries"] += 1
             d["bytes"] += st.st_size
             d["tokens"] += info["n_tokens"]
+            rows.append((info.get("fingerprint"), st.st_size, info["n_tokens"]))
         for d in by.values():
             d["bytes_per_token"] = d["bytes"] / d["tokens"] if d["tokens"] else 0.0
         return {**super().stats(), "path": str(self.root), "entries": n, "bytes": total, "tmp_files": tmp,
-                "max_bytes": self.max_bytes, "by_dtype": by}
+                "max_bytes": self.max_bytes, "by_dtype": by, "by_model": group_by_model(rows, self.models()),
+                "pinned": len(self.pinned())}
+
+    # -- metadata: ROOT/_meta/<namespace>/<name>.json, written atomically ----------------------
+    def _meta_path(self, ns: str, name: str) -> Path:
+        check_meta(ns, name)
+        return self.root / "_meta" / ns / (name + ".json")
+
+    def meta_put(self, ns: str, name: str, value: dict) -> None:
+        p = self._meta_path(ns, name)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(value, sort_keys=True))
+            os.replace(tmp, p)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"cannot write {p}: {e.strerror or e}") from None
+
+    def meta_get(self, ns: str, name: str) -> dict | None:
+        try:
+            return json.loads(self._meta_path(ns, name).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise StoreError(f"cannot read store metadata {ns}/{name}: {e}") from None
+
+    def meta_delete(self, ns: str, name: str) -> bool:
+        try:
+            self._meta_path(ns, name).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def meta_list(self, ns: str) -> dict[str, dict]:
+        check_meta(ns)
+        d = self.root / "_meta" / ns
+        out = {}
+        for p in sorted(d.glob("*.json")) if d.is_dir() else []:
+            try:
+                out[p.name[:-5]] = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue  # removed or being replaced meanwhile
+        return out

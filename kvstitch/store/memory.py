@@ -12,7 +12,7 @@ from collections import OrderedDict
 import torch
 
 from ..chunk import ChunkKV
-from .base import ChunkStore, check_key
+from .base import ChunkStore, check_key, check_meta, group_by_model
 from .codec import check_storage_dtype, roundtrip, stored_nbytes
 
 
@@ -26,6 +26,7 @@ class MemoryStore(ChunkStore):
         self.fingerprint = fingerprint
         self._items: OrderedDict[str, ChunkKV] = OrderedDict()
         self._bytes = 0
+        self._meta: dict[str, dict[str, dict]] = {}
 
     def __repr__(self) -> str:
         return f"MemoryStore(max_bytes={self.max_bytes}, storage_dtype={self.storage_dtype!r})"
@@ -49,9 +50,22 @@ class MemoryStore(ChunkStore):
         self.delete(key)
         self._items[key] = kv
         self._bytes += kv.nbytes
-        while self._bytes > self.max_bytes and len(self._items) > 1:
-            _, old = self._items.popitem(last=False)
+        if self._bytes > self.max_bytes:
+            self._evict(self.max_bytes, keep=key)
+
+    def _evict(self, budget: int, keep: str | None = None) -> tuple[int, int]:
+        """Drop least-recently-used unpinned entries (never `keep`) until <= `budget` bytes remain."""
+        pins = self._meta.get("pins", {})
+        removed = freed = 0
+        for k in list(self._items):
+            if self._bytes <= budget:
+                break
+            if k == keep or k in pins:
+                continue
+            old = self._items.pop(k)
             self._bytes -= old.nbytes
+            removed, freed = removed + 1, freed + old.nbytes
+        return removed, freed
 
     def __contains__(self, key: str) -> bool:
         return key in self._items
@@ -69,11 +83,7 @@ class MemoryStore(ChunkStore):
         return list(self._items)
 
     def gc(self, max_bytes: int) -> dict:
-        removed = freed = 0
-        while self._bytes > max_bytes and self._items:
-            _, old = self._items.popitem(last=False)
-            self._bytes -= old.nbytes
-            removed, freed = removed + 1, freed + old.nbytes
+        removed, freed = self._evict(max_bytes)
         return {"removed": removed, "freed_bytes": freed, "bytes": self._bytes, "entries": len(self._items)}
 
     def verify(self) -> list[tuple[str, str]]:
@@ -86,5 +96,25 @@ class MemoryStore(ChunkStore):
         stored = sum(stored_nbytes(kv, self.storage_dtype) for kv in self._items.values())
         per = {self.storage_dtype: {"entries": len(self._items), "bytes": stored, "tokens": tokens,
                                     "bytes_per_token": stored / tokens if tokens else 0.0}} if self._items else {}
+        by_model = group_by_model([(kv.fingerprint, stored_nbytes(kv, self.storage_dtype), kv.n_tokens)
+                                   for kv in self._items.values()], self.models())
         return {**super().stats(), "entries": len(self._items), "bytes": self._bytes, "resident_bytes": self._bytes,
-                "max_bytes": self.max_bytes, "by_dtype": per}
+                "max_bytes": self.max_bytes, "by_dtype": per, "by_model": by_model,
+                "pinned": len(self._meta.get("pins", {}))}
+
+    def meta_put(self, ns: str, name: str, value: dict) -> None:
+        check_meta(ns, name)
+        self._meta.setdefault(ns, {})[name] = dict(value)
+
+    def meta_get(self, ns: str, name: str) -> dict | None:
+        check_meta(ns, name)
+        v = self._meta.get(ns, {}).get(name)
+        return dict(v) if v is not None else None
+
+    def meta_delete(self, ns: str, name: str) -> bool:
+        check_meta(ns, name)
+        return self._meta.get(ns, {}).pop(name, None) is not None
+
+    def meta_list(self, ns: str) -> dict[str, dict]:
+        check_meta(ns)
+        return {k: dict(v) for k, v in self._meta.get(ns, {}).items()}

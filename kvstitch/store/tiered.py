@@ -156,3 +156,52 @@ class TieredStore(ChunkStore):
     def close(self) -> None:
         for t in self.tiers:
             t.close()
+
+    # metadata (pins, models, documents) goes to every tier, so each one's eviction honours the pins
+    def meta_put(self, ns: str, name: str, value: dict) -> None:
+        ok, errors = 0, []
+        for i, t in enumerate(self.tiers):
+            if not self._up(i):
+                continue
+            try:
+                t.meta_put(ns, name, value)
+                ok += 1
+            except NotImplementedError:
+                continue
+            except StoreError as e:
+                errors.append(e)
+                self._fail(i, e)
+        if not ok and errors:
+            raise StoreError(f"no tier accepted the metadata: {errors[-1]}")
+
+    def meta_get(self, ns: str, name: str) -> dict | None:
+        for i, t in enumerate(self.tiers):
+            if self._up(i):
+                try:
+                    v = t.meta_get(ns, name)
+                except StoreError as e:
+                    self._fail(i, e)
+                    continue
+                if v is not None:
+                    return v
+        return None
+
+    def meta_delete(self, ns: str, name: str) -> bool:
+        found = False
+        for i, t in enumerate(self.tiers):
+            try:
+                found = t.meta_delete(ns, name) or found
+            except StoreError as e:
+                self._fail(i, e)
+        return found
+
+    def meta_list(self, ns: str) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for i, t in enumerate(self.tiers):
+            if self._up(i):
+                try:
+                    for k, v in t.meta_list(ns).items():
+                        out.setdefault(k, v)
+                except StoreError as e:
+                    self._fail(i, e)
+        return out

@@ -1,0 +1,76 @@
+"""`ensure_chunks`: the one path by which chunk caches come to exist (requests, precompute, index)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstitch.precompute import ensure_chunks, precompute_directory
+from kvstitch.store import MemoryStore
+
+from .conftest import SAMPLE_CHUNKS, make_tiny_engine
+
+
+@pytest.fixture
+def eng(smollm_tokenizer):
+    e = make_tiny_engine("llama", smollm_tokenizer)
+    e.store = MemoryStore(storage_dtype="float32")
+    return e
+
+
+def _puts(store):
+    calls = []
+    orig = store.put
+
+    def put(key, kv):
+        calls.append(key)
+        orig(key, kv)
+    store.put = put
+    return calls
+
+
+def test_ensure_chunks_dedupes_skips_stored_and_batches(eng):
+    ids = [eng.builder.encode_chunk(t) for t in SAMPLE_CHUNKS]
+    puts = _puts(eng.store)
+    batches = []
+    res = ensure_chunks(eng, ids + ids[:2], batch_size=3, on_batch=lambda d, n, t: batches.append((d, n, t)))
+    assert res.computed == 4 and res.already_stored == 0 and res.misses == 6 and res.hits == 0
+    assert len(puts) == 4 and len(set(puts)) == 4  # the repeated chunks were computed once
+    assert [b[:2] for b in batches] == [(3, 4), (4, 4)]
+    assert res.tokens == sum(int(i.numel()) for i in ids) == batches[-1][2]
+    assert res.keys[4] == res.keys[0] and res.kvs is None
+    again = ensure_chunks(eng, ids, batch_size=3)
+    assert again.computed == 0 and again.already_stored == 4 and again.hits == 4 and len(puts) == 4
+
+
+def test_ensure_chunks_load_matches_chunk_kvs_and_a_fresh_compute(eng):
+    layout = eng.layout("q?", SAMPLE_CHUNKS[:3])
+    cold = ensure_chunks(eng, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True)
+    assert cold.computed == 3 and all(kv is not None for kv in cold.kvs)
+    warm = eng.chunk_kvs(layout, stats := {})
+    assert stats["store_hits"] == 3 and stats["store_misses"] == 0
+    fresh = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids)
+    for a, b, c in zip(cold.kvs, warm, fresh):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.allclose(a.keys, c.keys, atol=1e-6)
+
+
+def test_ensure_chunks_refuses_a_foreign_entry(eng):
+    ids = [eng.builder.encode_chunk(SAMPLE_CHUNKS[0])]
+    res = ensure_chunks(eng, ids)
+    kv = eng.store.get(res.keys[0])
+    kv.fingerprint = "someone-else"  # the memory store shares the object: the entry is now foreign
+    eng.store.fingerprint = None
+    again = ensure_chunks(eng, ids, load=True)
+    assert again.misses == 1 and again.computed == 1 and again.kvs[0].fingerprint == eng.fingerprint
+
+
+def test_precompute_directory_is_resumable(eng, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, t in enumerate(SAMPLE_CHUNKS):
+        (docs / f"d{i}.txt").write_text(t)
+    rep, chunks = precompute_directory(eng, docs, chunk_tokens=64, batch_size=2, progress=False)
+    assert rep.chunks == len(chunks) == 4 and rep.computed == 4 and rep.skipped == 0 and rep.tokens > 0
+    rep2, _ = precompute_directory(eng, docs, chunk_tokens=64, batch_size=2, progress=False)
+    assert rep2.computed == 0 and rep2.skipped == 4
