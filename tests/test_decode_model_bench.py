@@ -31,7 +31,7 @@ def test_rows_for_every_policy_and_budget_and_dense_budget_recall_is_one(family,
             assert abs(r["recall"] - 1.0) < 1e-5 and r["max_abs_err_vs_dense"] < 1e-4
             assert r["tpot_ms"] is None and r["niah_acc"] is None and "dense" in r["note"]
         else:
-            assert r["recall"] < 1.0 and r["mean_selected_tokens"] <= 96
+            assert r["recall"] < 1.0 and r["mean_selected_tokens"] <= 96 + 64  # k + the local window
             assert r["tpot_ms"] > 0 and r["tpot_vs_full"] > 0 and r["niah_n"] == 2
             assert r["tpot_vs_full"] == pytest.approx(r["tpot_ms"] / r["full_tpot_ms"])
     assert "| prkv | 96 |" in decode_table(rows, meta)

@@ -11,8 +11,10 @@ key bounding boxes (`PageBounds`, on the device). Each decode step, per layer:
    attention runs over the selected pages only. With ``diagnostic`` set, dense attention runs too
    and the recall (Eq. 3) is recorded.
 
-``kv_budget`` counts attended tokens per layer and KV head, sinks and local window included (both are
-rounded out to whole pages, see `plan`). The page choice is made on the host (its page ids decide what
+``kv_budget`` is the paper's ``k`` (PRKV Sec. 3.5 / 5.1): attended tokens per layer and KV head of sinks,
+static set and dynamic pages; the 64-token local window comes on top (``window_in_budget=True``: inside,
+the old accounting). Sinks and window are rounded out to whole pages (default 32 tokens, PRKV Sec. 5.1),
+see `plan`. The page choice is made on the host (its page ids decide what
 to copy), so each sparse step has one device -> host sync per layer, as in ArkVale / PRKV.
 
 Layers with a ``sliding_window`` (Gemma 3 local layers) attend densely over exactly their window: it is
@@ -28,7 +30,7 @@ import torch
 
 from ..errors import InputError
 from .attention import grouped_attention
-from .plan import PagePlan, check_budget, front_pages, pages_for, plan_step
+from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
 from .policies import DecodePolicy, get_policy
 from .pool import K, V, DevicePool, HostPool, PageBounds
 from .recall import RecallMeter, attention_recall, oracle_recall
@@ -54,9 +56,9 @@ class SparseDecoder:
     """See the module docstring; build one with `make_decoder`."""
 
     def __init__(self, policy: DecodePolicy, kv_budget: int, num_layers: int, num_q_heads: int,
-                 num_kv_heads: int, head_dim: int, page_size: int = 16, device="cpu",
+                 num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
-                 scaling: float | None = None) -> None:
+                 scaling: float | None = None, window_in_budget: bool = False) -> None:
         if num_q_heads % num_kv_heads:
             raise InputError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if page_size < 1 or kv_budget < 1:
@@ -65,10 +67,14 @@ class SparseDecoder:
         self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim = (
             num_layers, num_q_heads, num_kv_heads, head_dim)
         self.device, self.dtype = torch.device(device), dtype
+        if not isinstance(window_in_budget, bool):
+            raise InputError(f"window_in_budget must be true or false, got {window_in_budget!r}")
         self.sinks, self.window = policy.fixed_tokens(page_size)
+        self.window_in_budget = window_in_budget
+        self.cap = attended_cap(kv_budget, self.window, window_in_budget)  # most tokens a step attends
         if not policy.select_all():
-            check_budget(kv_budget, page_size, self.sinks, self.window)
-        self.device_pages = device_pages or 2 * pages_for(kv_budget, page_size)
+            check_budget(self.cap, page_size, self.sinks, self.window, kv_budget)
+        self.device_pages = device_pages or 2 * pages_for(self.cap, page_size)
         self.scaling = scaling if scaling is not None else head_dim ** -0.5
         self.layers: list[_LayerState | None] = [None] * num_layers
         self.transfer = BatchedTransfer(self.device)
@@ -83,10 +89,12 @@ class SparseDecoder:
     # ----------------------------------------------------------------------------------- prefill
     def load_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                      obs_queries: torch.Tensor | None = None, sliding_window: int | None = None,
-                     scaling: float | None = None) -> None:
+                     scaling: float | None = None, inv_freq: torch.Tensor | None = None) -> None:
         """Take a layer's prefill K/V ``[Hkv, n, D]`` (post-RoPE) and the observation queries ``[Hq, w, D]``
-        of the last ``w`` prompt tokens (needed by static policies: `snapkv`, `prkv`). ``scaling`` (the
-        model's attention scaling, default ``head_dim ** -0.5``) is used for the observation scores."""
+        of the last ``w`` prompt tokens (needed by static policies: `snapkv`, `prkv`; the last ``window``
+        of them are used: the observation window is the local window). ``scaling`` (the model's attention
+        scaling, default ``head_dim ** -0.5``) is used for the observation scores. ``inv_freq`` (the layer's
+        RoPE frequencies) is only used by decoders that un-rotate keys (`shadowkv`)."""
         if scaling is not None:
             self.scaling = scaling
         Hkv, n, D = keys.shape
@@ -121,7 +129,8 @@ class SparseDecoder:
         probs = observation_probs(st.obs_q, keys, self.scaling)  # [Hq, w, n]
         if st.static_ratio is None:  # "auto": chosen once, at prefill (App. G)
             st.static_ratio = online_static_ratio(probs[..., :R], self.kv_budget, P)
-        n_static = min(front_pages(self.kv_budget, P, self.sinks, self.window, st.static_ratio), R // P) * P
+        n_static = min(front_pages(self.kv_budget, P, self.sinks, self.window, st.static_ratio, self.cap),
+                       R // P) * P
         st.front = max(n_static // P, pages_for(self.sinks, P))  # sinks stay first in any storage order
         st.static_steps.append(self.step)
         if n_static == 0:
@@ -158,7 +167,7 @@ class SparseDecoder:
         self.scaling = scaling
         if st.obs_q is not None:
             self._observe(st, q)
-        plan = plan_step(st.host.n_tokens, self.page_size, self.kv_budget, st.front, self.window,
+        plan = plan_step(st.host.n_tokens, self.page_size, self.cap, st.front, self.window,
                          select_all=self.policy.select_all(), sliding_window=st.sliding_window)
         st.selected = self._select_pages(st, plan, q)
         keys, values, tokens = self._gather(st, st.selected)
@@ -217,6 +226,14 @@ class SparseDecoder:
         self.step += 1
 
     # ----------------------------------------------------------------------------------- report
+    def budget_counts(self) -> str:
+        """What ``kv_budget`` counts, in words (benches print it)."""
+        if self.policy.select_all():
+            return "everything (dense)"
+        inside = "sinks and local window inside k" if self.window_in_budget else \
+            f"sinks inside k, the {self.window}-token local window on top"
+        return f"k = attended tokens per KV head; {inside}"
+
     def static_ratios(self) -> list[float | None]:
         return [st.static_ratio if st else None for st in self.layers]
 
@@ -225,13 +242,17 @@ class SparseDecoder:
         out = {
             "policy": self.policy.name,
             "kv_budget": self.kv_budget,
+            "budget_counts": self.budget_counts(),
             "page_size": self.page_size,
+            "local_window": self.window,
             "steps": self.step,
             "pages_copied": self.transfer.pages,  # (page, KV head) blocks, host -> device
             "bytes_copied": self.transfer.bytes,
             "transfers": self.transfer.copies,    # bulk copies (at most one per attend)
             "mean_selected_tokens": self._selected_tokens / self._attends if self._attends else 0.0,
             "static_refreshes": sum(max(0, len(st.static_steps) - 1) for st in self.layers if st),
+            "observation_window": max((st.obs_q.shape[1] for st in self.layers if st and st.obs_q is not None),
+                                      default=0),
             "static_refresh_bytes": self._refresh_bytes,  # keys read to re-score the static set
             "static_ratio": self.static_ratios(),
         }
@@ -241,14 +262,18 @@ class SparseDecoder:
 
 
 def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int = 1024, *, num_layers: int,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16, device="cpu",
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
-                 scaling: float | None = None, **policy_kwargs) -> SparseDecoder:
+                 scaling: float | None = None, window_in_budget: bool = False, **policy_kwargs) -> SparseDecoder:
     """A `SparseDecoder` for a registered policy name (``policy_kwargs`` are the policy's fields, e.g.
     ``static_ratio``, ``refresh_interval``, ``window``, ``sinks``) or a policy instance.
 
-    ``device_pages``: device-pool slots per layer and KV head (default twice the budget's pages; grows
-    when a step needs more, e.g. for ``full``).
+    ``page_size``: 32 (PRKV Sec. 5.1, for Quest / ArkVale / PRKV alike). ``device_pages``: device-pool slots
+    per layer and KV head (default twice the step's pages; grows when a step needs more, e.g. for
+    ``full``). ``window_in_budget``: count the local window inside ``kv_budget`` (default: on top, as the
+    paper counts ``k``). A policy with its own decoder (``shadowkv``) gets that class.
     """
-    return SparseDecoder(get_policy(policy, **policy_kwargs), kv_budget, num_layers, num_q_heads, num_kv_heads,
-                         head_dim, page_size, device, dtype, device_pages, scaling)
+    pol = get_policy(policy, **policy_kwargs)
+    cls = getattr(pol, "decoder_class", None) or SparseDecoder
+    return cls(pol, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, page_size, device, dtype,
+               device_pages, scaling, window_in_budget)

@@ -3,6 +3,7 @@
 A policy only decides; `SparseDecoder` owns the pools and the state. What a policy says:
 
 - ``sinks`` / ``window``: tokens always attended at the start / end of the cache (rounded out to pages);
+  the window (64 tokens, PRKV Sec. 5.1) is also the observation window of the static policies;
 - ``static``: whether it keeps a static set restructured to the front (`static_ratio` of the budget,
   refreshed every ``refresh_interval`` steps, PRKV Alg. 1), and how the static scores are pooled;
 - `page_scores`: how the remaining pages are ranked each step (``None`` from `select_all` = all).
@@ -115,18 +116,18 @@ class QuestPolicy(BoundPolicy):
 @register
 @dataclass
 class ArkValePolicy(BoundPolicy):
-    """ArkVale (Chen et al., 2024): sink and window *pages* plus top pages by the cuboid digest, recalled
-    from the host pool. Its pages hold every head (NHD), so ``kv_head_groups`` groups of KV heads share
-    one page choice (1 = all heads, ArkVale's default); scores are summed within a group."""
+    """ArkVale (Chen et al., 2024): sink *pages* plus top pages by the cuboid digest, recalled from the host
+    pool, plus the same 64-token local window as Quest and PRKV (PRKV Sec. 5.1 runs all three with page
+    size 32 and local window 64). Its pages hold every head (NHD), so ``kv_head_groups`` groups of KV heads
+    share one page choice (1 = all heads, ArkVale's default); scores are summed within a group."""
 
     name: ClassVar[str] = "arkvale"
-    sink_pages: int = 2
-    window_pages: int = 2
+    sink_pages: int = 1
     kv_head_groups: int = 1
     group_reduce: str = "sum"
 
     def fixed_tokens(self, page_size):
-        return self.sink_pages * page_size, self.window_pages * page_size
+        return self.sink_pages * page_size, self.window
 
     def page_scores(self, q, kmin, kmax, first_page):
         per_kv_head = super().page_scores(q, kmin, kmax, first_page)  # [Hkv, C]
@@ -181,9 +182,9 @@ class SnapKVPolicy(StaticSet, DecodePolicy):
 @register
 @dataclass
 class PRKVPolicy(StaticSet, BoundPolicy):
-    """PRKV (Sec. 4.1): static tokens (ratio S of the budget, top by GQA-aware observation attention,
-    restructured to the front and refreshed every T = 128 steps) + dynamic pages by the bounding box
-    + local window (64) + sinks. ``static_ratio="auto"`` chooses S per layer at prefill (App. G)."""
+    """PRKV (Sec. 4.1): static tokens (ratio S of the budget, top by GQA-aware observation attention over
+    the observation window = the 64-token local window, restructured to the front and refreshed every
+    T = 128 steps) + dynamic pages by the bounding box + local window (64) + sinks. ``static_ratio="auto"`` chooses S per layer at prefill (App. G)."""
 
     name: ClassVar[str] = "prkv"
     group_reduce: str = "mean"  # the paper's GQA rule (Sec. 4.1): score per query head, average in the group
