@@ -211,7 +211,7 @@ def _policy_options(specs: list[str]) -> dict[str, dict]:
 def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (capped at the model's positions "
                                                            "- 256, and reported)"),
                      budget: str = typer.Option("256,512,1024", help="comma-separated KV budgets (tokens)"),
-                     policies: str = typer.Option("prkv,quest,snapkv,arkvale",
+                     policies: str = typer.Option("prkv,quest,snapkv,arkvale,shadowkv",
                                                   help="comma-separated sparse decode policies (full always runs)"),
                      niah: int = typer.Option(5, help="NIAH samples scored per (policy, budget); 0 = none"),
                      niah_task: str = typer.Option("niah_multikey", help="RULER task of the samples"),

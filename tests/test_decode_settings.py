@@ -53,6 +53,7 @@ def test_attended_tokens_follow_the_budget_accounting(window_in_budget):
     cap = 256 if window_in_budget else 256 + 64
     assert cap - 32 < stats["mean_selected_tokens"] <= cap
     assert ("inside k" in stats["budget_counts"]) and (("on top" in stats["budget_counts"]) != window_in_budget)
+    assert ("local window inside k" in stats["budget_counts"]) == window_in_budget
 
 
 def test_budget_errors_name_the_window():

@@ -227,12 +227,12 @@ class SparseDecoder:
 
     # ----------------------------------------------------------------------------------- report
     def budget_counts(self) -> str:
-        """What ``kv_budget`` counts, in words (benches print it)."""
+        """What ``kv_budget`` (k) counts, in words (benches print it)."""
         if self.policy.select_all():
             return "everything (dense)"
-        inside = "sinks and local window inside k" if self.window_in_budget else \
-            f"sinks inside k, the {self.window}-token local window on top"
-        return f"k = attended tokens per KV head; {inside}"
+        if self.window_in_budget:
+            return "sinks and the local window inside k"
+        return f"sinks inside k, the {self.window}-token local window on top"
 
     def static_ratios(self) -> list[float | None]:
         return [st.static_ratio if st else None for st in self.layers]

@@ -37,7 +37,7 @@ from ..cache import StitchCache
 from ..errors import InputError
 from .policies import DECODE_POLICIES
 
-DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale")
+DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale", "shadowkv")
 DEFAULT_BUDGETS = (256, 512, 1024)
 DEFAULT_NEW_TOKENS = 160  # > T = 128: the static set is refreshed within the measured decode
 OBS_WINDOW = 64           # the local window (PRKV Sec. 5.1), also the observation window
@@ -340,9 +340,12 @@ def decode_table(rows: list[dict], meta: dict) -> str:
             + f"), {meta['new_tokens']} decode steps, NIAH: {meta['n_niah']} x {meta['task']}; "
               f"prefill: {meta['method']}; page size {meta.get('page_size', 32)}, observation window "
               f"{meta.get('observation_window', '?')} tokens.")
-    counts = sorted(set((meta.get("budget_counts") or {}).values()))
-    if counts:
-        head += " Budget: " + "; ".join(counts) + " (as the PRKV paper counts k)."
+    groups: dict[str, list[str]] = {}
+    for p, phrase in (meta.get("budget_counts") or {}).items():
+        groups.setdefault(phrase, []).append(p)
+    if groups:
+        head += (" Budget k = tokens attended per layer and KV head, counted as the PRKV paper counts it: "
+                 + "; ".join(f"{', '.join(ps)}: {phrase}" for phrase, ps in groups.items()) + ".")
     lines = [head, "",
              "| policy | budget | context | attended | recall | oracle | min | top-1 agree | refreshes | TPOT ms | "
              "vs full | NIAH | note |",

@@ -15,6 +15,7 @@ A policy only decides; `SparseDecoder` owns the pools and the state. What a poli
 | `quest`   | -                              | top by bound, per KV head                      |
 | `arkvale` | -                              | top by bound, shared by a group of KV heads    |
 | `prkv`    | S = 0.25 or online (App. G)    | top by bound (group mean), per KV head         |
+| `shadowkv`| outlier chunks (static)        | top 8-token chunks by landmark, per KV head; keys rebuilt from a low-rank factorisation (`shadowkv`) |
 """
 
 from __future__ import annotations
