@@ -1,0 +1,60 @@
+"""Locks what sparse decode selects and recalls on a fixed synthetic stream, so that speed work on the
+decoder (issue #14) cannot change results: the page tables of every step and layer (hashed) and the
+per-step recall must equal the recorded ones; outputs must match to float tolerance.
+
+The golden file was recorded with the decoder before the CPU fast path; regenerate it only for an
+intended change of behaviour: ``python -m tests.test_decode_golden``.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstitch.decode import make_decoder
+from kvstitch.decode.bench import synthetic_stream
+
+GOLDEN = Path(__file__).parent / "data" / "decode_golden.json"
+POLICIES = ("prkv", "quest", "arkvale", "snapkv")
+CONTEXT, STEPS, BUDGET = 1500, 136, 256  # 136 steps: one refresh at T = 128
+
+
+def trace(policy: str, **options) -> dict:
+    s = synthetic_stream(CONTEXT, STEPS, num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=32, obs_window=64,
+                         seed=1)
+    steps, L, Hq = s.step_queries.shape[:3]
+    H, _, D = s.prefill_keys[0].shape
+    dec = make_decoder(policy, BUDGET, num_layers=L, num_q_heads=Hq, num_kv_heads=H, head_dim=D, **options)
+    for layer in range(L):
+        dec.load_prefill(layer, s.prefill_keys[layer], s.prefill_values[layer], s.obs_queries[layer],
+                         scaling=s.scaling)
+    dec.diagnostic = True
+    sha, outs = hashlib.sha256(), []
+    for t in range(steps):
+        for layer in range(L):
+            dec.append(layer, s.step_keys[t, layer], s.step_values[t, layer])
+            out = dec.attend(layer, s.step_queries[t, layer], s.scaling)
+            sha.update(dec.layers[layer].selected.to(torch.int64).contiguous().numpy().tobytes())
+            outs.append(round(out.abs().sum().item(), 4))
+        dec.end_step()
+    recall = dec.recall.steps().mean(dim=(1, 2))  # [steps]
+    return {"selected_sha256": sha.hexdigest(), "recall": [round(x, 6) for x in recall.tolist()],
+            "out_abs_sum": outs, "static_refreshes": dec.stats()["static_refreshes"]}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_selection_and_recall_equal_the_recorded_ones(policy):
+    want = json.loads(GOLDEN.read_text())[policy]
+    got = trace(policy)
+    assert got["selected_sha256"] == want["selected_sha256"]
+    assert got["recall"] == pytest.approx(want["recall"], abs=2e-6)
+    assert got["out_abs_sum"] == pytest.approx(want["out_abs_sum"], rel=1e-4, abs=1e-3)
+    assert got["static_refreshes"] == want["static_refreshes"]
+
+
+if __name__ == "__main__":
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps({p: trace(p) for p in POLICIES}, indent=0) + "\n")
+    print(f"written {GOLDEN}")
