@@ -44,10 +44,11 @@ def trace(policy: str, **options) -> dict:
             "out_abs_sum": outs, "static_refreshes": dec.stats()["static_refreshes"]}
 
 
+@pytest.mark.parametrize("offload", ["direct", "pool"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_selection_and_recall_equal_the_recorded_ones(policy):
+def test_selection_and_recall_equal_the_recorded_ones(policy, offload):
     want = json.loads(GOLDEN.read_text())[policy]
-    got = trace(policy)
+    got = trace(policy, offload=offload)
     assert got["selected_sha256"] == want["selected_sha256"]
     assert got["recall"] == pytest.approx(want["recall"], abs=2e-6)
     assert got["out_abs_sum"] == pytest.approx(want["out_abs_sum"], rel=1e-4, abs=1e-3)

@@ -58,7 +58,7 @@ class SparseDecoder:
     def __init__(self, policy: DecodePolicy, kv_budget: int, num_layers: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
-                 scaling: float | None = None, window_in_budget: bool = False) -> None:
+                 scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto") -> None:
         if num_q_heads % num_kv_heads:
             raise InputError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if page_size < 1 or kv_budget < 1:
@@ -67,6 +67,14 @@ class SparseDecoder:
         self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim = (
             num_layers, num_q_heads, num_kv_heads, head_dim)
         self.device, self.dtype = torch.device(device), dtype
+        if offload not in ("auto", "pool", "direct"):
+            raise InputError(f"offload must be auto, pool or direct, got {offload!r}")
+        if offload == "direct" and self.device.type != "cpu":
+            raise InputError("offload='direct' reads the host pool in place: only for a CPU device")
+        # "direct": host and compute memory are one (CPU), so attention gathers the selected pages straight
+        # from the host pool; "pool": the device pool + batched transfer of PRKV Sec. 4.2 (accelerators)
+        self.offload = ("direct" if self.device.type == "cpu" else "pool") if offload == "auto" else offload
+        self.direct = self.offload == "direct"
         if not isinstance(window_in_budget, bool):
             raise InputError(f"window_in_budget must be true or false, got {window_in_budget!r}")
         self.sinks, self.window = policy.fixed_tokens(page_size)
@@ -85,6 +93,9 @@ class SparseDecoder:
         self._attends = 0
         self._selected_tokens = 0
         self._refresh_bytes = 0
+        self._pages_read = 0
+        self._heads = torch.arange(num_kv_heads, device=self.device).unsqueeze(1)  # [Hkv, 1]
+        self._ranges: dict[tuple[int, int], torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------------- prefill
     def load_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
@@ -104,8 +115,8 @@ class SparseDecoder:
         keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
         host = HostPool(Hkv, self.page_size, D, self.dtype, capacity_tokens=n + 256)
         slots = pages_for(sliding_window, self.page_size) + 1 if sliding_window else self.device_pages
-        st = _LayerState(host, DevicePool(Hkv, self.page_size, D, self.dtype, self.device, slots),
-                         PageBounds(Hkv, self.page_size, D, self.device), sliding_window,
+        pool = None if self.direct else DevicePool(Hkv, self.page_size, D, self.dtype, self.device, slots)
+        st = _LayerState(host, pool, PageBounds(Hkv, self.page_size, D, self.device), sliding_window,
                          front=pages_for(self.sinks, self.page_size))
         host.load(keys, values)
         st.bounds.rebuild(keys)
@@ -145,7 +156,8 @@ class SparseDecoder:
         stale = (new_pos != pos).view(self.num_kv_heads, R // P, P).any(dim=-1)
         host.write_prefix(new_keys, new_values, new_pos)
         st.bounds.rebuild(new_keys)
-        st.device.invalidate(stale)
+        if st.device is not None:
+            st.device.invalidate(stale)
 
     # ---------------------------------------------------------------------------------- decode
     def _layer(self, layer: int) -> _LayerState:
@@ -159,7 +171,8 @@ class SparseDecoder:
         st = self._layer(layer)
         page, offset = st.host.append(k, v)
         st.bounds.add_token(page, offset, k)
-        st.device.write_token(page, offset, k, v)
+        if st.device is not None:
+            st.device.write_token(page, offset, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of ``q [Hq, 1, D]`` over the selected tokens of the layer -> ``[Hq, 1, D]``."""
@@ -170,14 +183,36 @@ class SparseDecoder:
         plan = plan_step(st.host.n_tokens, self.page_size, self.cap, st.front, self.window,
                          select_all=self.policy.select_all(), sliding_window=st.sliding_window)
         st.selected = self._select_pages(st, plan, q)
-        keys, values, tokens = self._gather(st, st.selected)
-        valid = (tokens >= plan.lo) & (tokens < plan.n_tokens)
+        keys, values = self._gather(st, st.selected)
+        if plan.lo == 0:  # the last page (always selected, last in the table) is the only partial one
+            end = keys.shape[1] - (plan.n_pages * self.page_size - plan.n_tokens)
+            keys, values, valid = keys[:, :end], values[:, :end], None
+        else:  # sliding-window layer: mask the tokens before the window
+            tokens = self._tokens(st.selected)
+            valid = (tokens >= plan.lo) & (tokens < plan.n_tokens)
         out, _ = grouped_attention(q, keys, values, scaling, valid)
         self._attends += 1
         self._selected_tokens += plan.selected_tokens
         if self.diagnostic:
+            tokens = self._tokens(st.selected)[:, : keys.shape[1]]
+            if valid is None:
+                valid = torch.ones_like(tokens, dtype=torch.bool)
             self._record_recall(layer, st, plan, q, scaling, out, tokens, valid)
         return out
+
+    def _tokens(self, pages: torch.Tensor) -> torch.Tensor:
+        """Storage index of every row of a gathered page table ``[Hkv, M]`` -> ``[Hkv, M*P]``."""
+        P = self.page_size
+        return (pages.to(self.device).unsqueeze(-1) * P + torch.arange(P, device=self.device)).flatten(1)
+
+    def _range(self, start: int, end: int) -> torch.Tensor:
+        """``arange(start, end)`` for every KV head ``[Hkv, end - start]`` (cached: a decode step reuses them)."""
+        r = self._ranges.get((start, end))
+        if r is None:
+            if len(self._ranges) > 256:
+                self._ranges.clear()
+            r = self._ranges[(start, end)] = torch.arange(start, end).expand(self.num_kv_heads, -1)
+        return r
 
     def _observe(self, st: _LayerState, q: torch.Tensor) -> None:
         """Slide the observation window over the new query; re-select the static set every T steps."""
@@ -187,28 +222,37 @@ class SparseDecoder:
             self._refresh_bytes += keys.numel() * keys.element_size()
             self._select_static(st, keys)
 
-    def _gather(self, st: _LayerState, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Make ``pages [Hkv, M]`` resident (one batched transfer) and read them from the device pool:
-        keys and values ``[Hkv, M*P, D]`` and the storage index of every row ``[Hkv, M*P]``."""
+    def _gather(self, st: _LayerState, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[Hkv, M*P, D]`` of ``pages [Hkv, M]`` (row h read for KV head h).
+
+        ``pool``: make the pages resident (one batched transfer of the misses, Sec. 4.2) and read them
+        from the device pool. ``direct`` (CPU): host and device memory are one, so the pages are read
+        straight from the host pool, one index_select per K / V (no staging, no pool bookkeeping).
+        """
+        H, M = pages.shape
+        P, D = self.page_size, self.head_dim
+        if self.direct:
+            index = (pages * H + self._heads).flatten()
+            self._pages_read += H * M
+            return (st.host.flat(K).index_select(0, index).view(H, M * P, D),
+                    st.host.flat(V).index_select(0, index).view(H, M * P, D))
         self._clock += 1
         slots = st.device.fetch(pages, st.host, self.transfer, self._clock)
-        keys, values = (st.device.gather(slots, kind) for kind in (K, V))
-        tokens = pages.to(self.device).unsqueeze(-1) * self.page_size + torch.arange(self.page_size, device=self.device)
-        return keys, values, tokens.flatten(1)
+        self._pages_read += H * M
+        return st.device.gather(slots, K), st.device.gather(slots, V)
 
     def _select_pages(self, st: _LayerState, plan: PagePlan, q: torch.Tensor) -> torch.Tensor:
         """Page table ``[Hkv, M]`` (CPU): front pages, the dynamic pages of each KV head, local pages."""
         H = self.num_kv_heads
-        front = torch.arange(plan.front).expand(H, -1)
-        local = torch.arange(plan.local_start, plan.n_pages).expand(H, -1)
+        front = self._range(0, plan.front)
+        local = self._range(plan.local_start, plan.n_pages)
         if plan.n_dynamic == plan.n_candidates:
-            dynamic = torch.arange(plan.front, plan.local_start).expand(H, -1)
-        elif plan.n_dynamic == 0:
-            dynamic = torch.empty(H, 0, dtype=torch.long)
-        else:
-            kmin, kmax = st.bounds.pages(plan.front, plan.local_start)
-            scores = self.policy.page_scores(q.to(self.device).view(H, -1, self.head_dim), kmin, kmax, plan.front)
-            dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
+            return self._range(0, plan.n_pages)  # everything (front, candidates, local are contiguous)
+        if plan.n_dynamic == 0:
+            return torch.cat([front, local], dim=1)
+        box = st.bounds.boxes(plan.front, plan.local_start)
+        scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front)
+        dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
         return torch.cat([front, dynamic, local], dim=1)
 
     def _record_recall(self, layer, st, plan, q, scaling, out, tokens, valid) -> None:
@@ -246,7 +290,9 @@ class SparseDecoder:
             "page_size": self.page_size,
             "local_window": self.window,
             "steps": self.step,
-            "pages_copied": self.transfer.pages,  # (page, KV head) blocks, host -> device
+            "offload": self.offload,
+            "pages_read": self._pages_read,       # (page, KV head) blocks attended over
+            "pages_copied": self.transfer.pages,  # (page, KV head) blocks, host -> device (0 when direct)
             "bytes_copied": self.transfer.bytes,
             "transfers": self.transfer.copies,    # bulk copies (at most one per attend)
             "mean_selected_tokens": self._selected_tokens / self._attends if self._attends else 0.0,
@@ -264,16 +310,18 @@ class SparseDecoder:
 def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int = 1024, *, num_layers: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
-                 scaling: float | None = None, window_in_budget: bool = False, **policy_kwargs) -> SparseDecoder:
+                 scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto",
+                 **policy_kwargs) -> SparseDecoder:
     """A `SparseDecoder` for a registered policy name (``policy_kwargs`` are the policy's fields, e.g.
     ``static_ratio``, ``refresh_interval``, ``window``, ``sinks``) or a policy instance.
 
     ``page_size``: 32 (PRKV Sec. 5.1, for Quest / ArkVale / PRKV alike). ``device_pages``: device-pool slots
     per layer and KV head (default twice the step's pages; grows when a step needs more, e.g. for
     ``full``). ``window_in_budget``: count the local window inside ``kv_budget`` (default: on top, as the
-    paper counts ``k``). A policy with its own decoder (``shadowkv``) gets that class.
+    paper counts ``k``). ``offload``: ``"pool"`` (device pool + batched transfer), ``"direct"`` (read the
+    host pool in place: CPU only) or ``"auto"`` (direct on CPU, pool elsewhere). A policy with its own decoder (``shadowkv``) gets that class.
     """
     pol = get_policy(policy, **policy_kwargs)
     cls = getattr(pol, "decoder_class", None) or SparseDecoder
     return cls(pol, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, page_size, device, dtype,
-               device_pages, scaling, window_in_budget)
+               device_pages, scaling, window_in_budget, offload)

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import InputError
-from .scoring import bound_scores
+from .scoring import bound_scores, box_scores, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
 
@@ -75,6 +75,12 @@ class DecodePolicy:
         grouped by KV head), boxes ``[Hkv, C, D]`` -> scores ``[Hkv, C]``, higher = attend."""
         raise NotImplementedError
 
+    def box_scores(self, q: torch.Tensor, box: torch.Tensor, first_page: int) -> torch.Tensor:
+        """`page_scores` from `PageBounds.boxes` ``(kmax | -kmin)`` ``[Hkv, C, 2D]`` (what the decoder calls;
+        policies override it with a faster equivalent)."""
+        D = box.shape[-1] // 2
+        return self.page_scores(q, -box[..., D:], box[..., :D], first_page)
+
 
 @register
 @dataclass
@@ -105,6 +111,12 @@ class BoundPolicy(DecodePolicy):
             return per_head.amax(dim=1)
         return per_head.mean(dim=1) if self.group_reduce == "mean" else per_head.sum(dim=1)
 
+    def box_scores(self, q, box, first_page):
+        per_head = box_scores(signed_query(q), box)  # [Hkv, G, C]: one matmul
+        if self.group_reduce == "max":
+            return per_head.amax(dim=1)
+        return per_head.mean(dim=1) if self.group_reduce == "mean" else per_head.sum(dim=1)
+
 
 @register
 @dataclass
@@ -131,8 +143,13 @@ class ArkValePolicy(BoundPolicy):
         return self.sink_pages * page_size, self.window
 
     def page_scores(self, q, kmin, kmax, first_page):
-        per_kv_head = super().page_scores(q, kmin, kmax, first_page)  # [Hkv, C]
-        Hkv, C = per_kv_head.shape
+        return self._share(super().page_scores(q, kmin, kmax, first_page))
+
+    def box_scores(self, q, box, first_page):
+        return self._share(super().box_scores(q, box, first_page))
+
+    def _share(self, per_kv_head: torch.Tensor) -> torch.Tensor:
+        Hkv, C = per_kv_head.shape  # [Hkv, C] -> the sum over each group of KV heads, repeated
         if Hkv % self.kv_head_groups:
             raise InputError(f"arkvale: kv_head_groups={self.kv_head_groups} does not divide {Hkv} KV heads")
         shared = per_kv_head.view(self.kv_head_groups, -1, C).sum(dim=1, keepdim=True)
@@ -178,6 +195,9 @@ class SnapKVPolicy(StaticSet, DecodePolicy):
         C = kmin.shape[1]
         recency = torch.arange(first_page, first_page + C, device=kmin.device, dtype=torch.float32)
         return recency.expand(kmin.shape[0], C)
+
+    def box_scores(self, q, box, first_page):
+        return self.page_scores(q, box, box, first_page)  # recency only needs the shape
 
 
 @register

@@ -22,6 +22,21 @@ def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
     return q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)
 
 
+def box_scores(q: torch.Tensor, box: torch.Tensor) -> torch.Tensor:
+    """`bound_scores` from `pool.PageBounds` boxes ``(kmax | -kmin)`` ``[Hkv, C, 2D]`` in one matmul:
+    ``relu(q)·kmax + relu(-q)·(-kmin)`` = ``(relu(q) | relu(-q)) @ box^T`` -> ``[Hkv, G, C]``.
+    ``q [Hkv, G, D]``; a caller that only needs the group mean can pass ``[Hkv, 1, 2D]`` pre-reduced
+    (see `signed_query`), since the bound is linear in the signed query."""
+    q2 = q if q.shape[-1] == box.shape[-1] else signed_query(q)
+    return torch.bmm(q2, box.transpose(1, 2))
+
+
+def signed_query(q: torch.Tensor) -> torch.Tensor:
+    """``(relu(q) | relu(-q))`` ``[..., 2D]`` (float32)."""
+    q = q.float()
+    return torch.cat((q, -q), dim=-1).clamp_(min=0)
+
+
 def observation_probs(obs_q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention probabilities of the observation queries, one softmax per query head.
 

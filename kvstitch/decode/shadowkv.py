@@ -89,9 +89,10 @@ class ShadowKVDecoder(SparseDecoder):
     attend densely over their window through the base class, as for every policy."""
 
     def __init__(self, policy, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, page_size=32,
-                 device="cpu", dtype=torch.float32, device_pages=None, scaling=None, window_in_budget=False):
+                 device="cpu", dtype=torch.float32, device_pages=None, scaling=None, window_in_budget=False,
+                 offload="auto"):
         super().__init__(policy, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, policy.chunk_size,
-                         device, dtype, device_pages, scaling, window_in_budget)
+                         device, dtype, device_pages, scaling, window_in_budget, offload)
         hd = num_kv_heads * head_dim
         self.rank = policy.rank if policy.rank is not None else max(1, round(SHADOWKV_RANK / LLAMA3_8B_KEY_DIMS * hd))
         if self.rank > hd:
