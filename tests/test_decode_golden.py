@@ -21,12 +21,14 @@ POLICIES = ("prkv", "quest", "arkvale", "snapkv")
 CONTEXT, STEPS, BUDGET = 1500, 136, 256  # 136 steps: one refresh at T = 128
 
 
-def trace(policy: str, **options) -> dict:
+def trace(policy: str, attrs: dict | None = None, **options) -> dict:
     s = synthetic_stream(CONTEXT, STEPS, num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=32, obs_window=64,
                          seed=1)
     steps, L, Hq = s.step_queries.shape[:3]
     H, _, D = s.prefill_keys[0].shape
     dec = make_decoder(policy, BUDGET, num_layers=L, num_q_heads=Hq, num_kv_heads=H, head_dim=D, **options)
+    for name, value in (attrs or {}).items():
+        setattr(dec, name, value)
     for layer in range(L):
         dec.load_prefill(layer, s.prefill_keys[layer], s.prefill_values[layer], s.obs_queries[layer],
                          scaling=s.scaling)
@@ -53,6 +55,32 @@ def test_selection_and_recall_equal_the_recorded_ones(policy, offload):
     assert got["recall"] == pytest.approx(want["recall"], abs=2e-6)
     assert got["out_abs_sum"] == pytest.approx(want["out_abs_sum"], rel=1e-4, abs=1e-3)
     assert got["static_refreshes"] == want["static_refreshes"]
+
+
+@pytest.mark.parametrize("policy", ["prkv", "quest"])
+def test_working_set_variant_selects_and_recalls_the_same(policy):
+    """The in-place working set (CPU variant that copies only newly selected pages) attends the same tokens."""
+    want = json.loads(GOLDEN.read_text())[policy]
+    got = trace(policy, attrs={"working_set": True})
+    assert got["selected_sha256"] == want["selected_sha256"]
+    assert got["recall"] == pytest.approx(want["recall"], abs=2e-6)
+    assert got["out_abs_sum"] == pytest.approx(want["out_abs_sum"], rel=1e-4, abs=1e-3)
+
+
+def test_decoder_ops_run_on_one_thread_and_restore_the_global_count():
+    seen = []
+    dec = make_decoder("quest", 128, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=8)
+    dec.load_prefill(0, torch.randn(2, 300, 8), torch.randn(2, 300, 8))
+    inner = dec._attend
+    dec._attend = lambda *a: (seen.append(torch.get_num_threads()), inner(*a))[1]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dec.append(0, torch.randn(2, 1, 8), torch.randn(2, 1, 8))
+        dec.attend(0, torch.randn(4, 1, 8), 0.3)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 if __name__ == "__main__":

@@ -29,3 +29,15 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     probs = logits.softmax(dim=-1)
     out = torch.bmm(probs, vf).view(Hq, 1, D)  # [Hkv, G, D] -> [Hq, 1, D]
     return (out if q.dtype == f32 else out.to(q.dtype)), probs
+
+
+def biased_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     bias: torch.Tensor) -> torch.Tensor:
+    """`grouped_attention` (float32) with an additive ``bias [Hkv, T]`` (0 / -inf) as the mask:
+    ``softmax(scaling * q k^T + bias) v`` -> ``[Hq, 1, D]``. (A broadcast ``baddbmm`` measured 4x slower
+    than this bmm + add_ on CPU.)"""
+    Hq, _, D = q.shape
+    Hkv = keys.shape[0]
+    logits = torch.bmm(q.float().reshape(Hkv, Hq // Hkv, D), keys.transpose(1, 2)).mul_(scaling)
+    logits.add_(bias.unsqueeze(1))
+    return torch.bmm(logits.softmax(dim=-1), values).view(Hq, 1, D).to(q.dtype)

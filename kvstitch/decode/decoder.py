@@ -24,15 +24,16 @@ One sequence per decoder (batch size 1).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InputError
-from .attention import grouped_attention
+from .attention import biased_attention, grouped_attention
 from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
 from .policies import DecodePolicy, get_policy
-from .pool import K, V, DevicePool, HostPool, PageBounds
+from .pool import K, V, DevicePool, HostPool, PageBounds, WorkingSet
 from .recall import RecallMeter, attention_recall, oracle_recall
 from .scoring import group_mean, observation_probs
 from .static import online_static_ratio, pool_in_token_order, static_permutation
@@ -47,9 +48,11 @@ class _LayerState:
     sliding_window: int | None
     front: int                       # pages [0, front) always attended (sinks + static set)
     static_ratio: float | None = None
-    obs_q: torch.Tensor | None = None  # [Hq, w, D]: queries of the last w tokens (static policies)
+    obs_q: torch.Tensor | None = None  # [Hq, w, D]: queries of the last w tokens (static policies), a ring
+    obs_head: int = 0                  # ring index of the oldest query in obs_q
     static_steps: list[int] = field(default_factory=list)  # steps at which the static set was chosen
     selected: torch.Tensor | None = None  # last step's page table [Hkv, M]
+    ws: WorkingSet | None = None  # direct mode: the attended pages as contiguous buffers
 
 
 class SparseDecoder:
@@ -75,6 +78,8 @@ class SparseDecoder:
         # from the host pool; "pool": the device pool + batched transfer of PRKV Sec. 4.2 (accelerators)
         self.offload = ("direct" if self.device.type == "cpu" else "pool") if offload == "auto" else offload
         self.direct = self.offload == "direct"
+        self.op_threads = 1  # intra-op threads for the decoder's own ops (None: leave the global setting)
+        self.working_set = False  # direct mode: attend over an in-place updated working set (False: gather)
         if not isinstance(window_in_budget, bool):
             raise InputError(f"window_in_budget must be true or false, got {window_in_budget!r}")
         self.sinks, self.window = policy.fixed_tokens(page_size)
@@ -96,6 +101,7 @@ class SparseDecoder:
         self._pages_read = 0
         self._heads = torch.arange(num_kv_heads, device=self.device).unsqueeze(1)  # [Hkv, 1]
         self._ranges: dict[tuple[int, int], torch.Tensor] = {}
+        self._gather_buf: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------------- prefill
     def load_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
@@ -120,12 +126,14 @@ class SparseDecoder:
                          front=pages_for(self.sinks, self.page_size))
         host.load(keys, values)
         st.bounds.rebuild(keys)
+        if self.direct and sliding_window is None and self.working_set:
+            st.ws = WorkingSet(host, self.device)
         self.layers[layer] = st
         if self.policy.static and sliding_window is None:
             if obs_queries is None or obs_queries.shape[1] == 0:
                 raise InputError(f"policy {self.policy.name!r} needs the observation-window queries at prefill")
             # the observation tokens must lie in the local window, which restructuring never moves
-            st.obs_q = obs_queries[:, -self.window:].to(self.device)
+            st.obs_q = obs_queries[:, -self.window:].to(self.device, copy=True)
             ratio = self.policy.static_ratio
             st.static_ratio = None if ratio == "auto" else float(ratio)
             self._select_static(st, keys)
@@ -158,6 +166,8 @@ class SparseDecoder:
         st.bounds.rebuild(new_keys)
         if st.device is not None:
             st.device.invalidate(stale)
+        if st.ws is not None:
+            st.ws.clear()
 
     # ---------------------------------------------------------------------------------- decode
     def _layer(self, layer: int) -> _LayerState:
@@ -168,14 +178,39 @@ class SparseDecoder:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the new token's K/V ``[Hkv, 1, D]`` (post-RoPE) to the layer's cache."""
-        st = self._layer(layer)
-        page, offset = st.host.append(k, v)
-        st.bounds.add_token(page, offset, k)
-        if st.device is not None:
-            st.device.write_token(page, offset, k, v)
+        with self._op_threads():
+            self._append(layer, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of ``q [Hq, 1, D]`` over the selected tokens of the layer -> ``[Hq, 1, D]``."""
+        with self._op_threads():
+            return self._attend(layer, q, scaling)
+
+    @contextlib.contextmanager
+    def _op_threads(self):
+        """Run the decoder's per-layer ops on at most ``op_threads`` intra-op threads (CPU). A sparse step
+        is a few dozen small ops per layer; forking the thread pool for each costs more than it saves
+        (and far more on a loaded machine), while the model's own matmuls keep every thread."""
+        cap, have = self.op_threads, torch.get_num_threads()
+        if not cap or have <= cap or self.device.type != "cpu":
+            yield
+            return
+        torch.set_num_threads(cap)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(have)
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        st = self._layer(layer)
+        page, offset = st.host.append(k, v)
+        st.bounds.add_token(page, offset, k)
+        if st.ws is not None:
+            st.ws.touch(page)
+        if st.device is not None:
+            st.device.write_token(page, offset, k, v)
+
+    def _attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         st = self._layer(layer)
         self.scaling = scaling
         if st.obs_q is not None:
@@ -183,6 +218,16 @@ class SparseDecoder:
         plan = plan_step(st.host.n_tokens, self.page_size, self.cap, st.front, self.window,
                          select_all=self.policy.select_all(), sliding_window=st.sliding_window)
         st.selected = self._select_pages(st, plan, q)
+        if st.ws is not None:  # CPU: attend over the working set, updated in place (no per-step gather)
+            ws = st.ws
+            ws.update(st.selected)
+            self._pages_read += ws.slot_page.numel()
+            out = biased_attention(q, ws.keys, ws.values, scaling, ws.bias)
+            self._attends += 1
+            self._selected_tokens += plan.selected_tokens
+            if self.diagnostic:
+                self._record_recall(layer, st, plan, q, scaling, out, ws.tokens(), ws.bias == 0)
+            return out
         keys, values = self._gather(st, st.selected)
         if plan.lo == 0:  # the last page (always selected, last in the table) is the only partial one
             end = keys.shape[1] - (plan.n_pages * self.page_size - plan.n_tokens)
@@ -216,8 +261,11 @@ class SparseDecoder:
 
     def _observe(self, st: _LayerState, q: torch.Tensor) -> None:
         """Slide the observation window over the new query; re-select the static set every T steps."""
-        st.obs_q = torch.cat([st.obs_q[:, 1:], q.to(st.obs_q)], dim=1)
+        st.obs_q[:, st.obs_head] = q[:, 0]  # overwrite the oldest (a ring: no per-step copy of the window)
+        st.obs_head = (st.obs_head + 1) % st.obs_q.shape[1]
         if self.step > 0 and self.step % self.policy.refresh_interval == 0 and st.static_steps[-1] != self.step:
+            if st.obs_head:  # back to time order (the causal mask among the window queries needs it)
+                st.obs_q, st.obs_head = torch.roll(st.obs_q, -st.obs_head, dims=1), 0
             keys = st.host.rows(K).to(self.device)  # re-scoring reads every key (amortized over T)
             self._refresh_bytes += keys.numel() * keys.element_size()
             self._select_static(st, keys)
@@ -234,8 +282,13 @@ class SparseDecoder:
         if self.direct:
             index = (pages * H + self._heads).flatten()
             self._pages_read += H * M
-            return (st.host.flat(K).index_select(0, index).view(H, M * P, D),
-                    st.host.flat(V).index_select(0, index).view(H, M * P, D))
+            buf = self._gather_buf  # reused across layers and steps: a fresh ~1 MB output per call would be
+            if buf is None or buf.shape[1] < H * M or buf.dtype != st.host.dtype:  # an mmap + page faults
+                buf = self._gather_buf = torch.empty(2, H * M, P, D, dtype=st.host.dtype)
+            keys, values = buf[0, : H * M], buf[1, : H * M]
+            torch.index_select(st.host.flat(K), 0, index, out=keys)
+            torch.index_select(st.host.flat(V), 0, index, out=values)
+            return keys.view(H, M * P, D), values.view(H, M * P, D)
         self._clock += 1
         slots = st.device.fetch(pages, st.host, self.transfer, self._clock)
         self._pages_read += H * M
@@ -292,7 +345,8 @@ class SparseDecoder:
             "steps": self.step,
             "offload": self.offload,
             "pages_read": self._pages_read,       # (page, KV head) blocks attended over
-            "pages_copied": self.transfer.pages,  # (page, KV head) blocks, host -> device (0 when direct)
+            # (page, KV head) blocks host -> device pool, or (direct) into the working sets
+            "pages_copied": self.transfer.pages + sum(st.ws.copied for st in self.layers if st and st.ws),
             "bytes_copied": self.transfer.bytes,
             "transfers": self.transfer.copies,    # bulk copies (at most one per attend)
             "mean_selected_tokens": self._selected_tokens / self._attends if self._attends else 0.0,

@@ -267,3 +267,84 @@ class PageBounds:
     def boxes(self, start: int, end: int) -> torch.Tensor:
         """``(kmax | -kmin)`` of pages ``[start, end)``: ``[kv_heads, end - start, 2 * head_dim]`` (a view)."""
         return self.box[:, start:end]
+
+
+class WorkingSet:
+    """The attended pages of one layer kept as contiguous K/V buffers ``[kv_heads, slots * page_size, D]``,
+    updated in place: only the pages a step newly selects are copied in (into the slots of the pages it
+    dropped), so attention reads the buffers directly instead of gathering every selected page each step.
+    Used when host and device memory are one (CPU, ``offload="direct"``).
+
+    The order of the slots is arbitrary (attention does not depend on it). ``bias [kv_heads, slots * P]``
+    is 0 on filled rows and -inf on the unfilled rows of the partial last page, so it masks them inside
+    the attention matmul. The page receiving appended tokens is re-read at every step (`touch`), and a
+    restructured cache (PRKV refresh) drops everything (`clear`).
+    """
+
+    def __init__(self, host: HostPool, device: torch.device) -> None:
+        self.host, self.device = host, torch.device(device)
+        H, P, D = host.num_kv_heads, host.page_size, host.head_dim
+        self.keys = torch.zeros(H, 0, D, dtype=host.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.bias = torch.zeros(H, 0, device=self.device)
+        self.slot_page = torch.full((H, 0), -1, dtype=torch.long)
+        self.page_slot = torch.full((H, 1), -1, dtype=torch.long)  # last column: a dummy for "no page"
+        rows = torch.arange(P)
+        self._row_bias = torch.zeros(P + 1, P).masked_fill_(rows >= torch.arange(P + 1).unsqueeze(1), float("-inf"))
+        self._heads = torch.arange(H).unsqueeze(1)
+        self.copied = 0  # (page, head) blocks copied in
+
+    @property
+    def slots(self) -> int:
+        return self.slot_page.shape[1]
+
+    def clear(self) -> None:
+        self.slot_page = torch.full_like(self.slot_page, -1)
+        self.page_slot.fill_(-1)
+
+    def touch(self, page: int) -> None:
+        """`page` is receiving a token: its resident copies are stale."""
+        if page < self.page_slot.shape[1] - 1:
+            self.page_slot[:, page] = -1
+
+    def update(self, pages: torch.Tensor) -> None:
+        """Make the buffers hold exactly ``pages [kv_heads, M]`` (distinct per row)."""
+        H, M = pages.shape
+        host, P = self.host, self.host.page_size
+        if self.page_slot.shape[1] <= host.capacity_pages:
+            self.page_slot = torch.cat([self.page_slot[:, :-1], torch.full(
+                (H, host.capacity_pages + 1 - self.page_slot.shape[1] + 1), -1, dtype=torch.long)], dim=1)
+        dummy = self.page_slot.shape[1] - 1
+        if M != self.slots:  # the step's page count changed: reload everything into M slots
+            self.keys = self.keys.new_empty(H, M * P, self.keys.shape[-1])
+            self.values = torch.empty_like(self.keys)
+            self.bias = self.bias.new_empty(H, M * P)
+            self.page_slot.fill_(-1)
+            self.slot_page = torch.full((H, M), -1, dtype=torch.long)
+            miss_h, miss_i = self._heads.expand(H, M).flatten(), torch.arange(M).repeat(H)
+            free_s = miss_i
+        else:
+            slots = self.page_slot.gather(1, pages)
+            hit = slots >= 0
+            if bool(hit.all()):
+                return
+            used = torch.zeros(H, M + 1, dtype=torch.bool).scatter_(1, torch.where(hit, slots, M), True)[:, :M]
+            miss_h, miss_i = (~hit).nonzero(as_tuple=True)  # row-major: grouped by head, like the free slots
+            free_h, free_s = (~used).nonzero(as_tuple=True)
+            old = self.slot_page[free_h, free_s]
+            self.page_slot[free_h, torch.where(old >= 0, old, dummy)] = -1
+        new = pages[miss_h, miss_i]
+        self.page_slot[miss_h, new] = free_s
+        self.slot_page[miss_h, free_s] = new
+        src = new * H + miss_h
+        dst = miss_h * M + free_s
+        self.keys.view(H * M, P, -1).index_copy_(0, dst, host.flat(K).index_select(0, src))
+        self.values.view(H * M, P, -1).index_copy_(0, dst, host.flat(V).index_select(0, src))
+        filled = (host.n_tokens - new * P).clamp(0, P)
+        self.bias.view(H * M, P).index_copy_(0, dst, self._row_bias.index_select(0, filled))
+        self.copied += new.numel()
+
+    def tokens(self) -> torch.Tensor:
+        """Storage index of every buffer row ``[kv_heads, slots * P]`` (rows of empty slots point at 0)."""
+        P = self.host.page_size
+        return (self.slot_page.clamp(min=0).unsqueeze(-1) * P + torch.arange(P)).flatten(1)

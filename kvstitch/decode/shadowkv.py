@@ -82,6 +82,7 @@ class _ShadowLayer:
     static_ratio: None = None
     static_steps: list = field(default_factory=list)
     selected: torch.Tensor | None = None  # last step's chosen chunk ids [Hkv, m]
+    ws: None = None
 
 
 class ShadowKVDecoder(SparseDecoder):
@@ -162,10 +163,10 @@ class ShadowKVDecoder(SparseDecoder):
             inv_freq.to(dev))
 
     # ---------------------------------------------------------------------------------- decode
-    def append(self, layer, k, v):
+    def _append(self, layer, k, v):
         st = self._layer(layer)
         if not isinstance(st, _ShadowLayer):
-            return super().append(layer, k, v)
+            return super()._append(layer, k, v)
         st.values_host = _grow(st.values_host, st.n + 1)
         st.keys_host = _grow(st.keys_host, st.n + 1)
         st.values_host[:, st.n] = v[:, 0].to("cpu", self.dtype)
@@ -184,10 +185,10 @@ class ShadowKVDecoder(SparseDecoder):
         rows = st.A.float().index_select(0, tokens.flatten()).view(Hkv, m, -1)
         return rerotate(rows @ st.B.float(), tokens.to(torch.float64), st.inv_freq)
 
-    def attend(self, layer, q, scaling):
+    def _attend(self, layer, q, scaling):
         st = self._layer(layer)
         if not isinstance(st, _ShadowLayer):
-            return super().attend(layer, q, scaling)
+            return super()._attend(layer, q, scaling)
         self.scaling = scaling
         H, C, D = self.num_kv_heads, self.page_size, self.head_dim
         n_local = st.n - st.local_start
