@@ -79,6 +79,8 @@ def test_decoder_ops_run_on_one_thread_and_restore_the_global_count():
         dec.append(0, torch.randn(2, 1, 8), torch.randn(2, 1, 8))
         dec.attend(0, torch.randn(4, 1, 8), 0.3)
         assert seen == [1] and torch.get_num_threads() == 2
+        everything = make_decoder("quest", 128, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=8, op_threads=0)
+        assert everything.op_threads is None
     finally:
         torch.set_num_threads(before)
 

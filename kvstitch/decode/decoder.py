@@ -61,7 +61,8 @@ class SparseDecoder:
     def __init__(self, policy: DecodePolicy, kv_budget: int, num_layers: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
-                 scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto") -> None:
+                 scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto",
+                 op_threads: int | None = 1) -> None:
         if num_q_heads % num_kv_heads:
             raise InputError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if page_size < 1 or kv_budget < 1:
@@ -78,7 +79,10 @@ class SparseDecoder:
         # from the host pool; "pool": the device pool + batched transfer of PRKV Sec. 4.2 (accelerators)
         self.offload = ("direct" if self.device.type == "cpu" else "pool") if offload == "auto" else offload
         self.direct = self.offload == "direct"
-        self.op_threads = 1  # intra-op threads for the decoder's own ops (None: leave the global setting)
+        if op_threads is not None and (isinstance(op_threads, bool) or not isinstance(op_threads, int)
+                                       or op_threads < 0):
+            raise InputError(f"op_threads must be an integer >= 0 (0: all threads), got {op_threads!r}")
+        self.op_threads = op_threads or None  # intra-op threads for the decoder's own ops (None: all)
         self.working_set = False  # direct mode: attend over an in-place updated working set (False: gather)
         if not isinstance(window_in_budget, bool):
             raise InputError(f"window_in_budget must be true or false, got {window_in_budget!r}")
@@ -365,7 +369,7 @@ def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int = 1024, *, 
                  num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
                  scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto",
-                 **policy_kwargs) -> SparseDecoder:
+                 op_threads: int | None = 1, **policy_kwargs) -> SparseDecoder:
     """A `SparseDecoder` for a registered policy name (``policy_kwargs`` are the policy's fields, e.g.
     ``static_ratio``, ``refresh_interval``, ``window``, ``sinks``) or a policy instance.
 
@@ -373,9 +377,11 @@ def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int = 1024, *, 
     per layer and KV head (default twice the step's pages; grows when a step needs more, e.g. for
     ``full``). ``window_in_budget``: count the local window inside ``kv_budget`` (default: on top, as the
     paper counts ``k``). ``offload``: ``"pool"`` (device pool + batched transfer), ``"direct"`` (read the
-    host pool in place: CPU only) or ``"auto"`` (direct on CPU, pool elsewhere). A policy with its own decoder (``shadowkv``) gets that class.
+    host pool in place: CPU only) or ``"auto"`` (direct on CPU, pool elsewhere). ``op_threads``: intra-op
+    threads for the decoder's own per-layer ops (default 1, see `SparseDecoder._op_threads`; 0 = all).
+    A policy with its own decoder (``shadowkv``) gets that class.
     """
     pol = get_policy(policy, **policy_kwargs)
     cls = getattr(pol, "decoder_class", None) or SparseDecoder
     return cls(pol, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, page_size, device, dtype,
-               device_pages, scaling, window_in_budget, offload)
+               device_pages, scaling, window_in_budget, offload, op_threads)

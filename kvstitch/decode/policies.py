@@ -112,10 +112,12 @@ class BoundPolicy(DecodePolicy):
         return per_head.mean(dim=1) if self.group_reduce == "mean" else per_head.sum(dim=1)
 
     def box_scores(self, q, box, first_page):
-        per_head = box_scores(signed_query(q), box)  # [Hkv, G, C]: one matmul
+        q2 = signed_query(q)  # [Hkv, G, 2D]
         if self.group_reduce == "max":
-            return per_head.amax(dim=1)
-        return per_head.mean(dim=1) if self.group_reduce == "mean" else per_head.sum(dim=1)
+            return box_scores(q2, box).amax(dim=1)  # one matmul for every head of the group
+        # the bound is linear in the signed query: reduce the group first, then one [1, 2D] x [2D, C] matmul
+        q2 = q2.mean(dim=1, keepdim=True) if self.group_reduce == "mean" else q2.sum(dim=1, keepdim=True)
+        return box_scores(q2, box)[:, 0]
 
 
 @register

@@ -91,9 +91,9 @@ class ShadowKVDecoder(SparseDecoder):
 
     def __init__(self, policy, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, page_size=32,
                  device="cpu", dtype=torch.float32, device_pages=None, scaling=None, window_in_budget=False,
-                 offload="auto"):
+                 offload="auto", op_threads=1):
         super().__init__(policy, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, policy.chunk_size,
-                         device, dtype, device_pages, scaling, window_in_budget, offload)
+                         device, dtype, device_pages, scaling, window_in_budget, offload, op_threads)
         hd = num_kv_heads * head_dim
         self.rank = policy.rank if policy.rank is not None else max(1, round(SHADOWKV_RANK / LLAMA3_8B_KEY_DIMS * hd))
         if self.rank > hd:
