@@ -52,6 +52,13 @@ LLAMA3_8B_KEY_DIMS, SHADOWKV_RANK = 1024, 160
 SHADOWKV_OUTLIERS, SHADOWKV_BUDGET = 48, 2048
 
 
+def _rope_table(n: int, inv_freq: torch.Tensor, device) -> torch.Tensor:
+    """``(cos | sin)`` ``[n, D]`` (float32) of positions ``0..n-1``: angles in float64 (as `rerotate`), computed
+    once at prefill so that a step's re-rotation is a table lookup, not ~m*D trigonometric calls."""
+    angle = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv_freq.to(device, torch.float64)
+    return torch.cat((angle.cos(), angle.sin()), dim=-1).float()
+
+
 def _grow(t: torch.Tensor, need: int) -> torch.Tensor:
     """``t [H, cap, D]`` with capacity for at least ``need`` rows along dim 1 (doubling)."""
     if need <= t.shape[1]:
@@ -76,7 +83,7 @@ class _ShadowLayer:
     outlier_k: torch.Tensor      # [Hkv, O*C, D] exact outlier chunks (device)
     outlier_v: torch.Tensor
     outlier_tok: torch.Tensor    # [Hkv, O*C] their token positions
-    inv_freq: torch.Tensor
+    rope: torch.Tensor           # [local_start, D] float32 (cos | sin) of the chunked positions (float64 angles)
     sliding_window: None = None
     obs_q: None = None
     static_ratio: None = None
@@ -160,7 +167,7 @@ class ShadowKVDecoder(SparseDecoder):
             n, local_start, values_host, keys_host, recent_k, recent_v, A, B,
             marks.gather(1, rest.unsqueeze(-1).expand(-1, -1, D)).to(self.dtype), rest,
             keys_f.gather(1, idx).to(self.dtype), values_f.gather(1, idx).to(self.dtype), out_tok,
-            inv_freq.to(dev))
+            _rope_table(local_start, inv_freq, dev))
 
     # ---------------------------------------------------------------------------------- decode
     def _append(self, layer, k, v):
@@ -183,7 +190,10 @@ class ShadowKVDecoder(SparseDecoder):
         st = self._layer(layer)
         Hkv, m = tokens.shape
         rows = st.A.float().index_select(0, tokens.flatten()).view(Hkv, m, -1)
-        return rerotate(rows @ st.B.float(), tokens.to(torch.float64), st.inv_freq)
+        pre = torch.bmm(rows, st.B.float())  # [Hkv, m, D] pre-RoPE
+        cos, sin = st.rope.index_select(0, tokens.flatten()).view(Hkv, m, -1).chunk(2, dim=-1)
+        x1, x2 = pre.chunk(2, dim=-1)  # rotate-half RoPE, as `kvstitch.rope.rerotate` applies it
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def _attend(self, layer, q, scaling):
         st = self._layer(layer)
@@ -207,8 +217,9 @@ class ShadowKVDecoder(SparseDecoder):
         sel_tok = (chosen.unsqueeze(-1) * C + torch.arange(C, device=self.device)).flatten(1)  # [H, m]
         m = sel_tok.shape[1]
         if m:  # the sparse fetch: values from the host in one gathered copy, keys rebuilt on the device
-            host_idx = sel_tok.cpu().unsqueeze(-1).expand(-1, -1, D)
-            sel_v = st.values_host.gather(1, host_idx).to(self.device)
+            cap = st.values_host.shape[1]
+            host_idx = (sel_tok.cpu() + torch.arange(H).unsqueeze(1) * cap).flatten()
+            sel_v = st.values_host.view(H * cap, D).index_select(0, host_idx).view(H, m, D).to(self.device)
             sel_k = self.reconstruct_keys(layer, sel_tok).to(self.dtype)
             self.transfer.copies += 1
             self.transfer.pages += chosen.numel()
