@@ -85,8 +85,18 @@ def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method
         raise InputError(f"method {method!r} changes decode attention; sparse decoders cannot run after it")
     for p in policies:
         for b in budgets:  # bad policy options or a budget below the sink + window pages: fail before any work
-            engine._new_decoder(p, b, _options(p, policy_options, page_size))
+            _probe(engine, p, b, _options(p, policy_options, page_size))
     return budgets, policies
+
+
+def _probe(engine, policy: str, budget: int, options: dict):
+    """An empty decoder sized for the engine's model (checks the options and budget; tells the window)."""
+    from . import make_decoder
+
+    ad = engine.adapter
+    return make_decoder(policy, budget, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+                        num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device,
+                        dtype=engine.dtype, **options)
 
 
 def _options(policy: str, policy_options: dict | None, page_size: int | None) -> dict:
@@ -187,7 +197,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     caps = [max(8, count(", ".join(smp.answers)) + 8) for smp in samples]  # eval's answer budget
     main = len(samples) // 2
     opts = {p: _options(p, policy_options, page_size) for p in policies}
-    probe = {p: engine._new_decoder(p, budgets[0], opts[p]) for p in policies}
+    probe = {p: _probe(engine, p, budgets[0], opts[p]) for p in policies}
     obs_window = max([OBS_WINDOW] + [d.window for d in probe.values()])
     budget_counts = {p: d.budget_counts() for p, d in probe.items()}
     on_top = min(d.cap - d.kv_budget for d in probe.values())  # the local window when it is not inside k

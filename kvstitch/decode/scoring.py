@@ -43,10 +43,11 @@ def observation_probs(obs_q: torch.Tensor, keys: torch.Tensor, scaling: float) -
     ``obs_q [Hq, w, D]`` are the queries of the last ``w`` tokens, whose keys are the last ``w`` rows of
     ``keys [Hkv, n, D]``; the causal mask applies among them. Returns ``[Hq, w, n]`` (float32).
     """
-    Hq, w, _ = obs_q.shape
+    Hq, w, D = obs_q.shape
     Hkv, n, _ = keys.shape
-    k = keys.float().repeat_interleave(Hq // Hkv, dim=0)  # repeat_kv: query head h uses kv head h // G
-    logits = (obs_q.float() @ k.transpose(1, 2)) * scaling
+    # query head h uses kv head h // G (repeat_kv), computed per KV group without materialising the repeat
+    q = obs_q.float().reshape(Hkv, (Hq // Hkv) * w, D)
+    logits = torch.bmm(q, keys.float().transpose(1, 2)).view(Hq, w, n) * scaling
     rows = torch.arange(w, device=keys.device).unsqueeze(1)
     cols = torch.arange(n, device=keys.device).unsqueeze(0)
     logits.masked_fill_(cols > (n - w) + rows, float("-inf"))  # query i sits at position n - w + i
