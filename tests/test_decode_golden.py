@@ -89,3 +89,18 @@ if __name__ == "__main__":
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps({p: trace(p) for p in POLICIES}, indent=0) + "\n")
     print(f"written {GOLDEN}")
+
+
+@pytest.mark.parametrize("working_set", [False, True])
+def test_bfloat16_cache_decodes_on_the_cpu_paths(working_set):
+    """A half-precision cache goes through the direct gather / working set and attends in float32."""
+    dec = make_decoder("prkv", 128, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    dec.working_set = working_set
+    g = torch.Generator().manual_seed(0)
+    dec.load_prefill(0, torch.randn(2, 400, 8, generator=g), torch.randn(2, 400, 8, generator=g),
+                     torch.randn(4, 64, 8, generator=g))
+    for _ in range(3):
+        dec.append(0, torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g))
+        out = dec.attend(0, torch.randn(4, 1, 8, generator=g), 0.35)
+        dec.end_step()
+    assert out.shape == (4, 1, 8) and torch.isfinite(out).all()

@@ -38,6 +38,7 @@ def biased_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     than this bmm + add_ on CPU.)"""
     Hq, _, D = q.shape
     Hkv = keys.shape[0]
+    keys, values = keys.float(), values.float()  # no-ops for float32 buffers
     logits = torch.bmm(q.float().reshape(Hkv, Hq // Hkv, D), keys.transpose(1, 2)).mul_(scaling)
     logits.add_(bias.unsqueeze(1))
     return torch.bmm(logits.softmax(dim=-1), values).view(Hq, 1, D).to(q.dtype)
