@@ -289,14 +289,15 @@ def _policy_options(specs: list[str]) -> dict[str, dict]:
 def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (capped at the model's positions "
                                                            "- 256, and reported)"),
                      budget: str = typer.Option("256,512,1024", help="comma-separated KV budgets (tokens)"),
-                     policies: str = typer.Option("prkv,quest,snapkv,arkvale",
+                     policies: str = typer.Option("prkv,quest,snapkv,arkvale,shadowkv",
                                                   help="comma-separated sparse decode policies (full always runs)"),
                      niah: int = typer.Option(5, help="NIAH samples scored per (policy, budget); 0 = none"),
                      niah_task: str = typer.Option("niah_multikey", help="RULER task of the samples"),
-                     new_tokens: int = typer.Option(32, help="decode steps for recall / TPOT; NIAH answer cap"),
+                     new_tokens: int = typer.Option(160, help="decode steps for recall / TPOT (> the refresh "
+                                                             "period T = 128); NIAH answer cap"),
                      method: str = typer.Option("full", help="prefill method (full or a stitched method)"),
                      ratio: float = typer.Option(0.2, help="recompute ratio of a stitched prefill method"),
-                     page_size: Optional[int] = typer.Option(None, help="decoder page size (default 16)"),
+                     page_size: Optional[int] = typer.Option(None, help="decoder page size (default 32, PRKV Sec. 5.1)"),
                      policy_option: Optional[list[str]] = typer.Option(
                          None, "--policy-option", "-o",
                          help="a policy field, POLICY.FIELD=VALUE (repeatable), e.g. prkv.group_reduce=max"),

@@ -608,12 +608,13 @@ class Engine:
         if obs_queries is None:
             if prompt_ids is None:
                 raise InputError("make_decoder needs the prompt's token ids (prompt_ids) or obs_queries")
-            obs_queries = self.observation_queries(cache, prompt_ids)
+            obs_queries = self.observation_queries(cache, prompt_ids, window=dec.window)  # = the local window
         n = cache.length
         ad = self.adapter
         layers = ad.backbone.layers
         for i, layer in enumerate(cache.layers):
             dec.load_prefill(i, layer.keys[0, :, :n], layer.values[0, :, :n], obs_queries[i],
-                             sliding_window=ad.sliding_window(i), scaling=layers[i].self_attn.scaling)
+                             sliding_window=ad.sliding_window(i), scaling=layers[i].self_attn.scaling,
+                             inv_freq=ad.inv_freq(i))
         dec.diagnostic = diagnostic
         return dec

@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--ratios", default="0,0.25,0.5,0.75,1,auto")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     a = ap.parse_args()
 

@@ -33,5 +33,5 @@ def test_bench_reports_every_policy_and_budget_with_consistent_recall():
         if r["budget"] == 600 or r["policy"] == "full":  # the budget covers 512 + 12 tokens: dense
             assert abs(r["recall"] - 1) < 1e-5 and r["max_abs_err_vs_dense"] < 1e-5
         else:
-            assert 0 < r["recall"] < 1 and r["mean_selected_tokens"] <= 128
+            assert 0 < r["recall"] < 1 and r["mean_selected_tokens"] <= 128 + 64  # k + the local window
     assert "prkv" in format_table(rows)

@@ -11,15 +11,16 @@ from kvstitch.decode.model_bench import bench_decode_model, decode_table
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 
-POLICIES = ["prkv", "quest", "snapkv", "arkvale"]
+POLICIES = ["prkv", "quest", "snapkv", "arkvale", "shadowkv"]
 runner = CliRunner()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_rows_for_every_policy_and_budget_and_dense_budget_recall_is_one(family, smollm_tokenizer):
     eng = make_tiny_engine(family, smollm_tokenizer)
+    full_rank = {"shadowkv": {"rank": eng.adapter.num_kv_heads * eng.adapter.head_dim}}  # exact at 4096
     rows, meta = bench_decode_model(eng, context=320, budgets=[96, 4096], policies=POLICIES, n_niah=2,
-                                    new_tokens=4, page_size=8, warmup=1, progress=False)
+                                    new_tokens=4, page_size=8, warmup=1, progress=False, policy_options=full_rank)
     assert rows[0]["policy"] == "full" and rows[0]["budget"] is None
     assert rows[0]["tpot_ms"] > 0 and rows[0]["niah_n"] == 2
     assert [(r["budget"], r["policy"]) for r in rows[1:]] == [(b, p) for b in (96, 4096) for p in POLICIES]
@@ -31,10 +32,11 @@ def test_rows_for_every_policy_and_budget_and_dense_budget_recall_is_one(family,
             assert abs(r["recall"] - 1.0) < 1e-5 and r["max_abs_err_vs_dense"] < 1e-4
             assert r["tpot_ms"] is None and r["niah_acc"] is None and "dense" in r["note"]
         else:
-            assert r["recall"] < 1.0 and r["mean_selected_tokens"] <= 96
+            assert r["recall"] < 1.0 and r["mean_selected_tokens"] <= 96 + 64  # k + the local window
             assert r["tpot_ms"] > 0 and r["tpot_vs_full"] > 0 and r["niah_n"] == 2
             assert r["tpot_vs_full"] == pytest.approx(r["tpot_ms"] / r["full_tpot_ms"])
-    assert "| prkv | 96 |" in decode_table(rows, meta)
+    assert "| prkv | 96 |" in decode_table(rows, meta) and "counted as the PRKV paper counts it" in decode_table(rows, meta)
+    assert meta["observation_window"] == 64 and meta["page_size"] == 8
     assert len(meta["reference_tokens"]) == 5
 
 

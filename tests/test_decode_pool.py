@@ -67,7 +67,7 @@ def test_page_bounds_equal_direct_min_max_after_appends():
 
 def test_decoder_bounds_match_storage_after_restructure_and_refresh():
     dec = make_decoder("prkv", 16, num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P,
-                       sinks=1, window=4, static_ratio=0.5, refresh_interval=5)
+                       sinks=1, window=4, static_ratio=0.5, refresh_interval=5, offload="pool")
     _drive(dec, steps=11)
     st = dec.layers[0]
     assert st.static_steps == [0, 5, 10]
@@ -110,7 +110,7 @@ def test_decode_moves_each_needed_page_once():
     """With room for every page on the device, each (page, head) crosses exactly once, in at most one
     bulk copy per attend; appends write through to resident pages so nothing goes stale."""
     dec = make_decoder("quest", 24, num_layers=2, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P,
-                       sinks=2, window=4, device_pages=64)
+                       sinks=2, window=4, device_pages=64, offload="pool")
     needed = [set(), set()]
     copies_before = 0
     orig_attend = dec.attend
@@ -137,7 +137,7 @@ def test_decode_moves_each_needed_page_once():
 
 def test_small_device_pool_stays_coherent_through_evictions_and_restructures():
     dec = make_decoder("prkv", 16, num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P,
-                       sinks=1, window=4, refresh_interval=3, device_pages=4)
+                       sinks=1, window=4, refresh_interval=3, device_pages=4, offload="pool")
     _drive(dec, steps=14)
     st = dec.layers[0]
     assert st.device.slots >= 4 and len(st.static_steps) == 5

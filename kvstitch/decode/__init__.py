@@ -12,10 +12,13 @@ dec.stats()
 from .decoder import SparseDecoder, make_decoder
 from .policies import DECODE_POLICIES, DecodePolicy, get_policy
 from .recall import attention_recall, decode_step_attention_recall, recall_summary
+from .shadowkv import ShadowKVDecoder, ShadowKVPolicy  # registers "shadowkv"
 
 __all__ = [
     "DECODE_POLICIES",
     "DecodePolicy",
+    "ShadowKVDecoder",
+    "ShadowKVPolicy",
     "SparseDecoder",
     "attention_recall",
     "decode_step_attention_recall",

@@ -52,7 +52,7 @@ def _unit(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def synthetic_stream(context: int, steps: int, *, num_layers: int = 2, num_q_heads: int = 8,
-                     num_kv_heads: int = 2, head_dim: int = 64, obs_window: int = 32,
+                     num_kv_heads: int = 2, head_dim: int = 64, obs_window: int = 64,
                      switch_at: float = 3 / 8, seed: int = 0) -> SyntheticStream:
     """Build the stream described in the module docstring (deterministic for a seed)."""
     g = torch.Generator().manual_seed(seed)
@@ -160,7 +160,7 @@ def _lockstep(stream: SyntheticStream, decoders: dict[str, SparseDecoder], devic
 
 def bench_policies_synthetic(context: int = 8192, budgets=(256, 512, 1024), policies=POLICIES, *,
                              steps: int = 256, num_layers: int = 2, num_q_heads: int = 8, num_kv_heads: int = 2,
-                             head_dim: int = 64, page_size: int = 16, obs_window: int = 32, seed: int = 0,
+                             head_dim: int = 64, page_size: int = 32, obs_window: int = 64, seed: int = 0,
                              warmup: int = 8, device="cpu", policy_kwargs: dict | None = None,
                              recall: bool = True) -> list[dict]:
     """Recall and attend latency for every (policy, budget) on one synthetic stream.

@@ -11,8 +11,10 @@ key bounding boxes (`PageBounds`, on the device). Each decode step, per layer:
    attention runs over the selected pages only. With ``diagnostic`` set, dense attention runs too
    and the recall (Eq. 3) is recorded.
 
-``kv_budget`` counts attended tokens per layer and KV head, sinks and local window included (both are
-rounded out to whole pages, see `plan`). The page choice is made on the host (its page ids decide what
+``kv_budget`` is the paper's ``k`` (PRKV Sec. 3.5 / 5.1): attended tokens per layer and KV head of sinks,
+static set and dynamic pages; the 64-token local window comes on top (``window_in_budget=True``: inside,
+the old accounting). Sinks and window are rounded out to whole pages (default 32 tokens, PRKV Sec. 5.1),
+see `plan`. The page choice is made on the host (its page ids decide what
 to copy), so each sparse step has one device -> host sync per layer, as in ArkVale / PRKV.
 
 Layers with a ``sliding_window`` (Gemma 3 local layers) attend densely over exactly their window: it is
@@ -22,15 +24,16 @@ One sequence per decoder (batch size 1).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InputError
-from .attention import grouped_attention
-from .plan import PagePlan, check_budget, front_pages, pages_for, plan_step
+from .attention import biased_attention, grouped_attention
+from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
 from .policies import DecodePolicy, get_policy
-from .pool import K, V, DevicePool, HostPool, PageBounds
+from .pool import K, V, DevicePool, HostPool, PageBounds, WorkingSet
 from .recall import RecallMeter, attention_recall, oracle_recall
 from .scoring import group_mean, observation_probs
 from .static import online_static_ratio, pool_in_token_order, static_permutation
@@ -45,18 +48,21 @@ class _LayerState:
     sliding_window: int | None
     front: int                       # pages [0, front) always attended (sinks + static set)
     static_ratio: float | None = None
-    obs_q: torch.Tensor | None = None  # [Hq, w, D]: queries of the last w tokens (static policies)
+    obs_q: torch.Tensor | None = None  # [Hq, w, D]: queries of the last w tokens (static policies), a ring
+    obs_head: int = 0                  # ring index of the oldest query in obs_q
     static_steps: list[int] = field(default_factory=list)  # steps at which the static set was chosen
     selected: torch.Tensor | None = None  # last step's page table [Hkv, M]
+    ws: WorkingSet | None = None  # direct mode: the attended pages as contiguous buffers
 
 
 class SparseDecoder:
     """See the module docstring; build one with `make_decoder`."""
 
     def __init__(self, policy: DecodePolicy, kv_budget: int, num_layers: int, num_q_heads: int,
-                 num_kv_heads: int, head_dim: int, page_size: int = 16, device="cpu",
+                 num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
-                 scaling: float | None = None) -> None:
+                 scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto",
+                 op_threads: int | None = 1) -> None:
         if num_q_heads % num_kv_heads:
             raise InputError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if page_size < 1 or kv_budget < 1:
@@ -65,10 +71,27 @@ class SparseDecoder:
         self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim = (
             num_layers, num_q_heads, num_kv_heads, head_dim)
         self.device, self.dtype = torch.device(device), dtype
+        if offload not in ("auto", "pool", "direct"):
+            raise InputError(f"offload must be auto, pool or direct, got {offload!r}")
+        if offload == "direct" and self.device.type != "cpu":
+            raise InputError("offload='direct' reads the host pool in place: only for a CPU device")
+        # "direct": host and compute memory are one (CPU), so attention gathers the selected pages straight
+        # from the host pool; "pool": the device pool + batched transfer of PRKV Sec. 4.2 (accelerators)
+        self.offload = ("direct" if self.device.type == "cpu" else "pool") if offload == "auto" else offload
+        self.direct = self.offload == "direct"
+        if op_threads is not None and (isinstance(op_threads, bool) or not isinstance(op_threads, int)
+                                       or op_threads < 0):
+            raise InputError(f"op_threads must be an integer >= 0 (0: all threads), got {op_threads!r}")
+        self.op_threads = op_threads or None  # intra-op threads for the decoder's own ops (None: all)
+        self.working_set = False  # direct mode: attend over an in-place updated working set (False: gather)
+        if not isinstance(window_in_budget, bool):
+            raise InputError(f"window_in_budget must be true or false, got {window_in_budget!r}")
         self.sinks, self.window = policy.fixed_tokens(page_size)
+        self.window_in_budget = window_in_budget
+        self.cap = attended_cap(kv_budget, self.window, window_in_budget)  # most tokens a step attends
         if not policy.select_all():
-            check_budget(kv_budget, page_size, self.sinks, self.window)
-        self.device_pages = device_pages or 2 * pages_for(kv_budget, page_size)
+            check_budget(self.cap, page_size, self.sinks, self.window, kv_budget)
+        self.device_pages = device_pages or 2 * pages_for(self.cap, page_size)
         self.scaling = scaling if scaling is not None else head_dim ** -0.5
         self.layers: list[_LayerState | None] = [None] * num_layers
         self.transfer = BatchedTransfer(self.device)
@@ -79,14 +102,20 @@ class SparseDecoder:
         self._attends = 0
         self._selected_tokens = 0
         self._refresh_bytes = 0
+        self._pages_read = 0
+        self._heads = torch.arange(num_kv_heads, device=self.device).unsqueeze(1)  # [Hkv, 1]
+        self._ranges: dict[tuple[int, int], torch.Tensor] = {}
+        self._gather_buf: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------------- prefill
     def load_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                      obs_queries: torch.Tensor | None = None, sliding_window: int | None = None,
-                     scaling: float | None = None) -> None:
+                     scaling: float | None = None, inv_freq: torch.Tensor | None = None) -> None:
         """Take a layer's prefill K/V ``[Hkv, n, D]`` (post-RoPE) and the observation queries ``[Hq, w, D]``
-        of the last ``w`` prompt tokens (needed by static policies: `snapkv`, `prkv`). ``scaling`` (the
-        model's attention scaling, default ``head_dim ** -0.5``) is used for the observation scores."""
+        of the last ``w`` prompt tokens (needed by static policies: `snapkv`, `prkv`; the last ``window``
+        of them are used: the observation window is the local window). ``scaling`` (the model's attention
+        scaling, default ``head_dim ** -0.5``) is used for the observation scores. ``inv_freq`` (the layer's
+        RoPE frequencies) is only used by decoders that un-rotate keys (`shadowkv`)."""
         if scaling is not None:
             self.scaling = scaling
         Hkv, n, D = keys.shape
@@ -96,17 +125,19 @@ class SparseDecoder:
         keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
         host = HostPool(Hkv, self.page_size, D, self.dtype, capacity_tokens=n + 256)
         slots = pages_for(sliding_window, self.page_size) + 1 if sliding_window else self.device_pages
-        st = _LayerState(host, DevicePool(Hkv, self.page_size, D, self.dtype, self.device, slots),
-                         PageBounds(Hkv, self.page_size, D, self.device), sliding_window,
+        pool = None if self.direct else DevicePool(Hkv, self.page_size, D, self.dtype, self.device, slots)
+        st = _LayerState(host, pool, PageBounds(Hkv, self.page_size, D, self.device), sliding_window,
                          front=pages_for(self.sinks, self.page_size))
         host.load(keys, values)
         st.bounds.rebuild(keys)
+        if self.direct and sliding_window is None and self.working_set:
+            st.ws = WorkingSet(host, self.device)
         self.layers[layer] = st
         if self.policy.static and sliding_window is None:
             if obs_queries is None or obs_queries.shape[1] == 0:
                 raise InputError(f"policy {self.policy.name!r} needs the observation-window queries at prefill")
             # the observation tokens must lie in the local window, which restructuring never moves
-            st.obs_q = obs_queries[:, -self.window:].to(self.device)
+            st.obs_q = obs_queries[:, -self.window:].to(self.device, copy=True)
             ratio = self.policy.static_ratio
             st.static_ratio = None if ratio == "auto" else float(ratio)
             self._select_static(st, keys)
@@ -121,7 +152,8 @@ class SparseDecoder:
         probs = observation_probs(st.obs_q, keys, self.scaling)  # [Hq, w, n]
         if st.static_ratio is None:  # "auto": chosen once, at prefill (App. G)
             st.static_ratio = online_static_ratio(probs[..., :R], self.kv_budget, P)
-        n_static = min(front_pages(self.kv_budget, P, self.sinks, self.window, st.static_ratio), R // P) * P
+        n_static = min(front_pages(self.kv_budget, P, self.sinks, self.window, st.static_ratio, self.cap),
+                       R // P) * P
         st.front = max(n_static // P, pages_for(self.sinks, P))  # sinks stay first in any storage order
         st.static_steps.append(self.step)
         if n_static == 0:
@@ -136,7 +168,10 @@ class SparseDecoder:
         stale = (new_pos != pos).view(self.num_kv_heads, R // P, P).any(dim=-1)
         host.write_prefix(new_keys, new_values, new_pos)
         st.bounds.rebuild(new_keys)
-        st.device.invalidate(stale)
+        if st.device is not None:
+            st.device.invalidate(stale)
+        if st.ws is not None:
+            st.ws.clear()
 
     # ---------------------------------------------------------------------------------- decode
     def _layer(self, layer: int) -> _LayerState:
@@ -147,59 +182,134 @@ class SparseDecoder:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the new token's K/V ``[Hkv, 1, D]`` (post-RoPE) to the layer's cache."""
-        st = self._layer(layer)
-        page, offset = st.host.append(k, v)
-        st.bounds.add_token(page, offset, k)
-        st.device.write_token(page, offset, k, v)
+        with self._op_threads():
+            self._append(layer, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of ``q [Hq, 1, D]`` over the selected tokens of the layer -> ``[Hq, 1, D]``."""
+        with self._op_threads():
+            return self._attend(layer, q, scaling)
+
+    @contextlib.contextmanager
+    def _op_threads(self):
+        """Run the decoder's per-layer ops on at most ``op_threads`` intra-op threads (CPU). A sparse step
+        is a few dozen small ops per layer; forking the thread pool for each costs more than it saves
+        (and far more on a loaded machine), while the model's own matmuls keep every thread."""
+        cap, have = self.op_threads, torch.get_num_threads()
+        if not cap or have <= cap or self.device.type != "cpu":
+            yield
+            return
+        torch.set_num_threads(cap)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(have)
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        st = self._layer(layer)
+        page, offset = st.host.append(k, v)
+        st.bounds.add_token(page, offset, k)
+        if st.ws is not None:
+            st.ws.touch(page)
+        if st.device is not None:
+            st.device.write_token(page, offset, k, v)
+
+    def _attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         st = self._layer(layer)
         self.scaling = scaling
         if st.obs_q is not None:
             self._observe(st, q)
-        plan = plan_step(st.host.n_tokens, self.page_size, self.kv_budget, st.front, self.window,
+        plan = plan_step(st.host.n_tokens, self.page_size, self.cap, st.front, self.window,
                          select_all=self.policy.select_all(), sliding_window=st.sliding_window)
         st.selected = self._select_pages(st, plan, q)
-        keys, values, tokens = self._gather(st, st.selected)
-        valid = (tokens >= plan.lo) & (tokens < plan.n_tokens)
+        if st.ws is not None:  # CPU: attend over the working set, updated in place (no per-step gather)
+            ws = st.ws
+            ws.update(st.selected)
+            self._pages_read += ws.slot_page.numel()
+            out = biased_attention(q, ws.keys, ws.values, scaling, ws.bias)
+            self._attends += 1
+            self._selected_tokens += plan.selected_tokens
+            if self.diagnostic:
+                self._record_recall(layer, st, plan, q, scaling, out, ws.tokens(), ws.bias == 0)
+            return out
+        keys, values = self._gather(st, st.selected)
+        if plan.lo == 0:  # the last page (always selected, last in the table) is the only partial one
+            end = keys.shape[1] - (plan.n_pages * self.page_size - plan.n_tokens)
+            keys, values, valid = keys[:, :end], values[:, :end], None
+        else:  # sliding-window layer: mask the tokens before the window
+            tokens = self._tokens(st.selected)
+            valid = (tokens >= plan.lo) & (tokens < plan.n_tokens)
         out, _ = grouped_attention(q, keys, values, scaling, valid)
         self._attends += 1
         self._selected_tokens += plan.selected_tokens
         if self.diagnostic:
+            tokens = self._tokens(st.selected)[:, : keys.shape[1]]
+            if valid is None:
+                valid = torch.ones_like(tokens, dtype=torch.bool)
             self._record_recall(layer, st, plan, q, scaling, out, tokens, valid)
         return out
 
+    def _tokens(self, pages: torch.Tensor) -> torch.Tensor:
+        """Storage index of every row of a gathered page table ``[Hkv, M]`` -> ``[Hkv, M*P]``."""
+        P = self.page_size
+        return (pages.to(self.device).unsqueeze(-1) * P + torch.arange(P, device=self.device)).flatten(1)
+
+    def _range(self, start: int, end: int) -> torch.Tensor:
+        """``arange(start, end)`` for every KV head ``[Hkv, end - start]`` (cached: a decode step reuses them)."""
+        r = self._ranges.get((start, end))
+        if r is None:
+            if len(self._ranges) > 256:
+                self._ranges.clear()
+            r = self._ranges[(start, end)] = torch.arange(start, end).expand(self.num_kv_heads, -1)
+        return r
+
     def _observe(self, st: _LayerState, q: torch.Tensor) -> None:
         """Slide the observation window over the new query; re-select the static set every T steps."""
-        st.obs_q = torch.cat([st.obs_q[:, 1:], q.to(st.obs_q)], dim=1)
+        st.obs_q[:, st.obs_head] = q[:, 0]  # overwrite the oldest (a ring: no per-step copy of the window)
+        st.obs_head = (st.obs_head + 1) % st.obs_q.shape[1]
         if self.step > 0 and self.step % self.policy.refresh_interval == 0 and st.static_steps[-1] != self.step:
+            if st.obs_head:  # back to time order (the causal mask among the window queries needs it)
+                st.obs_q, st.obs_head = torch.roll(st.obs_q, -st.obs_head, dims=1), 0
             keys = st.host.rows(K).to(self.device)  # re-scoring reads every key (amortized over T)
             self._refresh_bytes += keys.numel() * keys.element_size()
             self._select_static(st, keys)
 
-    def _gather(self, st: _LayerState, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Make ``pages [Hkv, M]`` resident (one batched transfer) and read them from the device pool:
-        keys and values ``[Hkv, M*P, D]`` and the storage index of every row ``[Hkv, M*P]``."""
+    def _gather(self, st: _LayerState, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[Hkv, M*P, D]`` of ``pages [Hkv, M]`` (row h read for KV head h).
+
+        ``pool``: make the pages resident (one batched transfer of the misses, Sec. 4.2) and read them
+        from the device pool. ``direct`` (CPU): host and device memory are one, so the pages are read
+        straight from the host pool, one index_select per K / V (no staging, no pool bookkeeping).
+        """
+        H, M = pages.shape
+        P, D = self.page_size, self.head_dim
+        if self.direct:
+            index = (pages * H + self._heads).flatten()
+            self._pages_read += H * M
+            buf = self._gather_buf  # reused across layers and steps: a fresh ~1 MB output per call would be
+            if buf is None or buf.shape[1] < H * M or buf.dtype != st.host.dtype:  # an mmap + page faults
+                buf = self._gather_buf = torch.empty(2, H * M, P, D, dtype=st.host.dtype)
+            keys, values = buf[0, : H * M], buf[1, : H * M]
+            torch.index_select(st.host.flat(K), 0, index, out=keys)
+            torch.index_select(st.host.flat(V), 0, index, out=values)
+            return keys.view(H, M * P, D), values.view(H, M * P, D)
         self._clock += 1
         slots = st.device.fetch(pages, st.host, self.transfer, self._clock)
-        keys, values = (st.device.gather(slots, kind) for kind in (K, V))
-        tokens = pages.to(self.device).unsqueeze(-1) * self.page_size + torch.arange(self.page_size, device=self.device)
-        return keys, values, tokens.flatten(1)
+        self._pages_read += H * M
+        return st.device.gather(slots, K), st.device.gather(slots, V)
 
     def _select_pages(self, st: _LayerState, plan: PagePlan, q: torch.Tensor) -> torch.Tensor:
         """Page table ``[Hkv, M]`` (CPU): front pages, the dynamic pages of each KV head, local pages."""
         H = self.num_kv_heads
-        front = torch.arange(plan.front).expand(H, -1)
-        local = torch.arange(plan.local_start, plan.n_pages).expand(H, -1)
+        front = self._range(0, plan.front)
+        local = self._range(plan.local_start, plan.n_pages)
         if plan.n_dynamic == plan.n_candidates:
-            dynamic = torch.arange(plan.front, plan.local_start).expand(H, -1)
-        elif plan.n_dynamic == 0:
-            dynamic = torch.empty(H, 0, dtype=torch.long)
-        else:
-            kmin, kmax = st.bounds.pages(plan.front, plan.local_start)
-            scores = self.policy.page_scores(q.to(self.device).view(H, -1, self.head_dim), kmin, kmax, plan.front)
-            dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
+            return self._range(0, plan.n_pages)  # everything (front, candidates, local are contiguous)
+        if plan.n_dynamic == 0:
+            return torch.cat([front, local], dim=1)
+        box = st.bounds.boxes(plan.front, plan.local_start)
+        scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front)
+        dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
         return torch.cat([front, dynamic, local], dim=1)
 
     def _record_recall(self, layer, st, plan, q, scaling, out, tokens, valid) -> None:
@@ -217,6 +327,14 @@ class SparseDecoder:
         self.step += 1
 
     # ----------------------------------------------------------------------------------- report
+    def budget_counts(self) -> str:
+        """What ``kv_budget`` (k) counts, in words (benches print it)."""
+        if self.policy.select_all():
+            return "everything (dense)"
+        if self.window_in_budget:
+            return "sinks and the local window inside k"
+        return f"sinks inside k, the {self.window}-token local window on top"
+
     def static_ratios(self) -> list[float | None]:
         return [st.static_ratio if st else None for st in self.layers]
 
@@ -225,13 +343,20 @@ class SparseDecoder:
         out = {
             "policy": self.policy.name,
             "kv_budget": self.kv_budget,
+            "budget_counts": self.budget_counts(),
             "page_size": self.page_size,
+            "local_window": self.window,
             "steps": self.step,
-            "pages_copied": self.transfer.pages,  # (page, KV head) blocks, host -> device
+            "offload": self.offload,
+            "pages_read": self._pages_read,       # (page, KV head) blocks attended over
+            # (page, KV head) blocks host -> device pool, or (direct) into the working sets
+            "pages_copied": self.transfer.pages + sum(st.ws.copied for st in self.layers if st and st.ws),
             "bytes_copied": self.transfer.bytes,
             "transfers": self.transfer.copies,    # bulk copies (at most one per attend)
             "mean_selected_tokens": self._selected_tokens / self._attends if self._attends else 0.0,
             "static_refreshes": sum(max(0, len(st.static_steps) - 1) for st in self.layers if st),
+            "observation_window": max((st.obs_q.shape[1] for st in self.layers if st and st.obs_q is not None),
+                                      default=0),
             "static_refresh_bytes": self._refresh_bytes,  # keys read to re-score the static set
             "static_ratio": self.static_ratios(),
         }
@@ -241,14 +366,22 @@ class SparseDecoder:
 
 
 def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int = 1024, *, num_layers: int,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16, device="cpu",
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
-                 scaling: float | None = None, **policy_kwargs) -> SparseDecoder:
+                 scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto",
+                 op_threads: int | None = 1, **policy_kwargs) -> SparseDecoder:
     """A `SparseDecoder` for a registered policy name (``policy_kwargs`` are the policy's fields, e.g.
     ``static_ratio``, ``refresh_interval``, ``window``, ``sinks``) or a policy instance.
 
-    ``device_pages``: device-pool slots per layer and KV head (default twice the budget's pages; grows
-    when a step needs more, e.g. for ``full``).
+    ``page_size``: 32 (PRKV Sec. 5.1, for Quest / ArkVale / PRKV alike). ``device_pages``: device-pool slots
+    per layer and KV head (default twice the step's pages; grows when a step needs more, e.g. for
+    ``full``). ``window_in_budget``: count the local window inside ``kv_budget`` (default: on top, as the
+    paper counts ``k``). ``offload``: ``"pool"`` (device pool + batched transfer), ``"direct"`` (read the
+    host pool in place: CPU only) or ``"auto"`` (direct on CPU, pool elsewhere). ``op_threads``: intra-op
+    threads for the decoder's own per-layer ops (default 1, see `SparseDecoder._op_threads`; 0 = all).
+    A policy with its own decoder (``shadowkv``) gets that class.
     """
-    return SparseDecoder(get_policy(policy, **policy_kwargs), kv_budget, num_layers, num_q_heads, num_kv_heads,
-                         head_dim, page_size, device, dtype, device_pages, scaling)
+    pol = get_policy(policy, **policy_kwargs)
+    cls = getattr(pol, "decoder_class", None) or SparseDecoder
+    return cls(pol, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, page_size, device, dtype,
+               device_pages, scaling, window_in_budget, offload, op_threads)

@@ -37,8 +37,10 @@ from ..cache import StitchCache
 from ..errors import InputError
 from .policies import DECODE_POLICIES
 
-DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale")
+DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale", "shadowkv")
 DEFAULT_BUDGETS = (256, 512, 1024)
+DEFAULT_NEW_TOKENS = 160  # > T = 128: the static set is refreshed within the measured decode
+OBS_WINDOW = 64           # the local window (PRKV Sec. 5.1), also the observation window
 
 
 def _sync(device: torch.device) -> None:
@@ -83,8 +85,18 @@ def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method
         raise InputError(f"method {method!r} changes decode attention; sparse decoders cannot run after it")
     for p in policies:
         for b in budgets:  # bad policy options or a budget below the sink + window pages: fail before any work
-            engine._new_decoder(p, b, _options(p, policy_options, page_size))
+            _probe(engine, p, b, _options(p, policy_options, page_size))
     return budgets, policies
+
+
+def _probe(engine, policy: str, budget: int, options: dict):
+    """An empty decoder sized for the engine's model (checks the options and budget; tells the window)."""
+    from . import make_decoder
+
+    ad = engine.adapter
+    return make_decoder(policy, budget, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+                        num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device,
+                        dtype=engine.dtype, **options)
 
 
 def _options(policy: str, policy_options: dict | None, page_size: int | None) -> dict:
@@ -117,11 +129,14 @@ class _Sample:
         self.n = self.cache.length
         self.first = int(torch.argmax(logits[-1]))
         self._obs = None
+        self.obs_window = OBS_WINDOW
 
     @property
     def obs(self) -> dict:
+        """Observation queries of the last `OBS_WINDOW` prompt tokens (each decoder keeps its local window's
+        worth: the observation window is the local window, PRKV Sec. 4.1)."""
         if self._obs is None:
-            self._obs = self.engine.observation_queries(self.cache, self.layout.ids)
+            self._obs = self.engine.observation_queries(self.cache, self.layout.ids, window=self.obs_window)
         return self._obs
 
     def runner(self, policy: str | None, budget: int | None, options: dict, diagnostic: bool = False):
@@ -146,7 +161,8 @@ class _Sample:
 
 
 def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEFAULT_BUDGETS,
-                       policies: Sequence[str] = DEFAULT_POLICIES, n_niah: int = 5, new_tokens: int = 32, *,
+                       policies: Sequence[str] = DEFAULT_POLICIES, n_niah: int = 5,
+                       new_tokens: int = DEFAULT_NEW_TOKENS, *,
                        method: str = "full", recompute_ratio: float = 0.2, method_options: dict | None = None,
                        task: str = "niah_multikey", chunk_tokens: int = 256, seed: int = 0, warmup: int = 2,
                        page_size: int | None = None, policy_options: dict[str, dict] | None = None,
@@ -156,7 +172,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     ``context``: context tokens, capped like `kvstitch.bench.context_of_length` (model positions - 256;
     ``meta["capped"]`` says so and rows carry the real ``context_tokens`` / ``prompt_tokens``).
     ``new_tokens``: decode steps after the prefill's first token, for recall and TPOT (teacher-forced,
-    EOS ignored). NIAH answers are capped as `kvstitch eval` caps them (answer tokens + 8, at least 8).
+    EOS ignored); the default 160 passes the refresh period T = 128 (rows report ``static_refreshes``). NIAH answers are capped as `kvstitch eval` caps them (answer tokens + 8, at least 8).
     ``warmup`` steps are left out of the TPOT medians.
     ``n_niah``: NIAH samples (``task``, needle depths spread over [0, 1]); recall and TPOT use the
     middle one. ``page_size`` / ``policy_options`` (per policy: its fields) go to the decoders.
@@ -181,6 +197,11 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     caps = [max(8, count(", ".join(smp.answers)) + 8) for smp in samples]  # eval's answer budget
     main = len(samples) // 2
     opts = {p: _options(p, policy_options, page_size) for p in policies}
+    probe = {p: _probe(engine, p, budgets[0], opts[p]) for p in policies}
+    obs_window = max([OBS_WINDOW] + [d.window for d in probe.values()])
+    budget_counts = {p: d.budget_counts() for p, d in probe.items()}
+    on_top = min(d.cap - d.kv_budget for d in probe.values())  # the local window when it is not inside k
+    del probe
     score = scorer_for(task)
     device = engine.device
 
@@ -197,10 +218,11 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
         stage(f"prefill sample {main}")
         s = _Sample(engine, samples[main], method, recompute_ratio, max(new_tokens + 1, caps[main]),
                     method_options)
+        s.obs_window = obs_window
         bar.advance(job)
         n_max = s.n + new_tokens  # tokens in the cache at the last step
-        dense = [b for b in budgets if b >= n_max]  # every policy selects everything: dense attention
-        sparse_budgets = [b for b in budgets if b < n_max]
+        dense = [b for b in budgets if b + on_top >= n_max]  # every policy selects everything: dense attention
+        sparse_budgets = [b for b in budgets if b + on_top < n_max]
 
         # reference: dense greedy decode, EOS ignored (also warms the decode path up)
         stage("reference (full)")
@@ -248,7 +270,9 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
                                   "recall_per_layer": st["recall_per_layer"],
                                   "max_abs_err_vs_dense": st["max_abs_err_vs_dense"],
                                   "mean_selected_tokens": st["mean_selected_tokens"],
-                                  "pages_copied_per_step": st["pages_copied"] / max(1, st["steps"])}
+                                  "pages_copied_per_step": st["pages_copied"] / max(1, st["steps"]),
+                                  "static_refreshes": st["static_refreshes"],
+                                  "budget_counts": st["budget_counts"]}
                 del dec
 
         # NIAH: free greedy decode of every sample with full and every (policy, sparse budget)
@@ -259,6 +283,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
             if i != main:
                 stage(f"prefill sample {i}")
                 s_i = _Sample(engine, samples[i], method, recompute_ratio, caps[i], method_options)
+                s_i.obs_window = obs_window
                 bar.advance(job)
             else:
                 s_i = s
@@ -291,7 +316,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
             row = {"policy": p, "budget": b, **base, **recall[(p, b)]}
             if b in dense:
                 row.update(tpot_ms=math.nan, full_tpot_ms=math.nan, tpot_vs_full=math.nan, niah_acc=math.nan,
-                           niah_n=0, note=f"budget >= {n_max} tokens (prompt + new tokens): dense; "
+                           niah_n=0, note=f"budget + window >= {n_max} tokens (prompt + new tokens): dense; "
                                           f"TPOT and NIAH not run")
             else:
                 tp, tf = ms(times[(p, b)]), ms(times[("full", b)])
@@ -304,7 +329,8 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
             "capped": context > length, "max_positions": limit, "budgets": budgets, "policies": policies,
             "new_tokens": new_tokens, "warmup": warmup, "n_niah": n_niah, "task": task, "method": method,
             "recompute_ratio": recompute_ratio if method != "full" else None, "chunk_tokens": chunk_tokens,
-            "seed": seed, "page_size": page_size, "policy_options": policy_options or {},
+            "seed": seed, "page_size": page_size or 32, "policy_options": policy_options or {},
+            "observation_window": obs_window, "budget_counts": budget_counts,
             "recall_sample": {"index": main, "depth": samples[main].meta.get("depth")},
             "niah_answer_caps": caps[:n_niah], "reference_tokens": ref, "niah_predictions": preds}
     return rows, meta
@@ -322,17 +348,29 @@ def decode_table(rows: list[dict], meta: dict) -> str:
             + (f"; {meta['context_requested']} requested, capped at the model's {meta['max_positions']} positions"
                if meta["capped"] else "")
             + f"), {meta['new_tokens']} decode steps, NIAH: {meta['n_niah']} x {meta['task']}; "
-              f"prefill: {meta['method']}.")
+              f"prefill: {meta['method']}; page size {meta.get('page_size', 32)}, observation window "
+              f"{meta.get('observation_window', '?')} tokens.")
+    groups: dict[str, list[str]] = {}
+    for p, phrase in (meta.get("budget_counts") or {}).items():
+        groups.setdefault(phrase, []).append(p)
+    if groups:
+        head += (" Budget k = tokens attended per layer and KV head, counted as the PRKV paper counts it: "
+                 + "; ".join(f"{', '.join(ps)}: {phrase}" for phrase, ps in groups.items()) + ".")
     lines = [head, "",
-             "| policy | budget | context | recall | oracle | min | top-1 agree | TPOT ms | vs full | NIAH | note |",
-             "|" + "---|" * 11]
+             "| policy | budget | context | attended | recall | oracle | min | top-1 agree | refreshes | TPOT ms | "
+             "vs full | NIAH | note |",
+             "|" + "---|" * 13]
     for r in rows:
         lines.append(
-            f"| {r['policy']} | {_f(r['budget'], 'd')} | {r['context_tokens']} | {_f(r['recall'], '.3f')} | "
+            f"| {r['policy']} | {_f(r['budget'], 'd')} | {r['context_tokens']} | "
+            f"{_f(r.get('mean_selected_tokens'), '.0f')} | {_f(r['recall'], '.3f')} | "
             f"{_f(r['oracle_recall'], '.3f')} | {_f(r['recall_min'], '.3f')} | {_f(r['top1_agreement'], '.2f')} | "
+            f"{_f(r.get('static_refreshes'), 'd')} | "
             f"{_f(r['tpot_ms'], '.1f')} | {_f(r['tpot_vs_full'], '.2f')} | "
             f"{_f(r['niah_acc'], '.2f')}{' (%d)' % r['niah_n'] if r['niah_n'] else ''} | {r['note']} |")
-    lines += ["", "recall / oracle / min: attention recall (PRKV Eq. 3) of the selection, of the ideal top-k with as "
+    lines += ["", "attended: mean tokens attended per layer and KV head in the recall pass (k + local window at "
+              "most); refreshes: static-set re-selections (all layers) during the decode (every T steps); "
+              "recall / oracle / min: attention recall (PRKV Eq. 3) of the selection, of the ideal top-k with as "
               "many tokens, and the lowest step x layer x head value, over the layers that select; top-1 agree: "
               "steps where the policy's greedy token equals dense decode's (teacher-forced); TPOT: median decode "
               "step; vs full: ratio to dense decode measured in the same lockstep pass; NIAH: mean score (samples)."]

@@ -3,6 +3,7 @@
 A policy only decides; `SparseDecoder` owns the pools and the state. What a policy says:
 
 - ``sinks`` / ``window``: tokens always attended at the start / end of the cache (rounded out to pages);
+  the window (64 tokens, PRKV Sec. 5.1) is also the observation window of the static policies;
 - ``static``: whether it keeps a static set restructured to the front (`static_ratio` of the budget,
   refreshed every ``refresh_interval`` steps, PRKV Alg. 1), and how the static scores are pooled;
 - `page_scores`: how the remaining pages are ranked each step (``None`` from `select_all` = all).
@@ -14,6 +15,7 @@ A policy only decides; `SparseDecoder` owns the pools and the state. What a poli
 | `quest`   | -                              | top by bound, per KV head                      |
 | `arkvale` | -                              | top by bound, shared by a group of KV heads    |
 | `prkv`    | S = 0.25 or online (App. G)    | top by bound (group mean), per KV head         |
+| `shadowkv`| outlier chunks (static)        | top 8-token chunks by landmark, per KV head; keys rebuilt from a low-rank factorisation (`shadowkv`) |
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import InputError
-from .scoring import bound_scores
+from .scoring import bound_scores, box_scores, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
 
@@ -73,6 +75,12 @@ class DecodePolicy:
         grouped by KV head), boxes ``[Hkv, C, D]`` -> scores ``[Hkv, C]``, higher = attend."""
         raise NotImplementedError
 
+    def box_scores(self, q: torch.Tensor, box: torch.Tensor, first_page: int) -> torch.Tensor:
+        """`page_scores` from `PageBounds.boxes` ``(kmax | -kmin)`` ``[Hkv, C, 2D]`` (what the decoder calls;
+        policies override it with a faster equivalent)."""
+        D = box.shape[-1] // 2
+        return self.page_scores(q, -box[..., D:], box[..., :D], first_page)
+
 
 @register
 @dataclass
@@ -103,6 +111,14 @@ class BoundPolicy(DecodePolicy):
             return per_head.amax(dim=1)
         return per_head.mean(dim=1) if self.group_reduce == "mean" else per_head.sum(dim=1)
 
+    def box_scores(self, q, box, first_page):
+        q2 = signed_query(q)  # [Hkv, G, 2D]
+        if self.group_reduce == "max":
+            return box_scores(q2, box).amax(dim=1)  # one matmul for every head of the group
+        # the bound is linear in the signed query: reduce the group first, then one [1, 2D] x [2D, C] matmul
+        q2 = q2.mean(dim=1, keepdim=True) if self.group_reduce == "mean" else q2.sum(dim=1, keepdim=True)
+        return box_scores(q2, box)[:, 0]
+
 
 @register
 @dataclass
@@ -115,22 +131,27 @@ class QuestPolicy(BoundPolicy):
 @register
 @dataclass
 class ArkValePolicy(BoundPolicy):
-    """ArkVale (Chen et al., 2024): sink and window *pages* plus top pages by the cuboid digest, recalled
-    from the host pool. Its pages hold every head (NHD), so ``kv_head_groups`` groups of KV heads share
-    one page choice (1 = all heads, ArkVale's default); scores are summed within a group."""
+    """ArkVale (Chen et al., 2024): sink *pages* plus top pages by the cuboid digest, recalled from the host
+    pool, plus the same 64-token local window as Quest and PRKV (PRKV Sec. 5.1 runs all three with page
+    size 32 and local window 64). Its pages hold every head (NHD), so ``kv_head_groups`` groups of KV heads
+    share one page choice (1 = all heads, ArkVale's default); scores are summed within a group."""
 
     name: ClassVar[str] = "arkvale"
-    sink_pages: int = 2
-    window_pages: int = 2
+    sink_pages: int = 1
     kv_head_groups: int = 1
     group_reduce: str = "sum"
 
     def fixed_tokens(self, page_size):
-        return self.sink_pages * page_size, self.window_pages * page_size
+        return self.sink_pages * page_size, self.window
 
     def page_scores(self, q, kmin, kmax, first_page):
-        per_kv_head = super().page_scores(q, kmin, kmax, first_page)  # [Hkv, C]
-        Hkv, C = per_kv_head.shape
+        return self._share(super().page_scores(q, kmin, kmax, first_page))
+
+    def box_scores(self, q, box, first_page):
+        return self._share(super().box_scores(q, box, first_page))
+
+    def _share(self, per_kv_head: torch.Tensor) -> torch.Tensor:
+        Hkv, C = per_kv_head.shape  # [Hkv, C] -> the sum over each group of KV heads, repeated
         if Hkv % self.kv_head_groups:
             raise InputError(f"arkvale: kv_head_groups={self.kv_head_groups} does not divide {Hkv} KV heads")
         shared = per_kv_head.view(self.kv_head_groups, -1, C).sum(dim=1, keepdim=True)
@@ -177,13 +198,16 @@ class SnapKVPolicy(StaticSet, DecodePolicy):
         recency = torch.arange(first_page, first_page + C, device=kmin.device, dtype=torch.float32)
         return recency.expand(kmin.shape[0], C)
 
+    def box_scores(self, q, box, first_page):
+        return self.page_scores(q, box, box, first_page)  # recency only needs the shape
+
 
 @register
 @dataclass
 class PRKVPolicy(StaticSet, BoundPolicy):
-    """PRKV (Sec. 4.1): static tokens (ratio S of the budget, top by GQA-aware observation attention,
-    restructured to the front and refreshed every T = 128 steps) + dynamic pages by the bounding box
-    + local window (64) + sinks. ``static_ratio="auto"`` chooses S per layer at prefill (App. G)."""
+    """PRKV (Sec. 4.1): static tokens (ratio S of the budget, top by GQA-aware observation attention over
+    the observation window = the 64-token local window, restructured to the front and refreshed every
+    T = 128 steps) + dynamic pages by the bounding box + local window (64) + sinks. ``static_ratio="auto"`` chooses S per layer at prefill (App. G)."""
 
     name: ClassVar[str] = "prkv"
     group_reduce: str = "mean"  # the paper's GQA rule (Sec. 4.1): score per query head, average in the group

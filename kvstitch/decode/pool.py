@@ -52,6 +52,7 @@ class HostPool:
         self.n_tokens = 0
         self.data = self._alloc(max(1, _pages_for(capacity_tokens, page_size)))
         self.token_pos = torch.zeros(num_kv_heads, self.data.shape[0] * page_size, dtype=torch.long)
+        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _alloc(self, pages: int) -> torch.Tensor:
         shape = (pages, self.num_kv_heads, 2, self.page_size, self.head_dim)
@@ -73,6 +74,7 @@ class HostPool:
         data = self._alloc(max(need, 2 * self.capacity_pages))  # pinned: not a torch.cat
         data[: self.capacity_pages].copy_(self.data)
         self.data = data
+        self._flat = None
         self.token_pos = _grown(self.token_pos, data.shape[0] * self.page_size, dim=1)
 
     def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -93,13 +95,22 @@ class HostPool:
             self.data[:pages, :, kind] = padded.view(self.num_kv_heads, pages, P, self.head_dim).transpose(0, 1)
         self.token_pos[:, :n] = token_pos
 
+    def flat(self, kind: int) -> torch.Tensor:
+        """K (kind=0) or V (kind=1) blocks as a ``[pages * kv_heads, page_size, head_dim]`` view: row
+        ``page * kv_heads + head`` is that (page, head) block (what a direct gather indexes)."""
+        if self._flat is None:
+            self._flat = (self.data[:, :, K].flatten(0, 1), self.data[:, :, V].flatten(0, 1))
+        return self._flat[kind]
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
         """Append one token (``[kv_heads, 1, head_dim]``); returns its (page, offset in page)."""
-        self.reserve(self.n_tokens + 1)
-        page, off = divmod(self.n_tokens, self.page_size)
-        self.data[page, :, K, off] = k[:, 0].to("cpu", self.dtype)
-        self.data[page, :, V, off] = v[:, 0].to("cpu", self.dtype)
-        self.token_pos[:, self.n_tokens] = self.n_tokens
+        n = self.n_tokens
+        if n + 1 > self.capacity_pages * self.page_size:
+            self.reserve(n + 1)
+        page, off = divmod(n, self.page_size)
+        self.data[page, :, K, off] = k[:, 0]  # setitem copies across device / dtype
+        self.data[page, :, V, off] = v[:, 0]
+        self.token_pos[:, n] = n
         self.n_tokens += 1
         return page, off
 
@@ -205,19 +216,21 @@ class DevicePool:
 
 
 class PageBounds:
-    """Per page and KV head, the min / max of the page's keys: ``kmin, kmax`` ``[pages, kv_heads, head_dim]``.
+    """Per page and KV head, the min / max of the page's keys (the bounding box of Quest and ArkVale's cuboid
+    digest; PRKV recomputes it for the restructured pages, Alg. 1 line 14). Kept on the compute device; a
+    partially filled page bounds its filled tokens only.
 
-    The bounding box of Quest and ArkVale's cuboid digest; PRKV recomputes it for the restructured pages
-    (Alg. 1 line 14). Kept on the compute device; a partially filled page bounds its filled tokens only.
+    Stored as one tensor ``box [kv_heads, pages, 2 * head_dim]`` = ``(kmax | -kmin)``: a new key extends a
+    box with a single elementwise max of ``(k | -k)``, and the bound of `scoring.box_scores` is a single
+    matmul with ``(relu(q) | relu(-q))``. `pages` gives the (kmin, kmax) view.
     """
 
     def __init__(self, num_kv_heads: int, page_size: int, head_dim: int, device: torch.device) -> None:
-        self.page_size, self.device = page_size, torch.device(device)
-        self.kmin = torch.zeros((1, num_kv_heads, head_dim), device=self.device)
-        self.kmax = torch.zeros((1, num_kv_heads, head_dim), device=self.device)
+        self.page_size, self.head_dim, self.device = page_size, head_dim, torch.device(device)
+        self.box = torch.zeros((num_kv_heads, 1, 2 * head_dim), device=self.device)
 
     def _reserve(self, pages: int) -> None:
-        self.kmin, self.kmax = _grown(self.kmin, pages), _grown(self.kmax, pages)
+        self.box = _grown(self.box, pages, dim=1)
 
     def rebuild(self, keys: torch.Tensor) -> None:
         """Recompute the pages covering ``keys`` (``[kv_heads, n, head_dim]``, storage ``[0, n)``)."""
@@ -228,22 +241,110 @@ class PageBounds:
         k = keys.to(self.device, torch.float32)
         if full:
             paged = k[:, : full * P].reshape(H, full, P, D)
-            self.kmin[:full] = paged.amin(2).transpose(0, 1)
-            self.kmax[:full] = paged.amax(2).transpose(0, 1)
+            self.box[:, :full, :D] = paged.amax(2)
+            self.box[:, :full, D:] = -paged.amin(2)
         if rest:
             tail = k[:, full * P:]
-            self.kmin[full], self.kmax[full] = tail.amin(1), tail.amax(1)
+            self.box[:, full, :D], self.box[:, full, D:] = tail.amax(1), -tail.amin(1)
 
     def add_token(self, page: int, offset: int, k: torch.Tensor) -> None:
         """Extend page `page`'s box with one key ``[kv_heads, 1, head_dim]`` (a new page starts at it)."""
-        self._reserve(page + 1)
-        k = k[:, 0].to(self.device, torch.float32)
+        if page >= self.box.shape[1]:
+            self._reserve(page + 1)
+        k = k[:, 0]
+        both = torch.cat((k, -k), dim=-1)
+        row = self.box[:, page]
         if offset == 0:
-            self.kmin[page], self.kmax[page] = k, k
+            row.copy_(both)
         else:
-            self.kmin[page] = torch.minimum(self.kmin[page], k)
-            self.kmax[page] = torch.maximum(self.kmax[page], k)
+            torch.maximum(row, both, out=row)
 
     def pages(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Boxes of pages ``[start, end)`` as ``[kv_heads, end - start, head_dim]`` (min, max)."""
-        return self.kmin[start:end].transpose(0, 1), self.kmax[start:end].transpose(0, 1)
+        D = self.head_dim
+        return -self.box[:, start:end, D:], self.box[:, start:end, :D]
+
+    def boxes(self, start: int, end: int) -> torch.Tensor:
+        """``(kmax | -kmin)`` of pages ``[start, end)``: ``[kv_heads, end - start, 2 * head_dim]`` (a view)."""
+        return self.box[:, start:end]
+
+
+class WorkingSet:
+    """The attended pages of one layer kept as contiguous K/V buffers ``[kv_heads, slots * page_size, D]``,
+    updated in place: only the pages a step newly selects are copied in (into the slots of the pages it
+    dropped), so attention reads the buffers directly instead of gathering every selected page each step.
+    Used when host and device memory are one (CPU, ``offload="direct"``).
+
+    The order of the slots is arbitrary (attention does not depend on it). ``bias [kv_heads, slots * P]``
+    is 0 on filled rows and -inf on the unfilled rows of the partial last page, so it masks them inside
+    the attention matmul. The page receiving appended tokens is re-read at every step (`touch`), and a
+    restructured cache (PRKV refresh) drops everything (`clear`).
+    """
+
+    def __init__(self, host: HostPool, device: torch.device) -> None:
+        self.host, self.device = host, torch.device(device)
+        H, P, D = host.num_kv_heads, host.page_size, host.head_dim
+        self.keys = torch.zeros(H, 0, D, dtype=host.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.bias = torch.zeros(H, 0, device=self.device)
+        self.slot_page = torch.full((H, 0), -1, dtype=torch.long)
+        self.page_slot = torch.full((H, 1), -1, dtype=torch.long)  # last column: a dummy for "no page"
+        rows = torch.arange(P)
+        self._row_bias = torch.zeros(P + 1, P).masked_fill_(rows >= torch.arange(P + 1).unsqueeze(1), float("-inf"))
+        self._heads = torch.arange(H).unsqueeze(1)
+        self.copied = 0  # (page, head) blocks copied in
+
+    @property
+    def slots(self) -> int:
+        return self.slot_page.shape[1]
+
+    def clear(self) -> None:
+        self.slot_page = torch.full_like(self.slot_page, -1)
+        self.page_slot.fill_(-1)
+
+    def touch(self, page: int) -> None:
+        """`page` is receiving a token: its resident copies are stale."""
+        if page < self.page_slot.shape[1] - 1:
+            self.page_slot[:, page] = -1
+
+    def update(self, pages: torch.Tensor) -> None:
+        """Make the buffers hold exactly ``pages [kv_heads, M]`` (distinct per row)."""
+        H, M = pages.shape
+        host, P = self.host, self.host.page_size
+        if self.page_slot.shape[1] <= host.capacity_pages:
+            self.page_slot = torch.cat([self.page_slot[:, :-1], torch.full(
+                (H, host.capacity_pages + 1 - self.page_slot.shape[1] + 1), -1, dtype=torch.long)], dim=1)
+        dummy = self.page_slot.shape[1] - 1
+        if M != self.slots:  # the step's page count changed: reload everything into M slots
+            self.keys = self.keys.new_empty(H, M * P, self.keys.shape[-1])
+            self.values = torch.empty_like(self.keys)
+            self.bias = self.bias.new_empty(H, M * P)
+            self.page_slot.fill_(-1)
+            self.slot_page = torch.full((H, M), -1, dtype=torch.long)
+            miss_h, miss_i = self._heads.expand(H, M).flatten(), torch.arange(M).repeat(H)
+            free_s = miss_i
+        else:
+            slots = self.page_slot.gather(1, pages)
+            hit = slots >= 0
+            if bool(hit.all()):
+                return
+            used = torch.zeros(H, M + 1, dtype=torch.bool).scatter_(1, torch.where(hit, slots, M), True)[:, :M]
+            miss_h, miss_i = (~hit).nonzero(as_tuple=True)  # row-major: grouped by head, like the free slots
+            free_h, free_s = (~used).nonzero(as_tuple=True)
+            old = self.slot_page[free_h, free_s]
+            self.page_slot[free_h, torch.where(old >= 0, old, dummy)] = -1
+        new = pages[miss_h, miss_i]
+        self.page_slot[miss_h, new] = free_s
+        self.slot_page[miss_h, free_s] = new
+        src = new * H + miss_h
+        dst = miss_h * M + free_s
+        self.keys.view(H * M, P, -1).index_copy_(0, dst, host.flat(K).index_select(0, src))
+        self.values.view(H * M, P, -1).index_copy_(0, dst, host.flat(V).index_select(0, src))
+        filled = (host.n_tokens - new * P).clamp(0, P)
+        self.bias.view(H * M, P).index_copy_(0, dst, self._row_bias.index_select(0, filled))
+        self.copied += new.numel()
+
+    def tokens(self) -> torch.Tensor:
+        """Storage index of every buffer row ``[kv_heads, slots * P]`` (rows of empty slots point at 0)."""
+        P = self.host.page_size
+        return (self.slot_page.clamp(min=0).unsqueeze(-1) * P + torch.arange(P)).flatten(1)

@@ -22,16 +22,32 @@ def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
     return q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)
 
 
+def box_scores(q: torch.Tensor, box: torch.Tensor) -> torch.Tensor:
+    """`bound_scores` from `pool.PageBounds` boxes ``(kmax | -kmin)`` ``[Hkv, C, 2D]`` in one matmul:
+    ``relu(q)·kmax + relu(-q)·(-kmin)`` = ``(relu(q) | relu(-q)) @ box^T`` -> ``[Hkv, G, C]``.
+    ``q [Hkv, G, D]``; a caller that only needs the group mean can pass ``[Hkv, 1, 2D]`` pre-reduced
+    (see `signed_query`), since the bound is linear in the signed query."""
+    q2 = q if q.shape[-1] == box.shape[-1] else signed_query(q)
+    return torch.bmm(q2, box.transpose(1, 2))
+
+
+def signed_query(q: torch.Tensor) -> torch.Tensor:
+    """``(relu(q) | relu(-q))`` ``[..., 2D]`` (float32)."""
+    q = q.float()
+    return torch.cat((q, -q), dim=-1).clamp_(min=0)
+
+
 def observation_probs(obs_q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention probabilities of the observation queries, one softmax per query head.
 
     ``obs_q [Hq, w, D]`` are the queries of the last ``w`` tokens, whose keys are the last ``w`` rows of
     ``keys [Hkv, n, D]``; the causal mask applies among them. Returns ``[Hq, w, n]`` (float32).
     """
-    Hq, w, _ = obs_q.shape
+    Hq, w, D = obs_q.shape
     Hkv, n, _ = keys.shape
-    k = keys.float().repeat_interleave(Hq // Hkv, dim=0)  # repeat_kv: query head h uses kv head h // G
-    logits = (obs_q.float() @ k.transpose(1, 2)) * scaling
+    # query head h uses kv head h // G (repeat_kv), computed per KV group without materialising the repeat
+    q = obs_q.float().reshape(Hkv, (Hq // Hkv) * w, D)
+    logits = torch.bmm(q, keys.float().transpose(1, 2)).view(Hq, w, n) * scaling
     rows = torch.arange(w, device=keys.device).unsqueeze(1)
     cols = torch.arange(n, device=keys.device).unsqueeze(0)
     logits.masked_fill_(cols > (n - w) + rows, float("-inf"))  # query i sits at position n - w + i
