@@ -36,7 +36,7 @@ def friendly_errors(fn):
             return fn(*args, **kwargs)
         except KVStitchError as e:
             err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(getattr(e, "exit_code", 2)) from None
         except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
             err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None

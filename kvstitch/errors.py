@@ -9,6 +9,12 @@ class InputError(KVStitchError, ValueError):
     """Bad request: empty question/chunks, ratio out of range, unknown method, prompt too long."""
 
 
+class EvalError(KVStitchError):
+    """An evaluation run in which every sample failed (the log holds no new row; see errors.log)."""
+
+    exit_code = 1  # the run failed; 2 is kept for bad input
+
+
 class ModelLoadError(KVStitchError):
     """The model path is unreadable or the architecture is not supported."""
 

@@ -178,3 +178,36 @@ def test_eval_command_wiring(engine, tmp_path, monkeypatch):
     assert sorted(r["method"] for r in rows) == ["full", "naive", "random"]
     assert (out / "summary.md").exists()
     assert not any(math.isnan(r["kl"]) for r in rows)
+
+
+@pytest.mark.parametrize("failing", ["all", "one"])
+def test_eval_exit_code_when_samples_fail(engine, tmp_path, monkeypatch, failing):
+    """`kvstitch eval` exits 1 when every sample of the run failed; one failed sample of two is logged
+    and the run still succeeds (a long run must not stop for one broken sample)."""
+    import kvstitch.eval.runner as runner
+    from kvstitch.cli import app
+    from kvstitch.engine import Engine
+
+    real = runner.eval_sample
+
+    def flaky(eng, sample, *a, **k):
+        if failing == "all" or sample.meta["index"] == 0:
+            raise RuntimeError("boom")
+        return real(eng, sample, *a, **k)
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
+    monkeypatch.setattr(runner, "eval_sample", flaky)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64",
+                                 "--methods", "random", "--ratios", "0.2", "--n", "2", "--max-new-tokens", "4",
+                                 "--out", str(out)])
+    meta = json.loads((out / "run.json").read_text())
+    if failing == "all":
+        assert r.exit_code == 1, r.output
+        assert "every sample" in r.output and "boom" in r.output
+        assert len(meta["errors_last_run"]) == 2
+        assert not (out / RESULTS).exists() or not read_jsonl(out / RESULTS)
+    else:
+        assert r.exit_code == 0, r.output
+        assert len(meta["errors_last_run"]) == 1
+        assert {row["index"] for row in read_jsonl(out / RESULTS)} == {1}

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 import typer
 
-from ..errors import InputError
+from ..errors import EvalError, InputError
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import append_jsonl, plot_niah_heatmap, read_jsonl, summary_table
 from .scoring import scorer_for
@@ -576,6 +576,9 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
                 bar.advance(pid, max(0, len(todo) - done_now))
     write_reports(rows, out, cfg)
     _write_meta(out, cfg, model_desc, command, rows_before=None, rows_after=len(rows), errors=errors)
+    if plan and len(errors) == len(plan):
+        raise EvalError(f"every sample of this run failed ({len(errors)} of {len(plan)}; first: {errors[0]}); "
+                        f"tracebacks in {out / 'errors.log'}")
     return rows
 
 
