@@ -13,11 +13,11 @@ import torch
 from .attention import ForwardPlan, StopForward
 from .cache import StitchCache
 from .chunk import ChunkKV
-from .errors import InputError
+from .errors import BadRatio, InputError, PromptTooLong, UnknownDecodePolicy
 from .models import adapter_for, load_model
 from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
-from .select import SelectionContext, make_selector, methods
+from .select import SelectionContext, check_method, make_selector
 from .store import ChunkStore, chunk_key, open_store
 from .store.codec import roundtrip
 
@@ -225,14 +225,14 @@ class Engine:
     def _check_request(self, layout: PromptLayout, method: str, ratio: float, max_new_tokens: int,
                        decode: str = "full", kv_budget: int | None = None,
                        decode_options: dict | None = None) -> None:
-        if method not in methods():
-            raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
+        check_method(method)
         if not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0.0 <= ratio <= 1.0:
-            raise InputError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+            raise BadRatio(f"recompute_ratio must be in [0, 1], got {ratio!r}")
         from .decode import DECODE_POLICIES
 
         if decode != "full" and decode not in DECODE_POLICIES:
-            raise InputError(f"unknown decode policy {decode!r}; known: full, {', '.join(sorted(DECODE_POLICIES))}")
+            raise UnknownDecodePolicy(f"unknown decode policy {decode!r}; known: full, "
+                                      f"{', '.join(sorted(DECODE_POLICIES))}")
         if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
             raise InputError(f"kv_budget must be a positive integer, got {kv_budget!r}")
         if decode_options is not None and (decode == "full" or not isinstance(decode_options, dict)):
@@ -243,8 +243,8 @@ class Engine:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         limit = self.adapter.max_positions
         if layout.n_total + max_new_tokens > limit:
-            raise InputError(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
-                             f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
+            raise PromptTooLong(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
+                                f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
 
     # ---- the public entry points --------------------------------------------------------------
     @torch.no_grad()

@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands othe
 from .engine import GenerationResult
 from .errors import InputError, KVStitchError
 from .retrieval import CollectionCache, CollectionNotFound, collections_root
+from .select import check_method
 from .select import methods as registered_methods
 
 DEFAULT_MAX_TOKENS = 256
@@ -75,16 +76,9 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def _input_error(e: Exception) -> ApiError:
-    """Map an engine `InputError` to a 400 with an OpenAI-style code."""
-    msg = str(e)
-    if "positions" in msg and "limit" in msg:
-        return ApiError(400, msg, code="context_length_exceeded", param="messages")
-    if msg.startswith("unknown method") or msg.startswith("bad option for method"):
-        return ApiError(400, msg, code="invalid_method", param="method")
-    if "decode policy" in msg:
-        return ApiError(400, msg, code="invalid_decode", param="decode")
-    return ApiError(400, msg, code="invalid_request")
+def _input_error(e: InputError) -> ApiError:
+    """An `InputError` as a 400: its type sets `code` and `param` (`kvstitch.errors`), never its message."""
+    return ApiError(400, str(e), code=e.code, param=e.param)
 
 
 # ---- metrics (Prometheus text, written by hand) ----------------------------------------------------
@@ -470,9 +464,10 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
     method = body.get("method", default_method)
     if not isinstance(method, str):
         raise _bad(f"'method' must be a string, got {method!r:.60}", "method")
-    known = registered_methods()
-    if method not in known:
-        raise _bad(f"unknown method {method!r:.60}; known methods: {', '.join(known)}", "method", "invalid_method")
+    try:
+        check_method(method)
+    except InputError as e:
+        raise _input_error(e) from None
     if "ratio" in body and "recompute_ratio" in body:
         raise _bad("pass 'ratio' or 'recompute_ratio', not both", "ratio")
     ratio = _float(body, "ratio" if "ratio" in body else "recompute_ratio", default_ratio, 0.0, 1.0)
@@ -586,8 +581,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    if default_method not in registered_methods():
-        raise InputError(f"unknown method {default_method!r}; known methods: {', '.join(registered_methods())}")
+    check_method(default_method)
     if not 0.0 <= default_ratio <= 1.0:
         raise InputError(f"ratio must be in [0, 1], got {default_ratio}")
     policies = _decode_policies()
@@ -942,8 +936,7 @@ def serve_command(
     from .engine import Engine
 
     console = Console(stderr=True)
-    if method not in registered_methods():  # before the (slow) model load
-        raise InputError(f"unknown method {method!r}; known methods: {', '.join(registered_methods())}")
+    check_method(method)  # before the (slow) model load
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):

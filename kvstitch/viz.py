@@ -105,11 +105,9 @@ def selection_picture(engine, question: str, chunks: list[str], methods: list[st
     from .eval.runner import oracle_sets, select_tokens
     from .eval.scoring import scorer_for
     from .prompt import PromptLayout
-    from .select import methods as registered
+    from .select import check_methods
 
-    unknown = [m for m in methods if m not in registered()]
-    if unknown:
-        raise InputError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(registered())}")
+    check_methods(methods)
     if not methods:
         raise InputError("no methods to draw")
     layout = engine.layout(question, chunks)

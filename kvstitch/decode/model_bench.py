@@ -55,7 +55,7 @@ def _positive_int(name: str, value, low: int = 1) -> int:
 def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task, policy_options,
                   page_size) -> tuple[list[int], list[str]]:
     from ..eval.tasks import TASKS
-    from ..select import make_selector, methods
+    from ..select import check_method, make_selector
 
     _positive_int("context", context)
     _positive_int("new_tokens", new_tokens)
@@ -77,8 +77,7 @@ def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method
         raise InputError(f"policy options for {sorted(extra)}, which are not benchmarked")
     if task not in TASKS:
         raise InputError(f"unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
-    if method not in methods():
-        raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
+    check_method(method)
     if make_selector(method).adjusts_decode():
         raise InputError(f"method {method!r} changes decode attention; sparse decoders cannot run after it")
     for p in policies:

@@ -502,14 +502,12 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from ..select import methods as registered
+    from ..select import check_methods
 
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    unknown = [m for m in cfg.methods if m not in registered()]
-    if unknown:
-        raise InputError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(registered())}")
+    check_methods(cfg.methods)
     bad_tasks = [t for t in cfg.tasks if t not in TASKS]
     if bad_tasks:
         raise InputError(f"unknown task(s) {', '.join(bad_tasks)}; known: {', '.join(sorted(TASKS))}")

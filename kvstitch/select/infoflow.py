@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from ..cache import StitchCache
-from ..errors import InputError
+from ..errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import band_layers, layer_mean, query_attention
 
@@ -43,16 +43,16 @@ class InfoFlow(Selector):
 
     def __post_init__(self):
         if self.weight not in ("mass", "value"):
-            raise InputError(f"{self.name}: weight must be 'mass' or 'value', got {self.weight!r}")
+            raise BadMethodOption(f"{self.name}: weight must be 'mass' or 'value', got {self.weight!r}")
         lo, hi = self.band
         if not 0.0 <= lo <= hi <= 1.0:
-            raise InputError(f"{self.name}: band must satisfy 0 <= lo <= hi <= 1, got {self.band}")
+            raise BadMethodOption(f"{self.name}: band must satisfy 0 <= lo <= hi <= 1, got {self.band}")
 
     def scoring_layers(self, n_layers: int) -> list[int]:
         if self.layers is not None:
             bad = [i for i in self.layers if not 0 <= i < n_layers]
             if bad or not self.layers:
-                raise InputError(f"{self.name}: layers must be within 0..{n_layers - 1}, got {self.layers}")
+                raise BadMethodOption(f"{self.name}: layers must be within 0..{n_layers - 1}, got {self.layers}")
             return sorted(set(self.layers))
         return band_layers(n_layers, self.band)
 

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from ..cache import StitchCache
-from ..errors import InputError
+from ..errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import layer_mean, query_attention
 
@@ -43,7 +43,7 @@ class Oracle(Selector):
 
     def __post_init__(self):
         if self.mode not in ("attention", "ideal"):
-            raise InputError(f"oracle: mode must be 'attention' or 'ideal', got {self.mode!r}")
+            raise BadMethodOption(f"oracle: mode must be 'attention' or 'ideal', got {self.mode!r}")
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         eng, layout = ctx.engine, ctx.layout
