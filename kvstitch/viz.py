@@ -106,6 +106,7 @@ def selection_picture(engine, question: str, chunks: list[str], methods: list[st
     from .eval.scoring import scorer_for
     from .prompt import PromptLayout
     from .select import check_methods
+    from .select import methods as registered
 
     check_methods(methods)
     if not methods:
