@@ -107,17 +107,16 @@ class Engine:
         plan = plan or ForwardPlan()
         slots = slots.to(self.device)
         plan.q_slots = slots
-        cache.slots, cache.write = slots, write
-        try:
-            ids = ids.view(1, -1) if ids.dim() == 1 else ids
-            out = self.model(input_ids=ids.to(self.device), position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
-                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                             kvstitch_plan=plan)
-            return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()
-        except StopForward:
-            return None
-        finally:
-            cache.slots, cache.write = None, True
+        with cache.mode(slots=slots, write=write):
+            try:
+                ids = ids.view(1, -1) if ids.dim() == 1 else ids
+                out = self.model(input_ids=ids.to(self.device),
+                                 position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
+                                 past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                                 kvstitch_plan=plan)
+                return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()
+            except StopForward:
+                return None
 
     # ---- precompute -----------------------------------------------------------------------------
     def prefix_kv(self, prefix_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,9 +432,9 @@ class Engine:
 
     def _decoder_step(self, cache: StitchCache, token: int, plan: ForwardPlan) -> torch.Tensor:
         pos = torch.tensor([[cache.length]], device=self.device)
-        cache.slots = None
-        out = self.model(input_ids=torch.tensor([[token]], device=self.device), position_ids=pos,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
+        with cache.mode(slots=None):
+            out = self.model(input_ids=torch.tensor([[token]], device=self.device), position_ids=pos,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
         return out.logits[0].float()
 
     def _new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):

@@ -5,7 +5,7 @@ suffix), out-of-place (``write=False``: the stitched cache is not touched), stop
 
 - layer 0 is recomputed for all of them against the exact prefix K/V, so its output is exactly what a
   full prefill computes there;
-- layer 1's fresh K/V (``cache.capture = {1}``) are therefore the full-prefill layer-1 K/V, and its
+- layer 1's fresh K/V (``cache.mode(capture={1})``) are therefore the full-prefill layer-1 K/V, and its
   fresh V can be compared with the stitched (precomputed-per-chunk) layer-1 V.
 
 `cacheblend` (Yao et al., EuroSys 2025, "selecting which tokens to recompute": HKVD tokens), as
@@ -71,13 +71,9 @@ def low_layer_pass(ctx: SelectionContext, include_suffix: bool = False, with_que
     slots = torch.arange(c0, end)
     q = end - c0
     plan = ForwardPlan(stop_after_layer=layer, capture_queries=q if with_queries else 0)
-    saved = cache.capture, cache.captured
-    cache.capture, cache.captured = {layer}, {}
-    try:
+    with cache.mode(capture={layer}) as captured:
         eng.forward(cache, lay.ids[c0:end], slots, plan, write=False)
-        k, v = cache.captured[layer]
-    finally:
-        cache.capture, cache.captured = saved
+    k, v = captured[layer]
     stitched = cache.layers[layer].values[0, :, c0:c1]
     queries = plan.queries.get(layer) if with_queries else None
     return LowLayerPass(layer, k[0], v[0], stitched, queries, slots.to(eng.device))
