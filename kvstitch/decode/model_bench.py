@@ -108,10 +108,12 @@ class _Sample:
     """One prefilled NIAH sample: the shared dense cache, its length and the observation queries."""
 
     def __init__(self, engine, sample, method: str, ratio: float, max_tokens: int, method_options: dict | None):
-        from ..eval.runner import sample_layout
+        from ..prompt import with_answer_prefix
 
         self.engine, self.sample = engine, sample
-        layout = sample_layout(engine, sample)  # with RULER's answer prefix, as `kvstitch eval` prompts
+        # with RULER's answer prefix, as `kvstitch eval` prompts (`eval.runner.sample_layout`)
+        layout = with_answer_prefix(engine.layout(sample.question, sample.chunks), engine.tokenizer,
+                                    sample.meta.get("answer_prefix"))
         self.cache, self.layout, logits, _, _ = engine.prefill(layout, method, ratio, max_tokens, method_options)
         self.n = self.cache.length
         self.first = int(torch.argmax(logits[-1]))

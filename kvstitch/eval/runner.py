@@ -46,6 +46,7 @@ from ..errors import EvalError, InputError
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import append_jsonl, plot_niah_heatmap, read_jsonl, summary_table
 from .scoring import scorer_for
+from .selection import oracle_sets, select_tokens, to_original_order
 from .tasks import TASKS, Sample, generate
 
 RESULTS = "results.jsonl"
@@ -117,15 +118,10 @@ def combos(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, f
 def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
     """The engine's layout for the sample; with `answer_prefix`, RULER's answer prefix is appended after the
     assistant header (it belongs to the suffix, so query-driven selectors see it as part of the query)."""
-    from ..prompt import PromptLayout
+    from ..prompt import with_answer_prefix
 
     layout = engine.layout(sample.question, sample.chunks)
-    prefix = sample.meta.get("answer_prefix") if answer_prefix else None
-    if prefix:
-        extra = engine.tokenizer.encode(prefix.strip(), add_special_tokens=False)
-        layout = PromptLayout(layout.prefix_ids, layout.chunk_ids,
-                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]))
-    return layout
+    return with_answer_prefix(layout, engine.tokenizer, sample.meta.get("answer_prefix") if answer_prefix else None)
 
 
 def answer_budget(engine, sample: Sample, cfg: EvalConfig) -> int:
@@ -150,22 +146,6 @@ class MethodRun:
     logits: torch.Tensor | None  # [|target|, V] teacher-forced on the target (None: no target)
     stats: dict = field(default_factory=dict)
     reused_tokens: int = 0  # answer tokens read off the teacher-forced pass (not decoded step by step)
-
-
-def to_original_order(indices: torch.Tensor, order: Sequence[int], chunk_lengths: Sequence[int]) -> torch.Tensor:
-    """Context indices of a layout whose chunks were reordered (`order[j]` = original chunk of slot j)
-    -> sorted indices into the original context."""
-    if list(order) == list(range(len(order))):
-        return indices
-    return _reordered_positions(order, chunk_lengths)[indices.long()].sort().values
-
-
-def _reordered_positions(order: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
-    """[n] original index of each position of the reordered context."""
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    return torch.cat([torch.arange(starts[c], starts[c] + lens[c]) for c in order])
 
 
 # Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
@@ -266,52 +246,6 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
 # ---------------------------------------------------------------------------------------------------
 # One sample
 # ---------------------------------------------------------------------------------------------------
-
-def oracle_sets(engine, layout, ratios: Sequence[float]) -> dict[float, torch.Tensor]:
-    """G per ratio: the `oracle` selection (top-k of full-prefill query attention) at each budget,
-    from one scoring pass."""
-    from ..select import make_selector, top_k_indices
-
-    indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, selector=make_selector("oracle"))
-    out = {}
-    for r in ratios:
-        k = round(r * layout.n_context)
-        out[round(float(r), 6)] = top_k_indices(scores, k) if scores is not None else indices[:k]
-    return out
-
-
-@torch.no_grad()
-def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool = False, selector=None,
-                  method_options: dict | None = None):
-    """Selection only (no recompute, no decode): -> (indices in original order, scores [n_context] or None,
-    stats). For pictures and the oracle reference set; scores are mapped back to the original order too.
-    With ``keep_scores`` and ratio 1, the selector's scores are computed even though the budget covers
-    everything (the base class would skip scoring)."""
-    from ..select import SelectionContext, make_selector
-
-    selector = selector or make_selector(method, **(method_options or {}))
-    stats: dict = {}
-    if selector.full_prefill:
-        return torch.arange(layout.n_context), None, stats
-    kvs = engine.chunk_kvs(layout, stats)
-    cache = engine.stitch(layout, kvs, extra=0)
-    budget = round(ratio * layout.n_context)
-    ctx = SelectionContext(engine, cache, layout, budget, stats)
-    if keep_scores and budget >= layout.n_context and not selector.zero_budget and method != "naive":
-        scores = selector.score(ctx).float().cpu()
-        indices = torch.arange(layout.n_context)
-    else:
-        indices, scores = selector.select(ctx)
-        scores = None if scores is None else scores.float().cpu()
-    order = list(ctx.layout.order)
-    lens = [c.numel() for c in layout.chunk_ids]
-    indices = to_original_order(indices.cpu(), order, lens)
-    if scores is not None and order != list(range(len(order))):
-        orig = torch.empty_like(scores)
-        orig[_reordered_positions(order, lens)] = scores
-        scores = orig
-    return indices, scores, stats
-
 
 def _clean(x: float | None) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
@@ -803,15 +737,6 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def resolve_methods(spec: str, exclude: str = "") -> list[str]:
-    """"all" (or empty) = every registered method; otherwise the comma list. `exclude` drops some."""
-    from ..select import methods as registered
-
-    names = registered() if spec.strip() in ("", "all") else _csv(spec)
-    drop = set(_csv(exclude))
-    return [m for m in names if m not in drop]
-
-
 def eval_command(
         tasks: str = typer.Option(",".join(DEFAULT_TASKS), help="comma-separated tasks (see kvstitch.eval.TASKS)"),
         length: str = typer.Option("2048", help="context length(s) in tokens, comma-separated (e.g. 2048,4096)"),
@@ -836,6 +761,7 @@ def eval_command(
     from rich.console import Console
 
     from ..engine import Engine
+    from ..select import resolve_methods
 
     console = Console(stderr=True)
     if threads:

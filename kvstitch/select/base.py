@@ -53,6 +53,16 @@ def check_methods(names) -> list[str]:
     return names
 
 
+def resolve_methods(spec: str, exclude: str = "") -> list[str]:
+    """"all" (or empty) = every registered method; otherwise the comma list. `exclude` drops some."""
+    def csv(s: str) -> list[str]:
+        return [x.strip() for x in s.split(",") if x.strip()]
+
+    names = methods() if spec.strip() in ("", "all") else csv(spec)
+    drop = set(csv(exclude))
+    return [m for m in names if m not in drop]
+
+
 def make_selector(name: str, **kwargs) -> "Selector":
     check_method(name)
     try:
