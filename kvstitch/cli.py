@@ -305,10 +305,12 @@ def _mount_optional() -> None:
     from .retrieval import index_command
     from .server import serve_command
 
+    from .eval.cli import compare_command
     from .eval.runner import eval_command
     from .viz import viz_command
 
     app.command("eval")(friendly_errors(eval_command))
+    app.command("eval-compare")(friendly_errors(compare_command))
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
     app.command("serve")(friendly_errors(serve_command))
