@@ -81,3 +81,20 @@ def test_compare_refuses_runs_without_common_rows(tmp_path):
             append_jsonl(tmp_path / name / "results.jsonl", r)
     with pytest.raises(InputError, match="share no"):
         write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o")
+
+
+def test_compare_filters_tasks_and_lengths(tmp_path):
+    base, other = _runs()
+    extra = [dict(r, task="two_hop", pred="zz") for r in other]  # two_hop: every answer differs
+    for name, rows in (("a", base + [dict(r, task="two_hop") for r in base]), ("b", other + extra)):
+        (tmp_path / name).mkdir()
+        for r in rows:
+            append_jsonl(tmp_path / name / "results.jsonl", r)
+    _, _, both = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o")
+    _, _, one = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", tasks=["niah_multikey"])
+    _, _, none = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", lengths=[2048])
+    assert [r["n"] for r in both] == [4, 4, 4] and [r["n"] for r in one] == [2, 2, 2]
+    assert one[0]["same_answer"] == 1.0 and both[0]["same_answer"] == 0.5
+    assert [r["n"] for r in none] == [4, 4, 4]
+    with pytest.raises(InputError, match="share no"):
+        write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", lengths=[4096])

@@ -101,10 +101,16 @@ def _results(path: str | os.PathLike) -> Path:
 
 def write_comparison(base: str | os.PathLike, other: str | os.PathLike, out: str | os.PathLike,
                      base_label: str = "base", other_label: str = "other", name: str = "compare",
-                     command: str | None = None) -> tuple[Path, Path, list[dict]]:
-    """Compare two eval outputs; write ``<out>/<name>.md`` and ``<out>/<name>.json`` -> (md, json, rows)."""
+                     command: str | None = None, tasks: Sequence[str] | None = None,
+                     lengths: Sequence[int] | None = None) -> tuple[Path, Path, list[dict]]:
+    """Compare two eval outputs (only `tasks` / `lengths` when given); write ``<out>/<name>.md`` and
+    ``<out>/<name>.json`` -> (md, json, rows)."""
     pa, pb = _results(base), _results(other)
-    rows = compare_runs(read_jsonl(pa), read_jsonl(pb))
+
+    def keep(r: dict) -> bool:
+        return (not tasks or r.get("task") in tasks) and (not lengths or r.get("length") in lengths)
+
+    rows = compare_runs([r for r in read_jsonl(pa) if keep(r)], [r for r in read_jsonl(pb) if keep(r)])
     if not rows:
         raise InputError(f"{pa} and {pb} share no (sample, method, ratio) rows: nothing to compare")
     out = Path(out)
