@@ -305,8 +305,7 @@ def _mount_optional() -> None:
     from .retrieval import index_command
     from .server import serve_command
 
-    from .eval.cli import compare_command
-    from .eval.runner import eval_command
+    from .eval.cli import compare_command, eval_command
     from .viz import viz_command
 
     app.command("eval")(friendly_errors(eval_command))

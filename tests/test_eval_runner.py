@@ -163,7 +163,7 @@ def test_to_original_order_maps_reordered_chunks():
 def test_eval_command_wiring(engine, tmp_path, monkeypatch):
     """`kvstitch eval` as the CLI will mount it (the model load is replaced by the tiny engine)."""
     from kvstitch.engine import Engine
-    from kvstitch.eval.runner import eval_command
+    from kvstitch.eval.cli import eval_command
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
     app = typer.Typer()

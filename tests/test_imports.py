@@ -42,7 +42,6 @@ ALLOWED_FORBIDDEN: dict[tuple[str, str], str] = {
 
 # Library modules that still define a typer command (move it into kvstitch/cli.py or a `cli` module)
 ALLOWED_TYPER: dict[str, str] = {
-    "kvstitch.eval.runner": "#16 item 6 (eval_command -> kvstitch/eval/cli.py)",
     "kvstitch.retrieval": "#16 item 6 (index_command)",
     "kvstitch.server": "#16 item 6 (serve_command)",
     "kvstitch.viz": "#16 item 6 (viz_command)",

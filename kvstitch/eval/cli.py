@@ -1,11 +1,19 @@
-"""Command-line entry points of the evaluation (typer): ``kvstitch eval-compare``."""
+"""Command-line entry points of the evaluation (typer): ``kvstitch eval`` (`eval_command`, moved here from
+`eval/runner.py`) and ``kvstitch eval-compare`` (`compare_command`). The library modules (`runner`,
+`report`, `compare`) do not import typer."""
 
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
+from typing import Optional
 
+import torch
 import typer
+
+from ..errors import InputError
+from .runner import DEFAULT_TASKS, RESULTS, EvalConfig, run_eval
 
 
 def compare_command(
@@ -22,7 +30,6 @@ def compare_command(
     KL and the share of identical answers, per method and ratio (markdown + JSON)."""
     from rich.console import Console
 
-    from ..errors import InputError
     from .compare import write_comparison
 
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
@@ -39,3 +46,62 @@ def compare_command(
     console = Console()
     console.print(md.read_text(), highlight=False, soft_wrap=True)
     console.print(f"{len(rows)} rows -> {md}, {js}", highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# `kvstitch eval` (moved from eval/runner.py)
+# ---------------------------------------------------------------------------------------------------
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def eval_command(
+        tasks: str = typer.Option(",".join(DEFAULT_TASKS), help="comma-separated tasks (see kvstitch.eval.TASKS)"),
+        length: str = typer.Option("2048", help="context length(s) in tokens, comma-separated (e.g. 2048,4096)"),
+        chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
+        methods: str = typer.Option("all", help="comma-separated methods, or 'all' (full and naive always run)"),
+        exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
+        ratios: str = typer.Option("0.1,0.2", help="recompute ratios"),
+        n: int = typer.Option(20, help="samples per task and length"),
+        seed: int = typer.Option(0, help="task generator seed"),
+        max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
+        answer_prefix: bool = typer.Option(True, help="append RULER's answer prefix after the assistant header"),
+        overlap: bool = typer.Option(True, help="overlap of each selection with the oracle set (if registered)"),
+        out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
+        store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
+        storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
+                                                          "(KIVI; compare with a float16 run of the same samples)"),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+) -> None:
+    """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
+    (resumable: rerun the same command to continue)."""
+    from rich.console import Console
+
+    from ..engine import Engine
+    from ..select import resolve_methods
+
+    console = Console(stderr=True)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        lengths = [int(x) for x in _csv(length)]
+        ratio_list = [float(x) for x in _csv(ratios)]
+    except ValueError as e:
+        raise InputError(f"--length and --ratios take comma-separated numbers: {e}") from None
+    cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
+                     n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
+                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype)
+    args = sys.argv[1:]
+    if args[:1] != ["eval"]:  # `python -m kvstitch.eval.cli ...` runs the same command
+        args = ["eval", *args]
+    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
+    with console.status("loading the model ..."):
+        engine = Engine.load(model, store=store, storage_dtype=storage_dtype)
+    rows = run_eval(engine, cfg, out, command=command, console=console)
+    console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
+
+
+if __name__ == "__main__":  # `python -m kvstitch.eval.cli --tasks ...` == `kvstitch eval --tasks ...`
+    typer.run(eval_command)
