@@ -6,7 +6,7 @@ slot p sees keys at slots <= p (and > p - window on sliding-window layers).
 
 Cost follows causality: queries are sorted by slot and cut into groups; each group attends only to
 its causal prefix of keys (its window on sliding layers). One dense [n_sel, N] mask would make every
-selected query pay for all N keys — 2.4x instead of ~5x at 8K tokens and 20% recompute (DESIGN.md).
+selected query pay for all N keys — 2.4x instead of ~5x at 8K tokens and 20% recompute (docs/design.md).
 A contiguous block of queries ending at the last key uses SDPA's causal kernel directly.
 
 A `ForwardPlan` passed as the ``kvstitch_plan`` keyword of the model's forward carries the query slots

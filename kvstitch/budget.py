@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InputError
+from .errors import BadRatio, InputError
 
 AUTO = "auto"
 MODES = ("incremental", "refresh")
@@ -100,9 +100,9 @@ def parse_ratio(value) -> float | str:
         try:
             value = float(v)
         except ValueError:
-            raise InputError(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}") from None
+            raise BadRatio(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise InputError(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}")
+        raise BadRatio(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}")
     return float(value)
 
 

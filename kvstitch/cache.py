@@ -5,7 +5,8 @@ suffix) sets ``cache.slots`` to their positions; every layer's ``update`` then o
 with the fresh K/V and returns the whole cache, so the model's own attention modules do the recompute.
 transformers' `DynamicCache` only appends, hence this class.
 
-Modes, all set by the caller around one forward:
+Modes, set for a scope with ``with cache.mode(...)`` (the previous modes come back on exit, also on an
+error; nested scopes change only what they name):
 - ``slots`` = None: append (decode).
 - ``write`` = False: out-of-place (scoring passes that must not disturb the stitched cache).
 - ``capture``: set of layers whose fresh K/V are kept in ``captured`` (CacheBlend's ΔV).
@@ -13,6 +14,9 @@ Modes, all set by the caller around one forward:
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -54,6 +58,9 @@ class StitchLayer(CacheLayerMixin):
             self.values = torch.cat([self.values, z.clone()], dim=-2)
 
 
+_KEEP = object()  # `StitchCache.mode`: leave this mode as it is
+
+
 class StitchCache(Cache):
     def __init__(self, layers: list[StitchLayer]):
         super().__init__(layers=layers)
@@ -92,6 +99,29 @@ class StitchCache(Cache):
             k[:, :, :n], v[:, :, :n] = keys[i], values[i]
             layers.append(StitchLayer(k, v, n))
         return cls(layers)
+
+    # ---- modes --------------------------------------------------------------------------------
+    @contextmanager
+    def mode(self, *, slots=_KEEP, write=_KEEP, capture=_KEEP, decoder=_KEEP) -> Iterator[dict]:
+        """Set the named modes for the ``with`` block; restore the previous ones on exit (also on an error).
+
+        ``slots``: global positions of the tokens of the next forward (None = append); ``write``: False =
+        out of place; ``capture``: layers whose fresh K/V to keep (the block gets a fresh, empty record);
+        ``decoder``: a sparse decoder owning the K/V (None = none). Yields the block's ``captured`` dict
+        ({layer: (keys, values)}), still readable after the block."""
+        saved = self.slots, self.write, self.capture, self.captured, self.decoder
+        if slots is not _KEEP:
+            self.slots = slots
+        if write is not _KEEP:
+            self.write = bool(write)
+        if capture is not _KEEP:
+            self.capture, self.captured = set(capture), {}
+        if decoder is not _KEEP:
+            self.decoder = decoder
+        try:
+            yield self.captured
+        finally:
+            self.slots, self.write, self.capture, self.captured, self.decoder = saved
 
     # ---- the transformers Cache protocol ------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

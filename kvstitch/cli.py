@@ -37,7 +37,7 @@ def friendly_errors(fn):
             return fn(*args, **kwargs)
         except KVStitchError as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(getattr(e, "exit_code", 2)) from None
         except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
@@ -435,10 +435,11 @@ def _mount_optional() -> None:
     from .retrieval import index_command
     from .server import serve_command
 
-    from .eval.runner import eval_command
+    from .eval.cli import compare_command, eval_command
     from .viz import viz_command
 
     app.command("eval")(friendly_errors(eval_command))
+    app.command("eval-compare")(friendly_errors(compare_command))
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
     app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))

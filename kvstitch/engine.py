@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -13,13 +12,13 @@ import torch
 from .attention import ForwardPlan, StopForward
 from .cache import StitchCache
 from .chunk import ChunkKV
-from .errors import InputError
+from .errors import InputError, PromptTooLong, UnknownDecodePolicy
 from .identity import register_model, tokenizer_fingerprint
 from .models import adapter_for, load_model
 from .precompute import ensure_chunks
 from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
-from .select import SelectionContext, make_selector, methods
+from .select import SelectionContext, check_method, make_selector
 from .store import ChunkStore, check_precompute, chunk_key, open_store
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
@@ -159,17 +158,16 @@ class Engine:
         plan = plan or ForwardPlan()
         slots = slots.to(self.device)
         plan.q_slots = slots
-        cache.slots, cache.write = slots, write
-        try:
-            ids = ids.view(1, -1) if ids.dim() == 1 else ids
-            out = self.model(input_ids=ids.to(self.device), position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
-                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                             kvstitch_plan=plan)
-            return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()
-        except StopForward:
-            return None
-        finally:
-            cache.slots, cache.write = None, True
+        with cache.mode(slots=slots, write=write):
+            try:
+                ids = ids.view(1, -1) if ids.dim() == 1 else ids
+                out = self.model(input_ids=ids.to(self.device),
+                                 position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
+                                 past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                                 kvstitch_plan=plan)
+                return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()
+            except StopForward:
+                return None
 
     # ---- precompute -----------------------------------------------------------------------------
     def prefix_kv(self, prefix_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,13 +273,13 @@ class Engine:
                        decode: str = "full", kv_budget: int | None = None,
                        decode_options: dict | None = None) -> float | str:
         """Validate a request (before anything is computed) -> the parsed ratio (a float or "auto")."""
-        if method not in methods():
-            raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
+        check_method(method)
         ratio = parse_ratio(ratio)
         from .decode import DECODE_POLICIES
 
         if decode != "full" and decode not in DECODE_POLICIES:
-            raise InputError(f"unknown decode policy {decode!r}; known: full, {', '.join(sorted(DECODE_POLICIES))}")
+            raise UnknownDecodePolicy(f"unknown decode policy {decode!r}; known: full, "
+                                      f"{', '.join(sorted(DECODE_POLICIES))}")
         if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
             raise InputError(f"kv_budget must be a positive integer, got {kv_budget!r}")
         if decode_options is not None and (decode == "full" or not isinstance(decode_options, dict)):
@@ -292,8 +290,8 @@ class Engine:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         limit = self.adapter.max_positions
         if layout.n_total + max_new_tokens > limit:
-            raise InputError(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
-                             f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
+            raise PromptTooLong(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
+                                f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
         return ratio
 
     # ---- the public entry points --------------------------------------------------------------
@@ -565,9 +563,9 @@ class Engine:
 
     def _decoder_step(self, cache: StitchCache, token: int, plan: ForwardPlan) -> torch.Tensor:
         pos = torch.tensor([[cache.length]], device=self.device)
-        cache.slots = None
-        out = self.model(input_ids=torch.tensor([[token]], device=self.device), position_ids=pos,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
+        with cache.mode(slots=None):
+            out = self.model(input_ids=torch.tensor([[token]], device=self.device), position_ids=pos,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
         return out.logits[0].float()
 
     def _new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):

@@ -1,12 +1,70 @@
 """Typed errors. Every user-facing failure is one of these, with a one-line message."""
 
+from __future__ import annotations
+
 
 class KVStitchError(Exception):
     """Base class: the CLI prints `str(err)` on one line and exits non-zero."""
 
 
 class InputError(KVStitchError, ValueError):
-    """Bad request: empty question/chunks, ratio out of range, unknown method, prompt too long."""
+    """Bad request: empty question/chunks, ratio out of range, unknown method, prompt too long.
+
+    `code` (OpenAI-style error code) and `param` (the offending request field, or None) say what was wrong
+    in a form callers can dispatch on (the server maps them to its error JSON); the typed subclasses below
+    set both. Pass ``param=`` / ``code=`` to override them for one error."""
+
+    code: str = "invalid_request"
+    param: str | None = None
+
+    def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+        if code is not None:
+            self.code = code
+
+
+class UnknownMethod(InputError):
+    """A selection method name that is not registered (`kvstitch.select.check_method`)."""
+
+    code, param = "invalid_method", "method"
+
+
+class BadMethodOption(InputError):
+    """Options a selection method does not take, or values it refuses."""
+
+    code, param = "invalid_method", "method"
+
+
+class BadRatio(InputError):
+    """A recompute ratio outside [0, 1] (or not a number)."""
+
+    code, param = "invalid_request", "ratio"
+
+
+class PromptTooLong(InputError):
+    """Prompt + new tokens exceed the model's positions (nothing is ever truncated)."""
+
+    code, param = "context_length_exceeded", "messages"
+
+
+class UnknownDecodePolicy(InputError):
+    """A sparse decode policy name that is not registered."""
+
+    code, param = "invalid_decode", "decode"
+
+
+class BadDecodeOption(InputError):
+    """Options a decode policy does not take."""
+
+    code, param = "invalid_decode", "decode"
+
+
+class EvalError(KVStitchError):
+    """An evaluation run in which every sample failed (the log holds no new row; see errors.log)."""
+
+    exit_code = 1  # the run failed; 2 is kept for bad input
 
 
 class ModelLoadError(KVStitchError):

@@ -26,7 +26,7 @@ suffix (history + last user turn + assistant header) is what query-driven select
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -102,6 +102,16 @@ class PromptLayout:
             raise ValueError(f"the first {self.pinned} chunk(s) are pinned: order {order} moves them")
         return PromptLayout(self.prefix_ids, [self.chunk_ids[i] for i in order], self.suffix_ids,
                             [self.order[i] for i in order], self.pinned, self.question)
+
+
+def with_answer_prefix(layout: PromptLayout, tokenizer, answer_prefix: str | None) -> PromptLayout:
+    """`layout` with an answer prefix (RULER's "The special magic number for X mentioned in the provided
+    text is") appended after the assistant header. It belongs to the suffix, so query-driven selectors see
+    it as part of the query. None or "" leaves the layout as it is."""
+    if not answer_prefix:
+        return layout
+    extra = tokenizer.encode(answer_prefix.strip(), add_special_tokens=False)
+    return replace(layout, suffix_ids=torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]))
 
 
 class PromptBuilder:

@@ -72,9 +72,9 @@ def self_check(model, adapter, probe_ids: torch.Tensor, delta: int | None = None
     for start in (0, delta):
         cache = StitchCache.empty(adapter, capacity=n, device=dev, dtype=next(model.parameters()).dtype)
         pos = torch.arange(start, start + n, device=dev)
-        cache.slots = torch.arange(n, device=dev)
-        model(input_ids=probe_ids.view(1, -1).to(dev), position_ids=pos.view(1, -1), past_key_values=cache,
-              use_cache=True, logits_to_keep=1)
+        with cache.mode(slots=torch.arange(n, device=dev)):
+            model(input_ids=probe_ids.view(1, -1).to(dev), position_ids=pos.view(1, -1), past_key_values=cache,
+                  use_cache=True, logits_to_keep=1)
         kv.append(cache.stacked_keys())
     moved = rerotate(kv[0], delta, inv_freq_table(adapter))
     err = (moved.float() - kv[1].float()).abs().max().item() / kv[1].float().abs().max().clamp_min(1e-6).item()

@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -52,14 +52,15 @@ import typer
 
 if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands other than serve stay light
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
 
 from .budget import parse_ratio
 from .engine import STOP, GenerationResult
 from .errors import InputError, KVStitchError
 from .prompt import normalize_messages
 from .retrieval import CollectionCache, CollectionNotFound, collections_root
+from .select import check_method
 from .select import methods as registered_methods
+from .server_core import ApiError, ClientGone, Job, QueueFull  # noqa: F401  (re-exported: tests, routers)
 from .server_documents import DocumentService, documents_router, resolve_document_ids
 from .server_config import config_callback, print_config
 from .server_security import SecurityConfig, install_security
@@ -77,35 +78,9 @@ CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "method_options", "guard"}
 
 
-# ---- errors ----------------------------------------------------------------------------------------
-class ApiError(Exception):
-    """An error answered as OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> "JSONResponse":
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def _input_error(e: Exception) -> ApiError:
-    """Map an engine `InputError` to a 400 with an OpenAI-style code."""
-    msg = str(e)
-    if "positions" in msg and "limit" in msg:
-        return ApiError(400, msg, code="context_length_exceeded", param="messages")
-    if msg.startswith("unknown method") or msg.startswith("bad option for method"):
-        return ApiError(400, msg, code="invalid_method", param="method")
-    if "decode policy" in msg:
-        return ApiError(400, msg, code="invalid_decode", param="decode")
-    return ApiError(400, msg, code="invalid_request")
+def _input_error(e: InputError) -> ApiError:
+    """An `InputError` as a 400: its type sets `code` and `param` (`kvstitch.errors`), never its message."""
+    return ApiError(400, str(e), code=e.code, param=e.param)
 
 
 # ---- metrics (Prometheus text, written by hand) ----------------------------------------------------
@@ -228,39 +203,6 @@ class Metrics:
 
 # ---- the engine worker -----------------------------------------------------------------------------
 _DONE = object()
-
-
-@dataclass
-class Job:
-    kwargs: dict  # Engine.stream arguments
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    started_at: float | None = None
-    tokens: int = 0
-    checked_at: float = field(default_factory=time.monotonic)  # last client-disconnect check
-    stop: list[str] = field(default_factory=list)  # stop sequences (handled here, not by the engine)
-    fn: Any = None  # instead of a generation: fn(engine) -> result, run on the engine thread (documents API)
-
-    def emit(self, kind: str, value=None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            self.cancelled.set()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request waited or ran."""
-
-
-class QueueFull(Exception):
-    def __init__(self, retry_after: int):
-        super().__init__(f"queue full; retry after {retry_after} s")
-        self.retry_after = retry_after
 
 
 class EngineWorker:
@@ -504,9 +446,10 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
     method = body.get("method", default_method)
     if not isinstance(method, str):
         raise _bad(f"'method' must be a string, got {method!r:.60}", "method")
-    known = registered_methods()
-    if method not in known:
-        raise _bad(f"unknown method {method!r:.60}; known methods: {', '.join(known)}", "method", "invalid_method")
+    try:
+        check_method(method)
+    except InputError as e:
+        raise _input_error(e) from None
     if "ratio" in body and "recompute_ratio" in body:
         raise _bad("pass 'ratio' or 'recompute_ratio', not both", "ratio")
     ratio_name = "ratio" if "ratio" in body else "recompute_ratio"
@@ -689,8 +632,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    if default_method not in registered_methods():
-        raise InputError(f"unknown method {default_method!r}; known methods: {', '.join(registered_methods())}")
+    check_method(default_method)
     default_ratio = parse_ratio(default_ratio)
     if not 0.0 <= guard_rate <= 1.0:
         raise InputError(f"guard rate must be in [0, 1], got {guard_rate}")
@@ -1088,8 +1030,7 @@ def serve_command(
 
     console = Console(stderr=True)
     print_config(ctx, console)  # the effective configuration, once (server_config)
-    if method not in registered_methods():  # before the (slow) model load
-        raise InputError(f"unknown method {method!r}; known methods: {', '.join(registered_methods())}")
+    check_method(method)  # before the (slow) model load
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     ratio = parse_ratio(ratio)

@@ -23,6 +23,7 @@ import re
 import time
 
 from .errors import InputError, StoreError
+from .server_core import ApiError, Job, QueueFull
 
 _ID_RE = re.compile(r"doc-[0-9a-f]{32}")
 MAX_DOCUMENTS_PER_POST = 256
@@ -33,20 +34,14 @@ def document_id(text: str) -> str:
 
 
 def _bad(msg: str, param: str | None = None, code: str = "invalid_request"):
-    from .server import ApiError
-
     return ApiError(400, msg, code=code, param=param)
 
 
 def _not_found(doc_id: str):
-    from .server import ApiError
-
     return ApiError(404, f"document {doc_id!r:.80} not found", code="document_not_found", param="document_ids")
 
 
 def _store_down(e: Exception):
-    from .server import ApiError
-
     return ApiError(503, f"the chunk store is unavailable: {e}", "server_error", "store_unavailable")
 
 
@@ -104,8 +99,6 @@ class DocumentService:
         return {"docs": docs, "computed": res.computed, "already_stored": res.already_stored}
 
     async def run_on_engine(self, fn):
-        from .server import ApiError, Job, QueueFull
-
         job = Job({}, asyncio.get_running_loop())
         job.fn = fn
         try:

@@ -102,22 +102,16 @@ def selection_picture(engine, question: str, chunks: list[str], methods: list[st
                       answer_prefix: str | None = None, with_answers: bool = True,
                       max_new_tokens: int = 24) -> Picture:
     """Selections (and scores, answers) of `methods` on one prompt."""
-    from .eval.runner import oracle_sets, select_tokens
     from .eval.scoring import scorer_for
-    from .prompt import PromptLayout
+    from .eval.selection import oracle_sets, select_tokens
+    from .prompt import with_answer_prefix
+    from .select import check_methods
     from .select import methods as registered
 
-    unknown = [m for m in methods if m not in registered()]
-    if unknown:
-        raise InputError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(registered())}")
+    check_methods(methods)
     if not methods:
         raise InputError("no methods to draw")
-    layout = engine.layout(question, chunks)
-    if answer_prefix:
-        extra = engine.tokenizer.encode(answer_prefix.strip(), add_special_tokens=False)
-        layout = PromptLayout(layout.prefix_ids, layout.chunk_ids,
-                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]),
-                              question=layout.question)
+    layout = with_answer_prefix(engine.layout(question, chunks), engine.tokenizer, answer_prefix)
     texts, chunk_of, roles = _token_roles(engine, layout, chunks, inserts or [])
     pic = Picture(question=question, answers=list(answers or []), task=task, ratio=ratio, tokens=texts,
                   chunk=chunk_of, role=roles,
@@ -323,7 +317,7 @@ def viz_command(
     from rich.console import Console
 
     from .engine import Engine
-    from .eval.runner import resolve_methods
+    from .select import resolve_methods
     from .eval.tasks import TASKS, generate
 
     console = Console(stderr=True)

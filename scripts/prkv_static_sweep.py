@@ -2,15 +2,21 @@
 
 One prefill of a RULER needle sample, then for each S (0 = fully dynamic pages, 1 = fully static,
 "auto" = App. G's online choice) a diagnostic decode teacher-forced with dense decode's tokens, as
-`kvstitch bench decode` does. Writes JSON + a markdown table.
+`kvstitch bench decode` does. Writes JSON (rows + the command that wrote them) and a markdown table,
+named ``prkv_static_sweep`` for the default page size 16 and ``prkv_static_sweep_page<N>`` otherwise:
 
     .venv/bin/python scripts/prkv_static_sweep.py --context 8192 --budget 1024 --out docs/results
+    .venv/bin/python scripts/prkv_static_sweep.py --context 8192 --budget 1024 --page-size 8 \
+        --ratios 0.25,0.75,auto --out docs/results      # -> prkv_static_sweep_page8.{json,md}
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +25,32 @@ from kvstitch import Engine
 from kvstitch.decode.model_bench import _Sample, _selecting_recall
 from kvstitch.eval.tasks import generate
 
+DEFAULT_PAGE_SIZE = 16
+
+
+def output_name(page_size: int, name: str | None = None) -> str:
+    """File stem of the results: the default page size keeps the historical name."""
+    if name:
+        return name
+    return "prkv_static_sweep" if page_size == DEFAULT_PAGE_SIZE else f"prkv_static_sweep_page{page_size}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| S | budget | page | context | recall | oracle | top-1 agree | mean S chosen |", "|" + "---|" * 8]
+    lines += [f"| {r['static_ratio']} | {r['budget']} | {r['page_size']} | {r['context_tokens']} | {r['recall']:.3f} | "
+              f"{r['oracle_recall']:.3f} | {r['top1_agreement']:.2f} | "
+              f"{'-' if r['mean_chosen_ratio'] is None else format(r['mean_chosen_ratio'], '.2f')} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], out: Path, name: str, command: str) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / f"{name}.json", out / f"{name}.md"
+    meta = {"command": command, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "torch_threads": torch.get_num_threads()}
+    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    md.write_text(table(rows))
+    return js, md
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,10 +58,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--ratios", default="0,0.25,0.5,0.75,1,auto")
-    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    ap.add_argument("--name", default=None, help="file stem (default: prkv_static_sweep[_page<N>])")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    command = "python scripts/prkv_static_sweep.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
 
     eng = Engine.load(a.model) if a.model else Engine.load()
     length = min(a.context, eng.adapter.max_positions - 256)
@@ -51,14 +88,9 @@ def main() -> None:
                      **_selecting_recall(dec), "top1_agreement": agree / a.new_tokens,
                      "mean_chosen_ratio": sum(ratios) / len(ratios) if ratios else None})
         print(rows[-1], flush=True)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "prkv_static_sweep.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| S | budget | page | context | recall | oracle | top-1 agree | mean S chosen |", "|" + "---|" * 8]
-    lines += [f"| {r['static_ratio']} | {r['budget']} | {r['page_size']} | {r['context_tokens']} | {r['recall']:.3f} | "
-              f"{r['oracle_recall']:.3f} | {r['top1_agreement']:.2f} | "
-              f"{'-' if r['mean_chosen_ratio'] is None else format(r['mean_chosen_ratio'], '.2f')} |" for r in rows]
-    (a.out / "prkv_static_sweep.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    js, md = write(rows, a.out, output_name(a.page_size, a.name), command)
+    print(md.read_text())
+    print(f"-> {js}, {md}")
 
 
 if __name__ == "__main__":

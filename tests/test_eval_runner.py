@@ -163,7 +163,7 @@ def test_to_original_order_maps_reordered_chunks():
 def test_eval_command_wiring(engine, tmp_path, monkeypatch):
     """`kvstitch eval` as the CLI will mount it (the model load is replaced by the tiny engine)."""
     from kvstitch.engine import Engine
-    from kvstitch.eval.runner import eval_command
+    from kvstitch.eval.cli import eval_command
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
     app = typer.Typer()
@@ -184,7 +184,7 @@ def test_precompute_mode_flag_reaches_the_engine_rows_and_protocol(engine, tmp_p
     """`--precompute-mode isolated` loads an isolated-precompute engine; its rows say so, and its protocol
     keeps them out of a shared-prefix log."""
     from kvstitch.engine import Engine
-    from kvstitch.eval.runner import eval_command
+    from kvstitch.eval.cli import eval_command
     from kvstitch.store import MemoryStore
 
     seen = {}
@@ -227,7 +227,7 @@ def test_haystack_flag_is_resolved_and_part_of_the_protocol(engine, tmp_path):
 
 
 def test_fidelity_table_has_bootstrap_intervals():
-    from kvstitch.eval.runner import fidelity_table, pooled_recovery, pooled_recovery_ci
+    from kvstitch.eval.report import fidelity_table, pooled_recovery, pooled_recovery_ci
 
     rows = []
     for i in range(12):
@@ -247,3 +247,36 @@ def test_fidelity_table_has_bootstrap_intervals():
     plo, phi = pooled_recovery_ci(m_rows, naive)
     assert plo < p < phi and cells[7].startswith(f"{p:.2f} [")
     assert " [" in cells[8]  # overlap too
+
+
+@pytest.mark.parametrize("failing", ["all", "one"])
+def test_eval_exit_code_when_samples_fail(engine, tmp_path, monkeypatch, failing):
+    """`kvstitch eval` exits 1 when every sample of the run failed; one failed sample of two is logged
+    and the run still succeeds (a long run must not stop for one broken sample)."""
+    import kvstitch.eval.runner as runner
+    from kvstitch.cli import app
+    from kvstitch.engine import Engine
+
+    real = runner.eval_sample
+
+    def flaky(eng, sample, *a, **k):
+        if failing == "all" or sample.meta["index"] == 0:
+            raise RuntimeError("boom")
+        return real(eng, sample, *a, **k)
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
+    monkeypatch.setattr(runner, "eval_sample", flaky)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64",
+                                 "--methods", "random", "--ratios", "0.2", "--n", "2", "--max-new-tokens", "4",
+                                 "--out", str(out)])
+    meta = json.loads((out / "run.json").read_text())
+    if failing == "all":
+        assert r.exit_code == 1, r.output
+        assert "every sample" in r.output and "boom" in r.output
+        assert len(meta["errors_last_run"]) == 2
+        assert not (out / RESULTS).exists() or not read_jsonl(out / RESULTS)
+    else:
+        assert r.exit_code == 0, r.output
+        assert len(meta["errors_last_run"]) == 1
+        assert {row["index"] for row in read_jsonl(out / RESULTS)} == {1}

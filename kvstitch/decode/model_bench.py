@@ -57,7 +57,7 @@ def _positive_int(name: str, value, low: int = 1) -> int:
 def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task, policy_options,
                   page_size) -> tuple[list[int], list[str]]:
     from ..eval.tasks import TASKS
-    from ..select import make_selector, methods
+    from ..select import check_method, make_selector
 
     _positive_int("context", context)
     _positive_int("new_tokens", new_tokens)
@@ -79,8 +79,7 @@ def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method
         raise InputError(f"policy options for {sorted(extra)}, which are not benchmarked")
     if task not in TASKS:
         raise InputError(f"unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
-    if method not in methods():
-        raise InputError(f"unknown method {method!r}; known methods: {', '.join(methods())}")
+    check_method(method)
     if make_selector(method).adjusts_decode():
         raise InputError(f"method {method!r} changes decode attention; sparse decoders cannot run after it")
     for p in policies:
@@ -121,11 +120,14 @@ class _Sample:
     """One prefilled NIAH sample: the shared dense cache, its length and the observation queries."""
 
     def __init__(self, engine, sample, method: str, ratio: float, max_tokens: int, method_options: dict | None):
-        from ..eval.runner import sample_layout
+        from ..prompt import with_answer_prefix
 
         self.engine, self.sample = engine, sample
-        layout = sample_layout(engine, sample)  # with RULER's answer prefix, as `kvstitch eval` prompts
-        self.cache, self.layout, logits, _, _ = engine.prefill(layout, method, ratio, max_tokens, method_options)
+        # with RULER's answer prefix, as `kvstitch eval` prompts (`eval.runner.sample_layout`)
+        layout = with_answer_prefix(engine.layout(sample.question, sample.chunks), engine.tokenizer,
+                                    sample.meta.get("answer_prefix"))
+        pre = engine.prefill(layout, method, ratio, max_tokens, method_options)
+        self.cache, self.layout, logits = pre.cache, pre.layout, pre.logits
         self.n = self.cache.length
         self.first = int(torch.argmax(logits[-1]))
         self._obs = None
@@ -153,7 +155,7 @@ class _Sample:
         eng = self.engine
         cache, dec = self.runner(policy, budget, options)
         tokens = [self.first]
-        while tokens[-1] not in eng.eos_ids and len(tokens) < max_tokens and not eng._stop_text(tokens):
+        while len(tokens) < max_tokens and not eng.finished(tokens):
             tokens.append(int(torch.argmax(eng.decode_step(cache, tokens[-1], dec)[-1])))
         self.cache.truncate(self.n)
         text = eng.tokenizer.decode([t for t in tokens if t not in eng.eos_ids], skip_special_tokens=True)

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import InputError
+from ..errors import BadDecodeOption, UnknownDecodePolicy
 from .scoring import bound_scores, box_scores, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
@@ -40,14 +40,14 @@ def get_policy(policy: "str | DecodePolicy", **kwargs) -> "DecodePolicy":
     """A policy instance from a registered name (``kwargs`` are its fields) or an instance as is."""
     if isinstance(policy, DecodePolicy):
         if kwargs:
-            raise InputError(f"policy options {sorted(kwargs)} given with a policy instance")
+            raise BadDecodeOption(f"policy options {sorted(kwargs)} given with a policy instance")
         return policy
     if policy not in DECODE_POLICIES:
-        raise InputError(f"unknown decode policy {policy!r}; known: {', '.join(sorted(DECODE_POLICIES))}")
+        raise UnknownDecodePolicy(f"unknown decode policy {policy!r}; known: {', '.join(sorted(DECODE_POLICIES))}")
     try:
         return DECODE_POLICIES[policy](**kwargs)
     except TypeError as err:
-        raise InputError(f"bad options for decode policy {policy!r}: {err}") from None
+        raise BadDecodeOption(f"bad options for decode policy {policy!r}: {err}") from None
 
 
 @dataclass
@@ -61,7 +61,7 @@ class DecodePolicy:
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 1:
-            raise InputError(f"{self.name}: sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
+            raise BadDecodeOption(f"{self.name}: sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
 
     def fixed_tokens(self, page_size: int) -> tuple[int, int]:
         """(sink tokens, local-window tokens) for this page size."""
@@ -103,7 +103,7 @@ class BoundPolicy(DecodePolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.group_reduce not in ("max", "mean", "sum"):
-            raise InputError(f"{self.name}: group_reduce must be max, mean or sum, got {self.group_reduce!r}")
+            raise BadDecodeOption(f"{self.name}: group_reduce must be max, mean or sum, got {self.group_reduce!r}")
 
     def page_scores(self, q, kmin, kmax, first_page):
         per_head = bound_scores(q, kmin, kmax)  # [Hkv, G, C]
@@ -153,7 +153,7 @@ class ArkValePolicy(BoundPolicy):
     def _share(self, per_kv_head: torch.Tensor) -> torch.Tensor:
         Hkv, C = per_kv_head.shape  # [Hkv, C] -> the sum over each group of KV heads, repeated
         if Hkv % self.kv_head_groups:
-            raise InputError(f"arkvale: kv_head_groups={self.kv_head_groups} does not divide {Hkv} KV heads")
+            raise BadDecodeOption(f"arkvale: kv_head_groups={self.kv_head_groups} does not divide {Hkv} KV heads")
         shared = per_kv_head.view(self.kv_head_groups, -1, C).sum(dim=1, keepdim=True)
         return shared.expand(self.kv_head_groups, Hkv // self.kv_head_groups, C).reshape(Hkv, C)
 
@@ -171,11 +171,11 @@ class StaticSet:
     def check_static(self) -> None:
         auto = self.static_ratio == "auto"
         if not auto and not (isinstance(self.static_ratio, (int, float)) and 0 <= self.static_ratio <= 1):
-            raise InputError(f"{self.name}: static_ratio must be in [0, 1] or 'auto', got {self.static_ratio!r}")
+            raise BadDecodeOption(f"{self.name}: static_ratio must be in [0, 1] or 'auto', got {self.static_ratio!r}")
         if self.refresh_interval < 1:
-            raise InputError(f"{self.name}: refresh_interval must be >= 1, got {self.refresh_interval}")
+            raise BadDecodeOption(f"{self.name}: refresh_interval must be >= 1, got {self.refresh_interval}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise InputError(f"{self.name}: kernel_size must be odd, got {self.kernel_size}")
+            raise BadDecodeOption(f"{self.name}: kernel_size must be odd, got {self.kernel_size}")
 
 
 @register

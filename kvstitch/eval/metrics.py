@@ -61,6 +61,8 @@ def _index_set(x: Iterable[int] | torch.Tensor) -> set[int]:
 
 def overlap_ratio(selected: Iterable[int] | torch.Tensor, reference: Iterable[int] | torch.Tensor) -> float:
     """|S ∩ G| / |G| (ProphetKV Fig. 3): how much of the critical set G the selection S covers.
-    NaN if G is empty."""
+
+    The project's one definition (the oracle's reference set G is scored with it too). NaN if G is empty:
+    0/0 is undefined, and a NaN cannot be averaged into a mean by mistake the way 1.0 or 0.0 could."""
     s, g = _index_set(selected), _index_set(reference)
     return len(s & g) / len(g) if g else math.nan

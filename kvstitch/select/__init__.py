@@ -3,6 +3,8 @@
 from . import basic  # noqa: F401  (registers full, naive, random)
 from . import a3, ape, infoflow, oracle, prophet  # noqa: F401  (attention-based methods, APE)
 from . import cacheclip, deviation, epic, grouping  # noqa: F401  (epic, cacheblend, kvshare, cacheclip, grouped)
-from .base import SELECTORS, SelectionContext, Selector, make_selector, methods, register, top_k_indices
+from .base import (SELECTORS, SelectionContext, Selector, check_method, check_methods, make_selector, methods,
+                   register, resolve_methods, top_k_indices)
 
-__all__ = ["SELECTORS", "SelectionContext", "Selector", "make_selector", "methods", "register", "top_k_indices"]
+__all__ = ["SELECTORS", "SelectionContext", "Selector", "check_method", "check_methods", "make_selector", "methods",
+           "register", "resolve_methods", "top_k_indices"]

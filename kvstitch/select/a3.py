@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import time
 
 from ..attention import ForwardPlan, attention_probs
-from ..errors import InputError
+from ..errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import group_mean, head_mean
 
@@ -47,11 +47,11 @@ class A3(Selector):
 
     def __post_init__(self):
         if self.layer < 0:
-            raise InputError(f"a3: layer must be >= 0, got {self.layer}")
+            raise BadMethodOption(f"a3: layer must be >= 0, got {self.layer}")
         if self.evict_capacity is not None and self.evict_capacity < 0:
-            raise InputError(f"a3: evict_capacity must be >= 0, got {self.evict_capacity}")
+            raise BadMethodOption(f"a3: evict_capacity must be >= 0, got {self.evict_capacity}")
         if self.evict_kernel < 1 or self.evict_kernel % 2 == 0:
-            raise InputError(f"a3: evict_kernel must be a positive odd number, got {self.evict_kernel}")
+            raise BadMethodOption(f"a3: evict_kernel must be a positive odd number, got {self.evict_kernel}")
 
     def scoring_layer(self, n_layers: int) -> int:
         return min(self.layer, n_layers - 1)

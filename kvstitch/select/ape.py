@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from ..attention import ForwardPlan
-from ..errors import InputError
+from ..errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 
 
@@ -30,7 +30,7 @@ class Ape(Selector):
 
     def __post_init__(self):
         if not self.temperature > 0 or not self.scale > 0:
-            raise InputError(f"ape: temperature and scale must be > 0, got {self.temperature}, {self.scale}")
+            raise BadMethodOption(f"ape: temperature and scale must be > 0, got {self.temperature}, {self.scale}")
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         return torch.zeros(ctx.n_context)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..errors import BadMethodOption, UnknownMethod
+
 if TYPE_CHECKING:
     from ..attention import ForwardPlan
     from ..cache import StitchCache
@@ -43,15 +45,42 @@ def methods() -> list[str]:
     return sorted(SELECTORS)
 
 
-def make_selector(name: str, **kwargs) -> "Selector":
-    from ..errors import InputError
+def check_method(name) -> str:
+    """The one validation of a selection method name (engine, CLI, server, eval, viz and benches call it):
+    -> the name, or `UnknownMethod` naming the registered methods."""
+    if not isinstance(name, str) or name not in SELECTORS:
+        raise UnknownMethod(f"unknown method {name!r:.60}; known methods: {', '.join(methods())}")
+    return name
 
-    if name not in SELECTORS:
-        raise InputError(f"unknown method {name!r}; known methods: {', '.join(methods())}")
+
+def check_methods(names) -> list[str]:
+    """`check_method` for a list: every unknown name in one `UnknownMethod`."""
+    names = list(names)
+    unknown = [n for n in names if not isinstance(n, str) or n not in SELECTORS]
+    if len(unknown) == 1:
+        check_method(unknown[0])
+    if unknown:
+        raise UnknownMethod(f"unknown methods {', '.join(f'{n!r:.60}' for n in unknown)}; "
+                            f"known methods: {', '.join(methods())}")
+    return names
+
+
+def resolve_methods(spec: str, exclude: str = "") -> list[str]:
+    """"all" (or empty) = every registered method; otherwise the comma list. `exclude` drops some."""
+    def csv(s: str) -> list[str]:
+        return [x.strip() for x in s.split(",") if x.strip()]
+
+    names = methods() if spec.strip() in ("", "all") else csv(spec)
+    drop = set(csv(exclude))
+    return [m for m in names if m not in drop]
+
+
+def make_selector(name: str, **kwargs) -> "Selector":
+    check_method(name)
     try:
         return SELECTORS[name](**kwargs)
     except TypeError as e:
-        raise InputError(f"bad option for method {name!r}: {e}") from e
+        raise BadMethodOption(f"bad option for method {name!r}: {e}") from e
 
 
 @dataclass

@@ -11,7 +11,7 @@ An *auxiliary* model picks the tokens the primary model recomputes (Sec. 2.8, 3.
    the chunks; kvstitch's engine is batch-1, so the chunks are looped (each pass is |Q| tokens).
 3. Importance (Sec. 3.3): the *last layer's* attention from the query tokens to the chunk tokens (prefix
    and query columns excluded), averaged over the query tokens; heads: per query head, then the mean
-   within each KV group and over the groups (`scoring.head_mean`, DESIGN.md's GQA rule).
+   within each KV group and over the groups (`scoring.head_mean`, docs/design.md's GQA rule).
 4. Token alignment (Sec. 3.4) by CHARACTER OFFSETS: both tokenizers cut the same chunk text. A primary
    context token gets the MAX score of the auxiliary tokens whose character span overlaps its own
    (max, not mean: a primary token covering any important auxiliary piece - say half of a number that

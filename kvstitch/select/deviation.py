@@ -21,7 +21,7 @@ entered (`SelectionContext.fresh_pass`):
     alpha(t) = (sum_n Phi_{n,t}) * ||dV_t||_1, Phi the layer-1 attention of input token n to t (the
     *fresh* attention of the scoring pass, i.e. the full-prefill attention at that layer), summed over all
     input tokens n that can see t (context + suffix; prefix tokens precede every context token) and
-    averaged over query heads (per query head first, then the mean: DESIGN.md's GQA rule); ||dV_t||_1
+    averaged over query heads (per query head first, then the mean: docs/design.md's GQA rule); ||dV_t||_1
     over all KV heads' dims. The [n, n] attention exists only at this one layer and is reduced to column
     sums in query blocks, so memory stays O(block * N).
 """

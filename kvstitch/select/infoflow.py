@@ -44,7 +44,7 @@ from typing import ClassVar
 import torch
 
 from ..cache import StitchCache
-from ..errors import InputError
+from ..errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import band_layers, layer_mean
 
@@ -60,10 +60,10 @@ class InfoFlow(Selector):
 
     def __post_init__(self):
         if self.weight not in ("mass", "value"):
-            raise InputError(f"{self.name}: weight must be 'mass' or 'value', got {self.weight!r}")
+            raise BadMethodOption(f"{self.name}: weight must be 'mass' or 'value', got {self.weight!r}")
         lo, hi = self.band
         if not 0.0 <= lo <= hi <= 1.0:
-            raise InputError(f"{self.name}: band must satisfy 0 <= lo <= hi <= 1, got {self.band}")
+            raise BadMethodOption(f"{self.name}: band must satisfy 0 <= lo <= hi <= 1, got {self.band}")
 
     def layer_choice(self, n_layers: int) -> tuple[list[int], str]:
         """-> (layers, rule): "explicit" (``layers``), "absolute" (App. B's 22-25, when the model has
@@ -71,7 +71,7 @@ class InfoFlow(Selector):
         if self.layers is not None:
             bad = [i for i in self.layers if not 0 <= i < n_layers]
             if bad or not self.layers:
-                raise InputError(f"{self.name}: layers must be within 0..{n_layers - 1}, got {self.layers}")
+                raise BadMethodOption(f"{self.name}: layers must be within 0..{n_layers - 1}, got {self.layers}")
             return sorted(set(self.layers)), "explicit"
         if self.absolute_layers and max(self.absolute_layers) < n_layers:
             return sorted(set(self.absolute_layers)), "absolute"
@@ -107,7 +107,7 @@ class InfoFlowReorder(InfoFlow):
     def __post_init__(self):
         super().__post_init__()
         if self.chunk_score not in CHUNK_SCORES:
-            raise InputError(f"{self.name}: chunk_score must be one of {', '.join(CHUNK_SCORES)}, "
+            raise BadMethodOption(f"{self.name}: chunk_score must be one of {', '.join(CHUNK_SCORES)}, "
                              f"got {self.chunk_score!r}")
 
     def local_scores(self, ctx: SelectionContext, kvs) -> list[torch.Tensor]:
@@ -158,7 +158,7 @@ def chunk_importance(local: list[torch.Tensor], budget: int, rule: str = "topk_m
     if rule == "max":
         return torch.tensor([float(s.max()) if s.numel() else 0.0 for s in local], dtype=torch.float64)
     if rule != "topk_mass":
-        raise InputError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {rule!r}")
+        raise BadMethodOption(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {rule!r}")
     flat = torch.cat(local)
     chunk_of = torch.cat([torch.full((s.numel(),), i) for i, s in enumerate(local)])
     m = min(max(budget, 1), flat.numel())

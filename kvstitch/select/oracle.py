@@ -3,7 +3,7 @@
 ``mode="attention"`` (default): G of ProphetKV Fig. 3 - the query-to-context attention under full
 prefill, Φ̂_{Q,t}: the suffix (query) tokens attend over the *exact* context K/V, averaged over query
 tokens, heads (per query head, mean within KV groups, then over groups) and all layers. The top-k of
-these scores is the reference set G of the overlap ratio |S ∩ G| / |G| (`overlap_ratio`).
+these scores is the reference set G of the overlap ratio |S ∩ G| / |G| (`kvstitch.eval.metrics.overlap_ratio`).
 
 ``mode="ideal"``: α_ideal(t) = ||Φ̂_{Q,t} V_t - Φ̂'_{Q,t} V'_t||_2 (Eq. 5), following App. F: Φ̂ and V from
 the full prefill, Φ̂' and V' from the stitched (reuse) cache; attention averaged over heads and query
@@ -21,16 +21,11 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import InputError
+from ..errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import layer_mean
 
 
-def overlap_ratio(selected, reference) -> float:
-    """|S ∩ G| / |G| (ProphetKV Fig. 3); 1.0 when G is empty."""
-    s = {int(i) for i in torch.as_tensor(selected).flatten().tolist()}
-    g = {int(i) for i in torch.as_tensor(reference).flatten().tolist()}
-    return len(s & g) / len(g) if g else 1.0
 
 
 @register
@@ -42,7 +37,7 @@ class Oracle(Selector):
 
     def __post_init__(self):
         if self.mode not in ("attention", "ideal"):
-            raise InputError(f"oracle: mode must be 'attention' or 'ideal', got {self.mode!r}")
+            raise BadMethodOption(f"oracle: mode must be 'attention' or 'ideal', got {self.mode!r}")
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         layout, nkv = ctx.layout, ctx.num_kv_heads

@@ -5,7 +5,7 @@ cache, with an attention hook on the requested layers, and returns per layer the
 query head averaged over the suffix tokens, restricted to the context columns: ``[Hq, n_context]``.
 That is ProphetKV's Φ̂'_{Q,t} per head (Eq. 5 notation); reducers below aggregate heads and layers.
 
-GQA (DESIGN.md): attention is computed per query head (the hook's probabilities already are), then
+GQA (docs/design.md, pitfalls): attention is computed per query head (the hook's probabilities already are), then
 averaged within each KV group (`group_mean`) - never average the queries first.
 
 Cost: one forward of |Q| tokens, stopped after the last requested layer; O(|Q| N) per hooked layer.

