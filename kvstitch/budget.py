@@ -40,7 +40,7 @@ from .errors import BadRatio, InputError
 
 AUTO = "auto"
 MODES = ("incremental", "refresh")
-DEFAULT_SCHEDULE = (0.05, 0.1, 0.2, 0.4)
+DEFAULT_SCHEDULE = (0.05, 0.1)  # probe cheaply, then stitched or full prefill: docs/design.md
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ class AutoBudget:
 
     schedule: tuple[float, ...] = DEFAULT_SCHEDULE  # budgets of the rounds, increasing
     max_ratio: float = 1.0  # ceiling; 1.0 = fall back to full prefill when no round converges
-    tol: float = 0.05  # mean KL (nats) between consecutive rounds over the probe; calibrated: docs/design.md
+    tol: float = 0.01  # mean KL (nats) between consecutive rounds over the probe; calibrated: docs/design.md
     probe_tokens: int = 16  # answer tokens compared between rounds (~12 words)
     patience: int = 1  # consecutive agreeing rounds needed
-    mode: str = "incremental"  # or "refresh" (see the module doc)
+    mode: str = "refresh"  # or "incremental" (see the module doc)
 
     def __post_init__(self):
         sched = tuple(float(r) for r in self.schedule)

@@ -23,7 +23,7 @@ def test_tolerance_zero_is_full_prefill_exactly(tiny_engine):
     assert auto.token_ids == full.token_ids
     assert torch.equal(auto.first_logits, full.first_logits)  # the fallback IS a full prefill
     st = auto.stats
-    assert st["converged"] is False and st["ratio_used"] == 1.0 and st["rounds"] == 4
+    assert st["converged"] is False and st["ratio_used"] == 1.0 and st["rounds"] == len(AutoBudget().rounds())
     assert len(auto.recomputed) == st["context_tokens"]
     assert all(r["agreed"] is not True for r in st["round_log"])
 
@@ -43,7 +43,8 @@ def test_rounds_never_recompute_a_context_token_twice(smollm_tokenizer, method, 
     monkeypatch.setattr(eng, "forward", spy)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
     res = eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, recompute_ratio="auto", max_new_tokens=4,
-                       auto={"tol": 0.0, "max_ratio": 0.5})  # never converges: every round runs
+                       auto={"tol": 0.0, "max_ratio": 0.5, "mode": "incremental", "schedule": (0.05, 0.1, 0.2, 0.4)})
+    # never converges: every round runs
     c0, c1 = layout.context_start, layout.context_end
     ctx_slots = [s[(s >= c0) & (s < c1)] for s in seen if s.numel() > 1 or (c0 <= int(s[0]) < c1)]
     # scoring passes run the suffix only; the recompute rounds carry the context tokens
@@ -87,7 +88,7 @@ def test_converged_answer_equals_greedy_decode_of_the_same_cache(smollm_tokenize
 
 def test_ceiling_below_one_keeps_the_last_round_and_reports_not_converged(smollm_tokenizer):
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    res = _gen(eng, auto={"tol": 0.0, "max_ratio": 0.3})
+    res = _gen(eng, auto={"tol": 0.0, "max_ratio": 0.3, "schedule": (0.05, 0.1, 0.2)})
     st = res.stats
     assert st["converged"] is False and st["ratio_used"] < 0.31 and "fallback_s" not in st
     assert [r["ratio"] for r in st["round_log"]] == sorted(r["ratio"] for r in st["round_log"])
@@ -104,7 +105,7 @@ def test_bad_auto_values_are_input_errors(smollm_tokenizer):
     with pytest.raises(InputError, match="does not rank"):
         _gen(eng, method="naive")
     assert parse_ratio("AUTO") == "auto" and parse_ratio("0.25") == 0.25
-    assert AutoBudget(max_ratio=0.3).rounds() == [0.05, 0.1, 0.2, 0.3]
+    assert AutoBudget(max_ratio=0.3, schedule=(0.05, 0.1, 0.2, 0.4)).rounds() == [0.05, 0.1, 0.2, 0.3]
 
 
 def test_guard_full_returns_full_prefill_answer(smollm_tokenizer):
