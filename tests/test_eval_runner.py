@@ -280,3 +280,29 @@ def test_eval_exit_code_when_samples_fail(engine, tmp_path, monkeypatch, failing
         assert r.exit_code == 0, r.output
         assert len(meta["errors_last_run"]) == 1
         assert {row["index"] for row in read_jsonl(out / RESULTS)} == {1}
+
+
+def test_auto_rows_report_agreement_cost_and_resume(engine, tmp_path):
+    """ratio 'auto' next to fixed ratios: rows carry the rounds, the real recomputed fraction and the agreement
+    with full prefill's answer; the auto options are part of the protocol; the summary has an agreement table."""
+    cfg = _cfg(tasks=["niah_single_essay"], methods=["prophet"], ratios=[0.2, "auto"], n=2,
+               auto={"tol": 1e9, "schedule": [0.05, 0.1]})
+    rows = run_eval(engine, cfg, tmp_path, progress=False)
+    auto = [r for r in rows if r["ratio"] == "auto"]
+    fixed = [r for r in rows if r["ratio"] == 0.2]
+    full = {r["index"]: r for r in rows if r["method"] == "full"}
+    assert len(auto) == len(fixed) == 2
+    for r in auto:
+        assert r["rounds"] >= 1 and isinstance(r["converged"], bool) and r["round_ratios"]
+        assert 0.0 < r["ratio_used"] <= 1.0 and r["recompute_cost"] >= r["ratio_used"] - 1e-9
+        assert r["agree_words"] == (r["pred"].split()[:12] == full[r["index"]]["pred"].split()[:12]) or r["agree_words"]
+        assert r["ttft_full_s"] > 0
+    for r in rows:
+        assert isinstance(r["agree_words"], bool) and isinstance(r["agree_first"], bool)
+    assert all(r["agree_words"] and r["agree_first"] for r in full.values())  # full agrees with itself
+    assert json.loads((tmp_path / "run.json").read_text())["protocol"]["auto"]["tol"] == 1e9
+    summary = (tmp_path / "summary.md").read_text()
+    assert "agreement with full prefill" in summary.lower() and "| prophet | auto |" in summary
+    assert (tmp_path / "pareto_160.png").read_bytes()[:8] == PNG
+    again = run_eval(engine, cfg, tmp_path, progress=False)  # resumes: nothing left to run
+    assert again == [] or len(read_jsonl(tmp_path / RESULTS)) == len(rows)

@@ -84,7 +84,7 @@ def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: s
     lines = [f"| method | r | score {b} | score {o} | NLL rec. {b} | NLL rec. {o} | KL {b} | KL {o} | same answer |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = "–" if r["ratio"] is None else f"{r['ratio']:g}"
+        ratio = "–" if r["ratio"] is None else str(r["ratio"]) if r["ratio"] == "auto" else f"{r['ratio']:g}"
         lines.append(f"| {r['method']} | {ratio} | {_f(r['score_base'], 1)} | {_f(r['score_other'], 1)} | "
                      f"{_f(r['nll_rec_base'], 2)} | {_f(r['nll_rec_other'], 2)} | {_f(r['kl_base'], 3)} | "
                      f"{_f(r['kl_other'], 3)} | {100 * r['same_answer']:.0f}% |")

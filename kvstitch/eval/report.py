@@ -588,6 +588,78 @@ def _binned(rows: Sequence[dict], bins: int) -> list[dict]:
     return out
 
 
+def _ratio_of_means(num: Iterable[Any], den: Iterable[Any]) -> float:
+    n, d = _mean(num), _mean(den)
+    return n / d if d and not math.isnan(n) and not math.isnan(d) else math.nan
+
+
+def agreement_table(rows: Sequence[dict]) -> str:
+    """Per method / ratio over all tasks: does the answer say what full prefill said (first 12 words; first
+    token), at what cost (recomputed fraction of the context, rounds' total for ``auto``) and speed (mean
+    full-prefill TTFT / mean TTFT over the same samples). ``auto`` rows add how often they fell back to full."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("agree_words") is not None:
+            groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+    lines = ["| method | ratio | n | agrees with full (12 words) | first token | score (% full) | ratio used | "
+             "recompute cost | TTFT speed-up vs full | fell back to full |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    full_score = {(r["task"], r["index"]): r.get("score") for r in rows if r.get("method") == "full"}
+    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+        g = groups[key]
+        m, ratio = key
+        agree = [float(bool(x["agree_words"])) for x in g]
+        ref = [full_score.get((x["task"], x["index"])) for x in g]
+        pct = _ratio_of_means([x.get("score") for x in g], ref)
+        falls = [x for x in g if x.get("converged") is not None]
+        fell = (f"{sum(1 for x in falls if not x['converged'] and (x.get('ratio_used') or 0) >= 1.0) / len(falls):.2f}"
+                if falls else "–")
+        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | "
+                     f"{fmt_ci(_mean(agree), bootstrap_mean_ci([agree]), 2)} | "
+                     f"{_fmt(_mean(float(bool(x['agree_first'])) for x in g), 2)} | {_fmt(100 * pct, 1)} | "
+                     f"{_fmt(_mean(x.get('ratio_used') for x in g), 3)} | "
+                     f"{_fmt(_mean(x.get('recompute_cost', x.get('ratio_used')) for x in g), 3)} | "
+                     f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
+                     f"{fell} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
+    """Agreement with full prefill (y) vs TTFT speed-up over full prefill (x): fixed ratios as one curve per
+    method, ``auto`` as a star per method (its options in the run's protocol)."""
+    pts: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("agree_words") is not None and r.get("method") not in REFERENCES:
+            pts[(str(r["method"]), _norm_ratio(str(r["method"]), r.get("ratio")))].append(r)
+    if not pts:
+        raise ValueError("no rows with an agreement to plot")
+    fig = _figure(6.4, 4.4)
+    ax = fig.subplots()
+    palette = _palette()
+
+    def xy(g):
+        return (_ratio_of_means([x.get("ttft_full_s") for x in g], [x.get("ttft_s") for x in g]),
+                _mean(float(bool(x["agree_words"])) for x in g))
+
+    for k, method in enumerate(sorted({m for m, _ in pts}, key=_method_key)):
+        color = palette[k % len(palette)]
+        fixed = sorted((r, xy(g)) for (m, r), g in pts.items() if m == method and r != "auto")
+        if fixed:
+            ax.plot([p[0] for _, p in fixed], [p[1] for _, p in fixed], marker="o", color=color, label=f"{method} (fixed)")
+            for r, (x, y) in fixed:
+                ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if (method, "auto") in pts:
+            x, y = xy(pts[(method, "auto")])
+            ax.plot([x], [y], marker="*", markersize=14, linestyle="none", color=color, label=f"{method} auto")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="full prefill (1x)")
+    ax.set_xlabel("TTFT speed-up over full prefill (mean full TTFT / mean TTFT)")
+    ax.set_ylabel("answers equal to full prefill's (12 words)")
+    ax.set_ylim(-0.03, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig | None = None) -> dict[str, Path]:
     """summary.md + accuracy_vs_ratio_<L>.png per length + niah_heatmap.png (when NIAH rows with depths
     exist). -> written paths by name."""
@@ -606,6 +678,9 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig 
         sub = [r for r in rows if int(r["length"]) == L]
         parts += [f"## {L} tokens", "", summary_table(sub), "", "Fidelity and time per stage (all tasks):", "",
                   fidelity_table(sub), ""]
+        if any(r.get("agree_words") is not None for r in sub):
+            parts += ["Agreement with full prefill and its cost (all tasks):", "", agreement_table(sub), ""]
+            written[f"pareto_{L}"] = plot_pareto(sub, out / f"pareto_{L}.png")
         written[f"accuracy_{L}"] = plot_vs_ratio(sub, out / f"accuracy_vs_ratio_{L}.png", ("score",))
         written[f"fidelity_{L}"] = plot_vs_ratio(sub, out / f"fidelity_vs_ratio_{L}.png", ("kl", "nll_recovery"))
     parts += ["## Full prefill itself (score x100)", "", full_prefill_table(rows), ""]

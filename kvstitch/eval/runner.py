@@ -464,7 +464,7 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     bad_tasks = [t for t in cfg.tasks if t not in TASKS]
     if bad_tasks:
         raise InputError(f"unknown task(s) {', '.join(bad_tasks)}; known: {', '.join(sorted(TASKS))}")
-    if any(not 0.0 <= r <= 1.0 for r in cfg.ratios):
+    if any(r != AUTO and not 0.0 <= r <= 1.0 for r in cfg.ratios):
         raise InputError(f"ratios must be in [0, 1], got {cfg.ratios}")
     model_desc = _model_desc(engine)
     cfg.storage_dtype = getattr(engine.store, "storage_dtype", cfg.storage_dtype)  # the engine's store decides
@@ -514,7 +514,7 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
 
         def on_start(sample: Sample, m: str, r: float | None) -> None:
             bar.update(pid, now=f"{sample.task}#{sample.meta['index']} L={sample.meta['length']} {m}"
-                                + ("" if r is None else f" r={r:g}"))
+                                + ("" if r is None else f" r={r}"))
 
         for sample, todo in plan:
             key = (sample.task, sample.meta["seed"], sample.meta["index"], sample.meta["length"],
