@@ -37,6 +37,7 @@ class EnsureResult:
     tokens: int = 0        # tokens of the computed chunks
     seconds: float = 0.0   # compute + store time
     computed_keys: list[str] = field(default_factory=list)
+    all_keys: list[list[str]] = field(default_factory=list)  # every key of each input chunk (one per prefix)
 
 
 def ensure_chunks(engine: "Engine", chunk_ids: list[torch.Tensor], *, prefix_ids: torch.Tensor | None = None,
@@ -45,13 +46,41 @@ def ensure_chunks(engine: "Engine", chunk_ids: list[torch.Tensor], *, prefix_ids
     """Make sure every chunk's K/V is in ``engine.store``: compute the missing ones (distinct chunks,
     ``batch_size`` per forward, in first-occurrence order) and write them back.
 
+    ``prefix_ids``: the shared prefix of the request the chunks are for. None (precompute ahead of requests)
+    = every canonical prefix (`PromptBuilder.canonical_prefixes`: the question layout's and the conversation
+    layout's), so both kinds of request find their chunks; ``result.keys`` are then the first prefix's and
+    ``result.all_keys[i]`` every key of chunk i.
+
     ``load=False`` checks presence only (no entry is read). ``load=True`` reads every stored chunk
     (refusing a foreign entry or one whose token ids differ: it is recomputed) and returns each input
     chunk's `ChunkKV` in ``result.kvs``; a freshly computed one is given in the form a later hit will
     return (storage dtype round trip), so cold and warm requests agree.
     ``on_batch(done, total, tokens)`` is called after each computed batch (distinct chunks)."""
+    if prefix_ids is None:
+        if load:
+            raise ValueError("ensure_chunks(load=True) needs the request's prefix_ids")
+        total: EnsureResult | None = None
+        for prefix in engine.builder.canonical_prefixes():
+            res = _ensure(engine, chunk_ids, prefix, False, batch_size, on_batch)
+            if total is None:
+                total = res
+                continue
+            for i, k in enumerate(res.keys):
+                total.all_keys[i].append(k)
+            total.hits += res.hits
+            total.misses += res.misses
+            total.computed += res.computed
+            total.already_stored += res.already_stored
+            total.tokens += res.tokens
+            total.seconds += res.seconds
+            total.computed_keys += res.computed_keys
+        return total
+    return _ensure(engine, chunk_ids, prefix_ids, load, batch_size, on_batch)
+
+
+def _ensure(engine: "Engine", chunk_ids: list[torch.Tensor], prefix: torch.Tensor, load: bool, batch_size: int,
+            on_batch: Callable[[int, int, int], None] | None) -> EnsureResult:
     store = engine.store
-    prefix = engine.builder.prefix_ids if prefix_ids is None else prefix_ids
     keys = [engine.chunk_key(prefix, ids) for ids in chunk_ids]
     start = 0 if engine.precompute_mode == "isolated" else prefix.numel()  # where a valid entry was computed
     first: dict[str, int] = {}
@@ -69,7 +98,7 @@ def ensure_chunks(engine: "Engine", chunk_ids: list[torch.Tensor], *, prefix_ids
             present[key] = kv is not None
         else:
             present[key] = key in store
-    res = EnsureResult(keys=keys)
+    res = EnsureResult(keys=keys, all_keys=[[k] for k in keys])
     res.hits = sum(present[k] for k in keys)
     res.misses = len(keys) - res.hits
     res.already_stored = sum(present.values())
@@ -134,20 +163,15 @@ def precompute_directory(engine: "Engine", docs_dir, chunk_tokens: int = 256, ov
     Returns the report and the ``(document, chunk text)`` list (what `index` embeds)."""
     chunks, ids = directory_chunks(engine, docs_dir, chunk_tokens, overlap)
     t0 = time.perf_counter()
-    prefixes = engine.builder.canonical_prefixes()  # the question layout's and the conversation layout's
-    rep = PrecomputeReport(chunks=len(chunks))
     with progress_bar(progress) as bar:
         task = bar.add_task("precompute", total=None, tps=0.0, cps=0.0)
-        for n, prefix in enumerate(prefixes):
-            def step(done: int, total: int, tokens: int) -> None:
-                dt = time.perf_counter() - t0
-                bar.update(task, completed=rep.computed + done, total=rep.computed + total + (len(prefixes) - n - 1)
-                           * len(ids), tps=(rep.tokens + tokens) / dt if dt else 0.0,
-                           cps=(rep.computed + done) / dt if dt else 0.0)
 
-            res = ensure_chunks(engine, ids, prefix_ids=prefix, batch_size=batch_size, on_batch=step)
-            rep.computed += res.computed
-            rep.tokens += res.tokens
-    rep.skipped = len(chunks) * len(prefixes) - rep.computed
-    rep.seconds = time.perf_counter() - t0
+        def step(done: int, total: int, tokens: int) -> None:
+            dt = time.perf_counter() - t0
+            bar.update(task, completed=done, total=total, tps=tokens / dt if dt else 0.0,
+                       cps=done / dt if dt else 0.0)
+
+        res = ensure_chunks(engine, ids, batch_size=batch_size, on_batch=step)  # every canonical prefix
+    rep = PrecomputeReport(chunks=len(chunks), computed=res.computed, skipped=res.already_stored,
+                           tokens=res.tokens, seconds=time.perf_counter() - t0)
     return rep, chunks

@@ -60,9 +60,10 @@ class PrecomputeWorker:
         return {"pid": os.getpid(), "fingerprint": self.engine.fingerprint, "tokenizer": self.engine.tokenizer_id,
                 "device": str(self.engine.device)}
 
-    def keys(self, chunks: list[list[int]]) -> list[str]:
-        prefix = self.engine.builder.prefix_ids
-        return [self.engine.chunk_key(prefix, torch.tensor(c, dtype=torch.long)) for c in chunks]
+    def keys(self, chunks: list[list[int]]) -> list[list[str]]:
+        """Every store key of each chunk: one per canonical prefix (question and chat layouts)."""
+        prefixes = self.engine.builder.canonical_prefixes()
+        return [[self.engine.chunk_key(p, torch.tensor(c, dtype=torch.long)) for p in prefixes] for c in chunks]
 
     def run(self, batch_id: int, chunks: list[list[int]], batch_size: int) -> dict:
         from .precompute import ensure_chunks
@@ -176,16 +177,17 @@ class RayPrecompute:
             keys = ray.get(self.actors[0].keys.remote(chunks)) if chunks else []
         except ray.exceptions.RayError as e:
             raise KVStitchError(f"the Ray workers could not load the model: {e}") from None
-        first: dict[str, int] = {}
+        first: dict[tuple, int] = {}  # a chunk's keys (one per canonical prefix) -> its first occurrence
         for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        rep.distinct = len(first)
+            first.setdefault(tuple(k), i)
+        rep.distinct = sum(len(k) for k in first)
         try:
             with open_store(self.store, storage_dtype=self.storage_dtype) as store:
-                todo = [k for k in first if k not in store]
+                missing = {k: [x for x in k if x not in store] for k in first}
         except StoreError as e:
             raise KVStitchError(f"cannot reach the store {self.store}: {e}") from None
-        rep.skipped = rep.distinct - len(todo)
+        todo = [k for k in first if missing[k]]  # whole chunks: a worker fills every missing prefix of it
+        rep.skipped = rep.distinct - sum(len(m) for m in missing.values())
         batches = deque((b, [chunks[first[k]] for k in todo[i:i + self.batch_size]], 0)
                         for b, i in enumerate(range(0, len(todo), self.batch_size)))
         rep.batches = len(batches)

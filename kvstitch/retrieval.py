@@ -460,19 +460,9 @@ def precompute_chunks(engine, texts: list[str], batch: int = 8, progress=None) -
     from .precompute import ensure_chunks
 
     ids = [engine.builder.build("?", [text]).chunk_ids[0] for text in texts]
-    # one cache per canonical prefix: the question layout's and the conversation layout's (the server's)
-    out = {"computed": 0, "already_stored": 0, "seconds": 0.0}
-    prefixes = engine.builder.canonical_prefixes()
-    for n, prefix in enumerate(prefixes):
-        base = out["computed"]
-        res = ensure_chunks(engine, ids, prefix_ids=prefix, batch_size=batch,
-                            on_batch=None if progress is None else
-                            (lambda done, total, _tokens, base=base: progress(base + done, base + total)))
-        out["computed"] += res.computed
-        out["already_stored"] += res.already_stored
-        out["seconds"] += res.seconds
-    out["seconds"] = round(out["seconds"], 3)
-    return out
+    res = ensure_chunks(engine, ids, batch_size=batch,  # every canonical prefix (question and chat layouts)
+                        on_batch=None if progress is None else (lambda done, total, _tokens: progress(done, total)))
+    return {"computed": res.computed, "already_stored": res.already_stored, "seconds": round(res.seconds, 3)}
 
 
 # ---- asking ----------------------------------------------------------------------------------------

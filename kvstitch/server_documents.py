@@ -87,14 +87,17 @@ class DocumentService:
         res = ensure_chunks(engine, ids)
         now = int(time.time())
         docs = []
-        for text, tok, key in zip(texts, ids, res.keys):
+        for text, tok, keys in zip(texts, ids, res.all_keys):
             did = document_id(text)
             rec = self.store.meta_get("documents", did) or {"id": did, "text": text, "created": now, "keys": {}}
-            rec["keys"][engine.fingerprint] = key
+            # one entry per canonical prefix (question and chat layouts); the first under the plain fingerprint
+            for n, k in enumerate(keys):
+                rec["keys"][engine.fingerprint if n == 0 else f"{engine.fingerprint}:{n}"] = k
             rec["tokens"] = int(tok.numel())
             self.store.meta_put("documents", did, rec)
             if pin:
-                self.store.pin(key, document=did)
+                for k in keys:
+                    self.store.pin(k, document=did)
             docs.append(rec)
         return {"docs": docs, "computed": res.computed, "already_stored": res.already_stored}
 

@@ -33,14 +33,23 @@ def test_ensure_chunks_dedupes_skips_stored_and_batches(eng):
     ids = [eng.builder.encode_chunk(t) for t in SAMPLE_CHUNKS]
     puts = _puts(eng.store)
     batches = []
-    res = ensure_chunks(eng, ids + ids[:2], batch_size=3, on_batch=lambda d, n, t: batches.append((d, n, t)))
+    pre = eng.builder.prefix_ids
+    res = ensure_chunks(eng, ids + ids[:2], prefix_ids=pre, batch_size=3,
+                        on_batch=lambda d, n, t: batches.append((d, n, t)))
     assert res.computed == 4 and res.already_stored == 0 and res.misses == 6 and res.hits == 0
     assert len(puts) == 4 and len(set(puts)) == 4  # the repeated chunks were computed once
     assert [b[:2] for b in batches] == [(3, 4), (4, 4)]
     assert res.tokens == sum(int(i.numel()) for i in ids) == batches[-1][2]
     assert res.keys[4] == res.keys[0] and res.kvs is None
-    again = ensure_chunks(eng, ids, batch_size=3)
+    again = ensure_chunks(eng, ids, prefix_ids=pre, batch_size=3)
     assert again.computed == 0 and again.already_stored == 4 and again.hits == 4 and len(puts) == 4
+    # no prefix given (precompute ahead of requests): every canonical prefix, the question one already stored
+    prefixes = eng.builder.canonical_prefixes()
+    both = ensure_chunks(eng, ids, batch_size=3)
+    assert both.computed == 4 * (len(prefixes) - 1) and both.already_stored == 4 * len(prefixes) - both.computed
+    assert all(len(k) == len(prefixes) and k[0] == both.keys[i] for i, k in enumerate(both.all_keys))
+    with pytest.raises(ValueError):
+        ensure_chunks(eng, ids, load=True)
 
 
 def test_ensure_chunks_load_matches_chunk_kvs_and_a_fresh_compute(eng):
@@ -57,11 +66,11 @@ def test_ensure_chunks_load_matches_chunk_kvs_and_a_fresh_compute(eng):
 
 def test_ensure_chunks_refuses_a_foreign_entry(eng):
     ids = [eng.builder.encode_chunk(SAMPLE_CHUNKS[0])]
-    res = ensure_chunks(eng, ids)
+    res = ensure_chunks(eng, ids, prefix_ids=eng.builder.prefix_ids)
     kv = eng.store.get(res.keys[0])
     kv.fingerprint = "someone-else"  # the memory store shares the object: the entry is now foreign
     eng.store.fingerprint = None
-    again = ensure_chunks(eng, ids, load=True)
+    again = ensure_chunks(eng, ids, prefix_ids=eng.builder.prefix_ids, load=True)
     assert again.misses == 1 and again.computed == 1 and again.kvs[0].fingerprint == eng.fingerprint
 
 
@@ -71,6 +80,7 @@ def test_precompute_directory_is_resumable(eng, tmp_path):
     for i, t in enumerate(SAMPLE_CHUNKS):
         (docs / f"d{i}.txt").write_text(t)
     rep, chunks = precompute_directory(eng, docs, chunk_tokens=64, batch_size=2, progress=False)
-    assert rep.chunks == len(chunks) == 4 and rep.computed == 4 and rep.skipped == 0 and rep.tokens > 0
+    n = len(eng.builder.canonical_prefixes())  # one cache per chunk and canonical prefix
+    assert rep.chunks == len(chunks) == 4 and rep.computed == 4 * n and rep.skipped == 0 and rep.tokens > 0
     rep2, _ = precompute_directory(eng, docs, chunk_tokens=64, batch_size=2, progress=False)
-    assert rep2.computed == 0 and rep2.skipped == 4
+    assert rep2.computed == 0 and rep2.skipped == 4 * n

@@ -122,12 +122,13 @@ def test_document_ids_round_trip(disk_engine):
         r = c.post("/v1/documents", json={"text": SAMPLE_CHUNKS[:2]})
         assert r.status_code == 200, r.text
         docs = r.json()["data"]
-        assert r.json()["kvstitch"] == {"computed": 2, "already_stored": 0}
+        n = len(disk_engine.builder.canonical_prefixes())  # one cache per canonical prefix (question, chat)
+        assert r.json()["kvstitch"] == {"computed": 2 * n, "already_stored": 0}
         ids = [d["id"] for d in docs]
         assert all(d["cached"] and not d["pinned"] and d["tokens"] > 0 for d in docs)
-        assert len(disk_engine.store) == 2  # precomputed before the response
+        assert len(disk_engine.store) == 2 * n  # precomputed before the response
         again = c.post("/v1/documents", json={"text": SAMPLE_CHUNKS[0]}).json()
-        assert again["data"][0]["id"] == ids[0] and again["kvstitch"]["already_stored"] == 1
+        assert again["data"][0]["id"] == ids[0] and again["kvstitch"]["already_stored"] == n
         got = c.get(f"/v1/documents/{ids[1]}").json()
         assert got["object"] == "document" and got["cached"] and got["chars"] == len(SAMPLE_CHUNKS[1])
         assert {d["id"] for d in c.get("/v1/documents").json()["data"]} == set(ids)
@@ -135,7 +136,8 @@ def test_document_ids_round_trip(disk_engine):
         by_id = c.post("/v1/chat/completions", json=chat(document_ids=ids))
         assert by_id.status_code == 200, by_id.text
         ext = by_id.json()["kvstitch"]
-        assert ext["store_hits"] == 2 and ext["store_misses"] == 0
+        # both passages are hits; the conversation's system segment (segment 0) is computed once, here
+        assert ext["store_hits"] == 2 and ext["store_misses"] == 1
         inline = c.post("/v1/chat/completions", json=chat(SAMPLE_CHUNKS[:2])).json()
         assert by_id.json()["choices"][0]["message"] == inline["choices"][0]["message"]
 
@@ -145,7 +147,7 @@ def test_document_ids_round_trip(disk_engine):
         assert c.delete(f"/v1/documents/{ids[0]}").status_code == 404
         r = c.post("/v1/chat/completions", json=chat(document_ids=ids))
         assert r.status_code == 404 and r.json()["error"]["code"] == "document_not_found"
-        assert len(disk_engine.store) == 1  # its chunk cache went with it
+        assert len(disk_engine.store) == n + 1  # its chunk caches went with it (the segment's stays)
         assert c.post("/v1/chat/completions", json=chat(SAMPLE_CHUNKS[:1], document_ids=ids[1:])).status_code == 400
         assert c.post("/v1/documents", json={"text": []}).status_code == 400
         assert c.post("/v1/documents", json={"text": "x", "pin": "yes"}).status_code == 400
@@ -162,13 +164,14 @@ def test_pinned_document_survives_gc_that_evicts_unpinned(disk_engine, tmp_path)
         assert pinned["pinned"] and not any(d["pinned"] for d in loose)
         out = CliRunner().invoke(cli_app, ["store", "gc", str(tmp_path / "kv"), "--max-bytes", "0"])
         assert out.exit_code == 0, out.output
-        assert "removed 2 entries" in out.output
+        n = len(disk_engine.builder.canonical_prefixes())  # one cache per canonical prefix (question, chat)
+        assert f"removed {2 * n} entries" in out.output
         assert c.get(f"/v1/documents/{pinned['id']}").json()["cached"] is True
         assert all(c.get(f"/v1/documents/{d['id']}").json()["cached"] is False for d in loose)
         r = c.post("/v1/chat/completions", json=chat(document_ids=[pinned["id"], loose[0]["id"]]))
         assert r.status_code == 200 and r.json()["kvstitch"]["store_hits"] == 1  # the evicted one is recomputed
         stats = CliRunner().invoke(cli_app, ["store", "stats", str(tmp_path / "kv")])
-        assert "1 pinned entries" in stats.output and "by model" in stats.output
+        assert f"{n} pinned entries" in stats.output and "by model" in stats.output
 
 
 def _kv(n=64, fp="m"):
@@ -243,9 +246,11 @@ def test_redis_stopped_and_restarted_mid_stream_loses_no_request(tiny):
             stored = RedisStore(url).keys()
         for e, g in zip(expected, got):
             assert g["choices"][0]["message"] == e["choices"][0]["message"]
-        assert [g["kvstitch"]["store_misses"] for g in got[3:6]] == [3, 3, 3]  # computed while the store was down
+        # computed while the store was down: 3 passages + the conversation's system segment
+        assert [g["kvstitch"]["store_misses"] for g in got[3:6]] == [4, 4, 4]
         # writes resumed: the chunks of the last requests are stored again
-        keys = {shared.chunk_key(shared.builder.prefix_ids, ids) for ids in shared.layout("q", bodies[8]["documents"]).chunk_ids}
+        lay = shared.layout(None, bodies[8]["documents"], bodies[8]["messages"])  # the server's conversation layout
+        keys = {shared.chunk_key(lay.prefix_ids, ids) for ids in lay.chunk_ids}
         assert keys <= set(stored)
     finally:
         proc.terminate()
