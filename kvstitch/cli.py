@@ -239,14 +239,20 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
                    methods: str = typer.Option("random", help="comma-separated methods (full is always run)"),
                    ratio: float = typer.Option(0.2), repeats: int = typer.Option(3),
                    chunk_tokens: int = typer.Option(256),
-                   cold: bool = typer.Option(True, help="also time the first method with a cold store "
-                                                        "(chunks precomputed on the request path)"),
+                   cold: bool = typer.Option(True, help="also time the first method with a cold and a half-warm "
+                                                        "store (the engine's cold path)"),
+                   cold_path: str = typer.Option("auto", help="cold-path policy: auto, full_prefill or stitched "
+                                                              "(kvstitch.cold)"),
                    out: Path = typer.Option(Path("docs/results"), help="output directory"),
                    model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
     """Full-prefill TTFT vs stitched TTFT (warm and cold chunk store), ratios measured in one run."""
     from .bench import bench_ttft, ttft_table, write_results
 
+    from .cold import check_cold_path
+
+    check_cold_path(cold_path, 0.5)
     eng = _load(model, store)
+    eng.cold_path = cold_path
     rows = bench_ttft(eng, _csv_ints(lengths), _csv(methods), ratio, repeats, chunk_tokens, cold=cold)
     table = ttft_table(rows)
     write_results(rows, out, "bench_ttft", table, {"model": eng.adapter.describe(), "device": str(eng.device),

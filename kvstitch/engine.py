@@ -11,6 +11,7 @@ import torch
 
 from .attention import ForwardPlan, StopForward
 from .cache import StitchCache
+from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred, take_full_prefill
 from .chunk import ChunkKV
 from .errors import InputError, PromptTooLong, UnknownDecodePolicy
 from .identity import register_model, tokenizer_fingerprint
@@ -89,11 +90,16 @@ def default_device() -> torch.device:
 
 class Engine:
     def __init__(self, model, tokenizer, weights_id: str, store: ChunkStore | None = None,
-                 check_rope: bool = True, precompute: str = "shared_prefix"):
+                 check_rope: bool = True, precompute: str = "shared_prefix", cold_path: str = "auto",
+                 cold_threshold: float = DEFAULT_COLD_THRESHOLD):
         """``precompute``: how chunk caches are computed - "shared_prefix" (after the shared prefix, the one
         attention sink) or "isolated" (each chunk from position 0 on its own, as A3 / InfoFlow do); part of
-        the chunk store key."""
+        the chunk store key. ``cold_path`` / ``cold_threshold``: what a request whose chunks are missing from
+        the store does ("auto": full prefill when more than the threshold of its context is missing, the
+        chunks precomputed off the request path; see `kvstitch.cold`)."""
         self.precompute_mode = check_precompute(precompute)
+        self.cold_path, self.cold_threshold = check_cold_path(cold_path, cold_threshold)
+        self.deferred = DeferredPrecompute()
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter_for(model)
@@ -220,6 +226,11 @@ class Engine:
                          precompute=self.precompute_mode)
         return [kv.to(self.device, self.dtype) for kv in res.kvs]
 
+    def precompute_deferred(self, max_chunks: int | None = None) -> int:
+        """Compute and store the chunks cold requests answered by full prefill left behind (`kvstitch.cold`);
+        up to ``max_chunks`` of them -> how many were handled. Call it off the request path."""
+        return precompute_deferred(self, max_chunks)
+
     # ---- stitching ------------------------------------------------------------------------------
     def stitch(self, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:
         """Prefix K/V + every chunk's K/V, keys re-rotated from precompute to global positions."""
@@ -338,9 +349,10 @@ class Engine:
         stats: dict = {"method": req.method, "ratio": ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
-        pre = self._prefill(layout, selector, ratio, req.max_new_tokens, stats, req.auto)
+        pre = self._prefill(layout, selector, ratio, req.max_new_tokens, stats, req.auto, cold=True)
         if req.guard:
             yield from self._guarded(req, pre, t_start)
+            self.precompute_deferred()  # after the answer (a consumer that reads to the end: `run`)
             return
         tokens: list[int] = []
         steps = self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
@@ -354,6 +366,7 @@ class Engine:
                 steps.close()
                 break
         yield self._result(req, pre, tokens, (time.perf_counter() - t0) / max(len(tokens) - 1, 1))
+        self.precompute_deferred()  # cold chunks, after the answer (a consumer that reads to the end: `run`)
 
     def _result(self, req: GenerationRequest, pre: "Prefill", tokens: list[int], tpot: float) -> GenerationResult:
         stats = pre.stats
@@ -433,18 +446,25 @@ class Engine:
                 auto: AutoBudget | dict | None = None, selector=None) -> "Prefill":
         """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
         `decode_step`, the eval harness, benches) -> `Prefill` (cache with room for ``max_new_tokens``).
-        ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores)."""
+        ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores).
+        The cold-path policy (`kvstitch.cold`) applies to requests (`generate`, `stream`), not here: missing
+        chunks are precomputed and ``method`` always runs."""
         ratio = self._check_request(layout, method, recompute_ratio, max_new_tokens)
         selector = selector or make_selector(method, **(method_options or {}))
         return self._prefill(layout, selector, ratio, max_new_tokens, {}, auto)
 
     def _prefill(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
-                 auto=None) -> "Prefill":
+                 auto=None, cold: bool = False) -> "Prefill":
         if selector.full_prefill:
             t0 = time.perf_counter()
             cache, logits = self.full_prefill(layout, extra=max_new_tokens)
             stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
             return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
+        if cold and take_full_prefill(self, layout, stats):  # cold store: full prefill answers, chunks computed later
+            t0 = time.perf_counter()
+            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
+            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
+            return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, make_selector("full"))
         if ratio == AUTO:
             t0 = time.perf_counter()
             got = adaptive_prefill(self, layout, selector, AutoBudget.of(auto), max_new_tokens, stats,
