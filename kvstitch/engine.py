@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ForwardPlan, StopForward
+from .batch import DecodeStep, decode_batch
 from .cache import StitchCache
 from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred, take_full_prefill
 from .chunk import ChunkKV
@@ -64,6 +65,9 @@ class GenerationRequest:
     layout: PromptLayout | None = None
     auto: AutoBudget | dict | None = None
     guard: str | None = None
+    # yield a `DecodeStep` for every dense decode step instead of running it: a batching consumer (the
+    # server) runs the steps of several requests in one pass (`Engine.decode_batch`) and sends the logits back
+    batch_decode: bool = False
 
 
 @dataclass
@@ -356,8 +360,17 @@ class Engine:
             return
         tokens: list[int] = []
         steps = self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
-                                   req.kv_budget, req.decode_options)
-        for tok in steps:
+                                   req.kv_budget, req.decode_options, batch_steps=req.batch_decode)
+        back = None
+        while True:
+            try:
+                tok = steps.send(back)
+            except StopIteration:
+                break
+            if isinstance(tok, DecodeStep):  # batch_decode: the consumer runs the step, sends its logits
+                back = yield tok
+                continue
+            back = None
             if not tokens:
                 stats["ttft_s"] = time.perf_counter() - t_start
                 t0 = time.perf_counter()
@@ -512,11 +525,13 @@ class Engine:
     @torch.no_grad()
     def decode_tokens(self, pre: "Prefill", max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                       seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-                      decode_options: dict | None = None, plan: ForwardPlan | None = None):
+                      decode_options: dict | None = None, plan: ForwardPlan | None = None,
+                      batch_steps: bool = False):
         """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
         (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
         model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
-        applies; ``decode`` != "full" hands the cache to a sparse decoder (see `stream`)."""
+        applies; ``decode`` != "full" hands the cache to a sparse decoder (see `stream`). ``batch_steps``: plain
+        dense steps are yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`)."""
         stats, cache = pre.stats, pre.cache
         n = pre.layout.n_total
         if pre.greedy and temperature <= 0:
@@ -529,7 +544,10 @@ class Engine:
         yield from tokens
         if len(tokens) >= max_new_tokens or self.finished(tokens):
             return
-        plan = plan or pre.selector.decode_plan(self, cache, pre.layout, stats) or ForwardPlan()
+        custom = plan or pre.selector.decode_plan(self, cache, pre.layout, stats)
+        plan = custom or ForwardPlan()
+        batchable = batch_steps and custom is None and decode == "full"
+        stats["batched_decode"] = batchable
         stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
         if decode != "full":
             options = dict(decode_options or {})
@@ -542,7 +560,11 @@ class Engine:
             step = len(tokens) - 1
             while not self.finished(tokens) and len(tokens) < max_new_tokens:
                 step += 1
-                if plan.decoder is None:
+                if batchable:
+                    logits = yield DecodeStep(cache, tokens[-1])
+                    if logits is None:
+                        raise InputError("a batched decode step needs its logits sent back (Engine.decode_batch)")
+                elif plan.decoder is None:
                     logits = self.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([cache.length]), plan)
                 else:
                     logits = self._decoder_step(cache, tokens[-1], plan)
@@ -556,6 +578,12 @@ class Engine:
                     stats["decode_recall"] = plan.decoder.recall.summary()
         finally:
             cache.decoder = None
+
+    @torch.no_grad()
+    def decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
+        """Run the pending dense decode steps of several requests in one forward (continuous batching;
+        see `kvstitch.batch`) -> each step's next-token logits ``[1, V]``, in order."""
+        return decode_batch(self, steps)
 
     @torch.no_grad()
     def decode_step(self, cache: StitchCache, token: int, decoder=None) -> torch.Tensor:
