@@ -261,6 +261,37 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
     console.print(f"written: {out / 'bench_ttft.json'}, {out / 'bench_ttft.md'}")
 
 
+@bench_app.command("serve")
+@friendly_errors
+def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separated client concurrencies"),
+                    requests: int = typer.Option(32, help="requests in the fixed mix"),
+                    docs: int = typer.Option(8, help="documents in the shared set"),
+                    doc_tokens: int = typer.Option(256, help="tokens per document"),
+                    docs_per_request: int = typer.Option(4, help="documents per request"),
+                    max_tokens: int = typer.Option(32, help="max_tokens (every other request half of it)"),
+                    methods: str = typer.Option("prophet,random", help="methods the requests cycle through"),
+                    ratio: float = typer.Option(0.2), max_batch: int = typer.Option(16, help="the server's max_batch"),
+                    serial: bool = typer.Option(True, help="also run the serial server (max_batch=1) at the "
+                                                           "highest concurrency"),
+                    out: Path = typer.Option(Path("docs/results"), help="output directory"),
+                    model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
+    """Load test of a real server on loopback: requests/s, tokens/s, TTFT p50/p95, 429 rate, answers vs alone."""
+    from .bench import write_results
+    from .bench_serve import bench_serve, serve_table
+
+    eng = _load(model, store)
+    rows = bench_serve(eng, _csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
+                       tuple(_csv(methods)), ratio, max_batch, serial=serial, log=console.print)
+    table = serve_table(rows)
+    write_results(rows, out, "bench_serve", table, {"model": eng.adapter.describe(), "device": str(eng.device),
+                                                    "store": repr(eng.store), "requests": requests, "docs": docs,
+                                                    "doc_tokens": doc_tokens, "docs_per_request": docs_per_request,
+                                                    "max_tokens": max_tokens, "methods": methods, "ratio": ratio,
+                                                    "max_batch": max_batch})
+    console.print(table, highlight=False)
+    console.print(f"written: {out / 'bench_serve.json'}, {out / 'bench_serve.md'}")
+
+
 def _scalar(text: str):
     """A command-line value: int, float, true/false, none, else the string."""
     low = text.lower()
