@@ -173,6 +173,8 @@ def _budget_note(stats: dict) -> str:
         note = (f"auto: {used:.0%} recomputed, converged in {stats['rounds']} rounds" if stats.get("converged")
                 else f"auto: no convergence in {stats['rounds']} rounds, " +
                 ("full prefill" if used >= 1.0 else f"{used:.0%} recomputed"))
+    if stats.get("cold_path") == "full_prefill":
+        note = "cold store: full prefill (its chunks are cached after the answer)"
     guard = stats.get("guard")
     if guard:
         note += ", guard: " + ("agrees with full prefill" if guard["agreed"] else "corrected to full prefill's answer")

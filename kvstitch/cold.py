@@ -16,6 +16,8 @@ Policy (`Engine(cold_path=..., cold_threshold=...)`):
   the slower selectors (s up to ~0.55 stays under one full prefill at m = 0.5).
 - ``"full_prefill"``: any miss -> full prefill + deferred precompute.
 - ``"stitched"``: always precompute the misses on the request path (the old behaviour).
+- ``recompute_ratio="auto"`` requests keep their own path (rounds of growing budget that end in full
+  prefill when they do not converge, `kvstitch.budget`); the policy applies to fixed ratios.
 
 Chunk caches are never filled from full prefill's own K/V: a chunk cache must see only the shared prefix
 as its context. The deferred chunks are computed by `Engine.precompute_deferred` — off the request path:

@@ -473,11 +473,6 @@ class Engine:
             cache, logits = self.full_prefill(layout, extra=max_new_tokens)
             stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
             return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
-        if cold and take_full_prefill(self, layout, stats):  # cold store: full prefill answers, chunks computed later
-            t0 = time.perf_counter()
-            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
-            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
-            return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, make_selector("full"))
         if ratio == AUTO:
             t0 = time.perf_counter()
             got = adaptive_prefill(self, layout, selector, AutoBudget.of(auto), max_new_tokens, stats,
@@ -490,6 +485,11 @@ class Engine:
                 return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
             stats["recompute_s"] = time.perf_counter() - t0
             return Prefill(got.cache, got.layout, got.logits, got.indices, stats, selector, greedy=got.greedy)
+        if cold and take_full_prefill(self, layout, stats):  # cold store: full prefill answers, chunks computed later
+            t0 = time.perf_counter()
+            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
+            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
+            return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, make_selector("full"))
         kvs = self.chunk_kvs(layout, stats)
         t1 = time.perf_counter()
         cache = self.stitch(layout, kvs, extra=max_new_tokens)
