@@ -1146,6 +1146,9 @@ def serve_command(
     port: int = typer.Option(8000, "--port", help="port to bind"),
     max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
     max_batch: int = typer.Option(8, "--max-batch", help="requests served at once (decode steps batched; 1 = serial)"),
+    cold_path: str = typer.Option("auto", "--cold-path", help="requests whose chunks are not stored: auto (full prefill "
+                                                              "when most miss, chunks computed while idle), "
+                                                              "full_prefill or stitched"),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="default max_tokens"),
     collections_dir: Optional[Path] = typer.Option(
         None, "--collections-dir", help="indexed collections (default: STORE/collections or "
@@ -1177,6 +1180,9 @@ def serve_command(
     console = Console(stderr=True)
     print_config(ctx, console)  # the effective configuration, once (server_config)
     check_method(method)  # before the (slow) model load
+    from .cold import DEFAULT_COLD_THRESHOLD, check_cold_path
+
+    check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     ratio = parse_ratio(ratio)
@@ -1194,7 +1200,7 @@ def serve_command(
         budget = parse_size(max_bytes)
         store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        eng = Engine.load(model, store=store_obj)
+        eng = Engine.load(model, store=store_obj, cold_path=cold_path)
     if eng.store.compute_dtype is None:
         eng.store.compute_dtype = eng.dtype
     root = collections_root(store if store is not None else eng.store, collections_dir)
