@@ -50,6 +50,8 @@ class ForwardPlan:
     # keys the queries may use: bool [n] (every layer and head) or [L, Hkv, n] (per layer and KV head,
     # e.g. A3's SnapKV-style eviction); keys at index >= n (appended later, e.g. decoded tokens) are kept.
     key_keep: torch.Tensor | None = None
+    # a `kvstitch.batch.BatchCache`: batched decode step, attention per row over each request's own cache
+    batch: object | None = None
 
 
 def _mask(q_slots: torch.Tensor, lo: int, hi: int, window: int | None) -> torch.Tensor:
@@ -165,6 +167,9 @@ def kvstitch_attention(module, query, key, value, attention_mask=None, scaling=N
                        sliding_window=None, softcap=None, kvstitch_plan: ForwardPlan | None = None, **kwargs):
     """The transformers attention-interface entry point. query [1,Hq,q,d]; key/value [1,Hkv,n,d]."""
     plan = kvstitch_plan or ForwardPlan()
+    if plan.batch is not None:
+        return plan.batch.attend(module, query, attention_mask=attention_mask, scaling=scaling, dropout=dropout,
+                                 sliding_window=sliding_window, softcap=softcap, **kwargs)
     layer = module.layer_idx
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     gqa = query.shape[1] != key.shape[1]

@@ -33,14 +33,16 @@ def context_of_length(engine: Engine, n_tokens: int, chunk_tokens: int = 256, se
     return s.question, s.chunks
 
 
-COLD = "@cold"  # suffix of a method timed with its chunks missing from the store (computed on the request path)
+COLD = "@cold"  # suffix of a method timed with its chunks missing from the store (the engine's cold path)
+HALF = "@half"  # ... with every other chunk missing (the odd ones: at most half; partially warm store)
 
 
 def _time_ttft(engine: Engine, layout: PromptLayout, method: str, ratio: float) -> tuple[float, dict]:
-    if method.endswith(COLD):  # evict this prompt's chunks: the request computes (and stores) them again
-        method = method[: -len(COLD)]
-        for ids in layout.chunk_ids:
-            engine.store.delete(engine.chunk_key(layout.prefix_ids, ids))
+    for suffix, evict in ((COLD, slice(None)), (HALF, slice(1, None, 2))):
+        if method.endswith(suffix):  # evict (some of) this prompt's chunks: the request's cold path runs
+            method = method[: -len(suffix)]
+            for ids in layout.chunk_ids[evict]:
+                engine.store.delete(engine.chunk_key(layout.prefix_ids, ids))
     res = engine.generate("", [], method=method, recompute_ratio=ratio, max_new_tokens=1, layout=layout)
     return res.ttft_s, res.stats
 
@@ -54,11 +56,13 @@ def bench_ttft(engine: Engine, lengths: list[int], methods: list[str], ratio: fl
 
     Every configuration runs once per repeat, interleaved, so machine noise hits all alike; repeat 0 warms
     up the model and the chunk store and is not timed. ``cold`` adds ``<first method>@cold``: the same
-    request with the prompt's chunks evicted from the store first (cold store: precompute on the request
-    path), next to the warm-store rows and full prefill."""
+    request with the prompt's chunks evicted from the store first (cold store), and ``<first method>@half``
+    with every other chunk evicted (partially warm), next to the warm-store rows and full prefill; their
+    ``cold_path`` column says what the engine's cold-path policy did (`kvstitch.cold`). The chunks a
+    full-prefill cold request defers are computed after its answer (outside the timed TTFT)."""
     rows = []
     methods = [m for m in methods if m != "full"]
-    configs = ["full", *methods] + ([methods[0] + COLD] if cold and methods else [])
+    configs = ["full", *methods] + ([methods[0] + COLD, methods[0] + HALF] if cold and methods else [])
     with Progress(disable=not progress) as bar:
         task = bar.add_task("bench ttft", total=len(lengths) * (repeats + 1) * len(configs))
         for n in lengths:
@@ -78,7 +82,8 @@ def bench_ttft(engine: Engine, lengths: list[int], methods: list[str], ratio: fl
                 med = statistics.median(times[m])
                 r = 1.0 if m == "full" else ratio
                 stage = {k: statistics.median(s[k] for s in stages[m]) for k in _STAGES if k in stages[m][0]}
-                store = {"store": "cold" if m.endswith(COLD) else "warm"} if m != "full" else {}
+                store = {"store": "cold" if m.endswith(COLD) else "half" if m.endswith(HALF) else "warm",
+                         "cold_path": stages[m][0].get("cold_path", "stitched")} if m != "full" else {}
                 rows.append({"context_tokens": layout.n_context, "total_tokens": layout.n_total, "method": m,
                              "ratio": r, "ttft_median_s": med, "ttft_min_s": min(times[m]),
                              "speedup": full_med / med, "ideal_speedup": 1 / r if r else float("inf"),
@@ -87,12 +92,13 @@ def bench_ttft(engine: Engine, lengths: list[int], methods: list[str], ratio: fl
 
 
 def ttft_table(rows: list[dict]) -> str:
-    head = ("| context | method | store | r | TTFT median (s) | TTFT min (s) | speedup vs full | ideal 1/r | load | "
-            "assemble | select | recompute |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| context | method | store | cold path | r | TTFT median (s) | TTFT min (s) | speedup vs full | ideal 1/r | "
+            "load | assemble | select | recompute |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         f = lambda k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
-        lines.append(f"| {r['context_tokens']} | {r['method']} | {r.get('store', '-')} | {r['ratio']:.2f} | {r['ttft_median_s']:.3f} | "
+        lines.append(f"| {r['context_tokens']} | {r['method']} | {r.get('store', '-')} | {r.get('cold_path', '-')} | "
+                     f"{r['ratio']:.2f} | {r['ttft_median_s']:.3f} | "
                      f"{r['ttft_min_s']:.3f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.1f}x | {f('chunk_load_s')} | "
                      f"{f('assemble_s')} | {f('select_s')} | {f('recompute_s')} |")
     return "\n".join(lines)

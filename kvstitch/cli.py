@@ -173,6 +173,8 @@ def _budget_note(stats: dict) -> str:
         note = (f"auto: {used:.0%} recomputed, converged in {stats['rounds']} rounds" if stats.get("converged")
                 else f"auto: no convergence in {stats['rounds']} rounds, " +
                 ("full prefill" if used >= 1.0 else f"{used:.0%} recomputed"))
+    if stats.get("cold_path") == "full_prefill":
+        note = "cold store: full prefill (its chunks are cached after the answer)"
     guard = stats.get("guard")
     if guard:
         note += ", guard: " + ("agrees with full prefill" if guard["agreed"] else "corrected to full prefill's answer")
@@ -239,20 +241,57 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
                    methods: str = typer.Option("random", help="comma-separated methods (full is always run)"),
                    ratio: float = typer.Option(0.2), repeats: int = typer.Option(3),
                    chunk_tokens: int = typer.Option(256),
-                   cold: bool = typer.Option(True, help="also time the first method with a cold store "
-                                                        "(chunks precomputed on the request path)"),
+                   cold: bool = typer.Option(True, help="also time the first method with a cold and a half-warm "
+                                                        "store (the engine's cold path)"),
+                   cold_path: str = typer.Option("auto", help="cold-path policy: auto, full_prefill or stitched "
+                                                              "(kvstitch.cold)"),
                    out: Path = typer.Option(Path("docs/results"), help="output directory"),
                    model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
     """Full-prefill TTFT vs stitched TTFT (warm and cold chunk store), ratios measured in one run."""
     from .bench import bench_ttft, ttft_table, write_results
 
+    from .cold import check_cold_path
+
+    check_cold_path(cold_path, 0.5)
     eng = _load(model, store)
+    eng.cold_path = cold_path
     rows = bench_ttft(eng, _csv_ints(lengths), _csv(methods), ratio, repeats, chunk_tokens, cold=cold)
     table = ttft_table(rows)
     write_results(rows, out, "bench_ttft", table, {"model": eng.adapter.describe(), "device": str(eng.device),
                                                    "store": repr(eng.store)})
     console.print(table, highlight=False)
     console.print(f"written: {out / 'bench_ttft.json'}, {out / 'bench_ttft.md'}")
+
+
+@bench_app.command("serve")
+@friendly_errors
+def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separated client concurrencies"),
+                    requests: int = typer.Option(32, help="requests in the fixed mix"),
+                    docs: int = typer.Option(8, help="documents in the shared set"),
+                    doc_tokens: int = typer.Option(256, help="tokens per document"),
+                    docs_per_request: int = typer.Option(4, help="documents per request"),
+                    max_tokens: int = typer.Option(32, help="max_tokens (every other request half of it)"),
+                    methods: str = typer.Option("prophet,random", help="methods the requests cycle through"),
+                    ratio: float = typer.Option(0.2), max_batch: int = typer.Option(16, help="the server's max_batch"),
+                    serial: bool = typer.Option(True, help="also run the serial server (max_batch=1) at the "
+                                                           "highest concurrency"),
+                    out: Path = typer.Option(Path("docs/results"), help="output directory"),
+                    model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
+    """Load test of a real server on loopback: requests/s, tokens/s, TTFT p50/p95, 429 rate, answers vs alone."""
+    from .bench import write_results
+    from .bench_serve import bench_serve, serve_table
+
+    eng = _load(model, store)
+    rows = bench_serve(eng, _csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
+                       tuple(_csv(methods)), ratio, max_batch, serial=serial, log=console.print)
+    table = serve_table(rows)
+    write_results(rows, out, "bench_serve", table, {"model": eng.adapter.describe(), "device": str(eng.device),
+                                                    "store": repr(eng.store), "requests": requests, "docs": docs,
+                                                    "doc_tokens": doc_tokens, "docs_per_request": docs_per_request,
+                                                    "max_tokens": max_tokens, "methods": methods, "ratio": ratio,
+                                                    "max_batch": max_batch})
+    console.print(table, highlight=False)
+    console.print(f"written: {out / 'bench_serve.json'}, {out / 'bench_serve.md'}")
 
 
 def _scalar(text: str):

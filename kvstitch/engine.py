@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ForwardPlan, StopForward
+from .batch import DecodeStep, decode_batch
 from .cache import StitchCache
+from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred, take_full_prefill
 from .chunk import ChunkKV
 from .errors import InputError, PromptTooLong, UnknownDecodePolicy
 from .identity import register_model, tokenizer_fingerprint
@@ -63,6 +65,9 @@ class GenerationRequest:
     layout: PromptLayout | None = None
     auto: AutoBudget | dict | None = None
     guard: str | None = None
+    # yield a `DecodeStep` for every dense decode step instead of running it: a batching consumer (the
+    # server) runs the steps of several requests in one pass (`Engine.decode_batch`) and sends the logits back
+    batch_decode: bool = False
 
 
 @dataclass
@@ -89,11 +94,16 @@ def default_device() -> torch.device:
 
 class Engine:
     def __init__(self, model, tokenizer, weights_id: str, store: ChunkStore | None = None,
-                 check_rope: bool = True, precompute: str = "shared_prefix"):
+                 check_rope: bool = True, precompute: str = "shared_prefix", cold_path: str = "auto",
+                 cold_threshold: float = DEFAULT_COLD_THRESHOLD):
         """``precompute``: how chunk caches are computed - "shared_prefix" (after the shared prefix, the one
         attention sink) or "isolated" (each chunk from position 0 on its own, as A3 / InfoFlow do); part of
-        the chunk store key."""
+        the chunk store key. ``cold_path`` / ``cold_threshold``: what a request whose chunks are missing from
+        the store does ("auto": full prefill when more than the threshold of its context is missing, the
+        chunks precomputed off the request path; see `kvstitch.cold`)."""
         self.precompute_mode = check_precompute(precompute)
+        self.cold_path, self.cold_threshold = check_cold_path(cold_path, cold_threshold)
+        self.deferred = DeferredPrecompute()
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter_for(model)
@@ -220,6 +230,11 @@ class Engine:
                          precompute=self.precompute_mode)
         return [kv.to(self.device, self.dtype) for kv in res.kvs]
 
+    def precompute_deferred(self, max_chunks: int | None = None) -> int:
+        """Compute and store the chunks cold requests answered by full prefill left behind (`kvstitch.cold`);
+        up to ``max_chunks`` of them -> how many were handled. Call it off the request path."""
+        return precompute_deferred(self, max_chunks)
+
     # ---- stitching ------------------------------------------------------------------------------
     def stitch(self, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:
         """Prefix K/V + every chunk's K/V, keys re-rotated from precompute to global positions."""
@@ -338,14 +353,24 @@ class Engine:
         stats: dict = {"method": req.method, "ratio": ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
-        pre = self._prefill(layout, selector, ratio, req.max_new_tokens, stats, req.auto)
+        pre = self._prefill(layout, selector, ratio, req.max_new_tokens, stats, req.auto, cold=True)
         if req.guard:
             yield from self._guarded(req, pre, t_start)
+            self.precompute_deferred()  # after the answer (a consumer that reads to the end: `run`)
             return
         tokens: list[int] = []
         steps = self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
-                                   req.kv_budget, req.decode_options)
-        for tok in steps:
+                                   req.kv_budget, req.decode_options, batch_steps=req.batch_decode)
+        back = None
+        while True:
+            try:
+                tok = steps.send(back)
+            except StopIteration:
+                break
+            if isinstance(tok, DecodeStep):  # batch_decode: the consumer runs the step, sends its logits
+                back = yield tok
+                continue
+            back = None
             if not tokens:
                 stats["ttft_s"] = time.perf_counter() - t_start
                 t0 = time.perf_counter()
@@ -354,6 +379,7 @@ class Engine:
                 steps.close()
                 break
         yield self._result(req, pre, tokens, (time.perf_counter() - t0) / max(len(tokens) - 1, 1))
+        self.precompute_deferred()  # cold chunks, after the answer (a consumer that reads to the end: `run`)
 
     def _result(self, req: GenerationRequest, pre: "Prefill", tokens: list[int], tpot: float) -> GenerationResult:
         stats = pre.stats
@@ -433,13 +459,15 @@ class Engine:
                 auto: AutoBudget | dict | None = None, selector=None) -> "Prefill":
         """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
         `decode_step`, the eval harness, benches) -> `Prefill` (cache with room for ``max_new_tokens``).
-        ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores)."""
+        ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores).
+        The cold-path policy (`kvstitch.cold`) applies to requests (`generate`, `stream`), not here: missing
+        chunks are precomputed and ``method`` always runs."""
         ratio = self._check_request(layout, method, recompute_ratio, max_new_tokens)
         selector = selector or make_selector(method, **(method_options or {}))
         return self._prefill(layout, selector, ratio, max_new_tokens, {}, auto)
 
     def _prefill(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
-                 auto=None) -> "Prefill":
+                 auto=None, cold: bool = False) -> "Prefill":
         if selector.full_prefill:
             t0 = time.perf_counter()
             cache, logits = self.full_prefill(layout, extra=max_new_tokens)
@@ -457,6 +485,11 @@ class Engine:
                 return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
             stats["recompute_s"] = time.perf_counter() - t0
             return Prefill(got.cache, got.layout, got.logits, got.indices, stats, selector, greedy=got.greedy)
+        if cold and take_full_prefill(self, layout, stats):  # cold store: full prefill answers, chunks computed later
+            t0 = time.perf_counter()
+            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
+            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
+            return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, make_selector("full"))
         kvs = self.chunk_kvs(layout, stats)
         t1 = time.perf_counter()
         cache = self.stitch(layout, kvs, extra=max_new_tokens)
@@ -492,11 +525,13 @@ class Engine:
     @torch.no_grad()
     def decode_tokens(self, pre: "Prefill", max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                       seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-                      decode_options: dict | None = None, plan: ForwardPlan | None = None):
+                      decode_options: dict | None = None, plan: ForwardPlan | None = None,
+                      batch_steps: bool = False):
         """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
         (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
         model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
-        applies; ``decode`` != "full" hands the cache to a sparse decoder (see `stream`)."""
+        applies; ``decode`` != "full" hands the cache to a sparse decoder (see `stream`). ``batch_steps``: plain
+        dense steps are yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`)."""
         stats, cache = pre.stats, pre.cache
         n = pre.layout.n_total
         if pre.greedy and temperature <= 0:
@@ -509,7 +544,10 @@ class Engine:
         yield from tokens
         if len(tokens) >= max_new_tokens or self.finished(tokens):
             return
-        plan = plan or pre.selector.decode_plan(self, cache, pre.layout, stats) or ForwardPlan()
+        custom = plan or pre.selector.decode_plan(self, cache, pre.layout, stats)
+        plan = custom or ForwardPlan()
+        batchable = batch_steps and custom is None and decode == "full"
+        stats["batched_decode"] = batchable
         stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
         if decode != "full":
             options = dict(decode_options or {})
@@ -522,7 +560,11 @@ class Engine:
             step = len(tokens) - 1
             while not self.finished(tokens) and len(tokens) < max_new_tokens:
                 step += 1
-                if plan.decoder is None:
+                if batchable:
+                    logits = yield DecodeStep(cache, tokens[-1])
+                    if logits is None:
+                        raise InputError("a batched decode step needs its logits sent back (Engine.decode_batch)")
+                elif plan.decoder is None:
                     logits = self.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([cache.length]), plan)
                 else:
                     logits = self._decoder_step(cache, tokens[-1], plan)
@@ -536,6 +578,12 @@ class Engine:
                     stats["decode_recall"] = plan.decoder.recall.summary()
         finally:
             cache.decoder = None
+
+    @torch.no_grad()
+    def decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
+        """Run the pending dense decode steps of several requests in one forward (continuous batching;
+        see `kvstitch.batch`) -> each step's next-token logits ``[1, V]``, in order."""
+        return decode_batch(self, steps)
 
     @torch.no_grad()
     def decode_step(self, cache: StitchCache, token: int, decoder=None) -> torch.Tensor:

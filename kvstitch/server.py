@@ -29,11 +29,15 @@ The response carries OpenAI's ``usage`` plus ``kvstitch: {ttft_s, queue_wait_s, 
 recomputed_tokens, context_tokens, method, ratio, decode, retrieved}`` (in the last SSE chunk when
 streaming). Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Concurrency: the model is not thread-safe, so one worker thread owns the engine and serves jobs in
-arrival order, one model step (`Engine.stream` token) at a time; between steps it checks the job's
-cancelled flag, which is set when the client disconnects (SSE: the response task is cancelled; JSON:
-``request.is_disconnected()`` is polled while waiting). Behind the running job at most ``max_queue`` jobs
-wait; more are refused with 429 and a ``Retry-After`` estimated from recent service times.
+Concurrency: the model is not thread-safe, so one worker thread owns the engine. It serves up to
+``max_batch`` jobs at once (continuous batching, `EngineWorker`): a job's prefill runs alone between
+decode steps, then the job joins the batch, whose dense decode steps run as one forward per token
+(`Engine.decode_batch`; each request attends over its own cache, so its answer is the one it gets alone);
+jobs whose decoding cannot batch (sparse decode, APE/A3 decode plans, guard="full") take one model step
+per round. Between steps the worker checks each job's cancelled flag, which is set when the client
+disconnects (SSE: the response task is cancelled; JSON: ``request.is_disconnected()`` is polled while
+waiting). Behind a full batch at most ``max_queue`` jobs wait; more are refused with 429 and a
+``Retry-After`` estimated from recent service times. /metrics reports the batch sizes.
 """
 
 import asyncio
@@ -54,6 +58,7 @@ if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands othe
     from fastapi import FastAPI
 
 from .budget import parse_ratio
+from .batch import DecodeStep
 from .engine import STOP, GenerationResult
 from .errors import InputError, KVStitchError
 from .prompt import normalize_messages
@@ -87,6 +92,7 @@ def _input_error(e: InputError) -> ApiError:
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _Histogram:
@@ -138,6 +144,11 @@ class Metrics:
         "kvstitch_context_tokens_total": ("counter", "context (passage) tokens served"),
         "kvstitch_queue_depth": ("gauge", "jobs waiting for the engine"),
         "kvstitch_busy": ("gauge", "1 while the engine is running a job"),
+        "kvstitch_active_requests": ("gauge", "jobs in flight on the engine (the current batch)"),
+        "kvstitch_max_batch": ("gauge", "jobs the engine serves at once (continuous batching)"),
+        "kvstitch_batch_size": ("histogram", "requests per batched decode pass"),
+        "kvstitch_decode_passes_total": ("counter", "batched decode passes (one forward each)"),
+        "kvstitch_deferred_chunks": ("gauge", "chunks cold requests left to precompute while idle"),
         "kvstitch_max_queue": ("gauge", "queue depth past which requests get 429"),
         "kvstitch_ttft_seconds": ("histogram", "engine time to first token (prefill: load, stitch, select, "
                                                "recompute), excluding the queue wait"),
@@ -161,7 +172,8 @@ class Metrics:
         self.hists = {"kvstitch_ttft_seconds": _Histogram(TTFT_BUCKETS),
                       "kvstitch_queue_wait_seconds": _Histogram(WAIT_BUCKETS),
                       "kvstitch_request_duration_seconds": _Histogram(TTFT_BUCKETS + (60.0, 120.0)),
-                      "kvstitch_recompute_ratio": _Histogram(RATIO_BUCKETS)}
+                      "kvstitch_recompute_ratio": _Histogram(RATIO_BUCKETS),
+                      "kvstitch_batch_size": _Histogram(BATCH_BUCKETS)}
 
     def inc(self, name: str, value: float = 1, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -203,19 +215,41 @@ class Metrics:
 
 # ---- the engine worker -----------------------------------------------------------------------------
 _DONE = object()
+_QUIT = object()
+IDLE_PRECOMPUTE_CHUNKS = 8  # deferred cold chunks computed per idle slice (a new job waits at most one slice)
+
+
+class _Live:
+    """A job in flight on the engine worker: its `Engine.stream` generator and its pending decode step."""
+
+    def __init__(self, job: Job, gen, scan):
+        self.job, self.gen, self.scan = job, gen, scan
+        self.step = None  # a `DecodeStep` waiting for the next batched pass
+        self.send = None  # what to send the generator next (None, or STOP after a stop string)
+        self.batched = False  # its decode steps come as `DecodeStep`s
 
 
 class EngineWorker:
-    """One thread owns the engine: FIFO jobs, each advanced one `Engine.stream` step at a time."""
+    """One thread owns the engine and serves up to ``max_batch`` jobs at once (continuous batching).
 
-    def __init__(self, engine, max_queue: int, metrics: Metrics, warmup: bool = False):
+    Each loop iteration: admit at most one queued job (its prefill runs alone, between decode steps), advance
+    every job that has no pending step by one model step (jobs that cannot batch - sparse decode, a method's
+    decode plan, guard="full" - decode one token at a time here), then run the pending dense decode steps of
+    all the others in one forward (`Engine.decode_batch`). A job joins the batch after its prefill and
+    leaves it when it finishes, is cancelled (checked after each of its tokens) or fails. ``max_batch=1`` is
+    the serial server. While idle, the worker computes the chunks cold requests deferred (`kvstitch.cold`)."""
+
+    def __init__(self, engine, max_queue: int, metrics: Metrics, warmup: bool = False, max_batch: int = 1):
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
         self.engine, self.max_queue, self.metrics, self.warmup = engine, max_queue, metrics, warmup
+        self.max_batch = max_batch
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0
-        self.current: Job | None = None
+        self.active: list = []  # `_Live` jobs in flight
         self._service_ema: float | None = None  # seconds per job
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -226,15 +260,15 @@ class EngineWorker:
         with self._lock:
             if self._stopping:
                 raise QueueFull(5)
-            # in the system: the waiting jobs + the running one; max_queue of them may wait behind a running job
-            if self.waiting + (self.current is not None) > self.max_queue:
+            # in the system: the waiting jobs + the running ones; max_queue of them may wait behind a full batch
+            if self.waiting + len(self.active) > self.max_queue + self.max_batch - 1:
                 raise QueueFull(self._retry_after())
             self.waiting += 1
         self._q.put(job)
 
     def _retry_after(self) -> int:
         per_job = self._service_ema if self._service_ema is not None else 1.0
-        return int(min(60, max(1, math.ceil(per_job * (self.waiting + 1)))))
+        return int(min(60, max(1, math.ceil(per_job * (self.waiting + 1) / self.max_batch))))
 
     @property
     def alive(self) -> bool:
@@ -242,7 +276,13 @@ class EngineWorker:
 
     @property
     def busy(self) -> bool:
-        return self.current is not None
+        return bool(self.active)
+
+    @property
+    def current(self) -> Job | None:
+        """The oldest job in flight (None when idle)."""
+        active = self.active
+        return active[0].job if active else None
 
     def start(self) -> None:
         if self.alive:
@@ -254,9 +294,8 @@ class EngineWorker:
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stopping = True
-        cur = self.current
-        if cur is not None:
-            cur.cancel()
+        for live in list(self.active):
+            live.job.cancel()
         # cancel everything still queued, then the sentinel
         while True:
             try:
@@ -280,20 +319,50 @@ class EngineWorker:
             except Exception:  # noqa: BLE001 - warm-up is best effort
                 pass
         self.ready.set()
+        try:
+            while True:
+                job = self._next_job(block=not self.active)
+                if job is _QUIT:
+                    return
+                if job is not None and len(self.active) < self.max_batch:
+                    self._start(job)
+                self._advance()
+        finally:
+            for live in list(self.active):
+                self._finish(live)
+
+    def _next_job(self, block: bool):
+        """The next queued job (None: none waiting, or the batch is full); while idle, deferred chunks."""
+        if len(self.active) >= self.max_batch:
+            return None
         while True:
-            job = self._q.get()
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return None
+                if not self._idle_precompute():
+                    job = self._q.get()
+                else:
+                    continue
             if job is None:
-                return
+                return _QUIT
             with self._lock:
                 self.waiting -= 1
-                self.current = job
-            try:
-                self._execute(job)
-            finally:
-                with self._lock:
-                    self.current = None
+            return job
 
-    def _execute(self, job: Job) -> None:
+    def _idle_precompute(self) -> bool:
+        """Compute a slice of the chunks cold requests deferred -> False when there is nothing to do."""
+        deferred = getattr(self.engine, "deferred", None)
+        if deferred is None or not len(deferred):
+            return False
+        try:
+            self.engine.precompute_deferred(IDLE_PRECOMPUTE_CHUNKS)
+        except Exception:  # noqa: BLE001 - a failed background precompute must not kill the worker
+            return False
+        return True
+
+    def _start(self, job: Job) -> None:
         job.started_at = time.perf_counter()
         wait = job.started_at - job.enqueued_at
         if job.cancelled.is_set():
@@ -302,40 +371,110 @@ class EngineWorker:
             return
         self.metrics.observe("kvstitch_queue_wait_seconds", wait)
         job.emit("started", wait)
-        gen = None
-        try:
-            if job.fn is not None:
+        if job.fn is not None:
+            try:
                 job.emit("result", job.fn(self.engine))
-                return
-            gen = self.engine.stream(**job.kwargs)
-            scan = StopScanner(self.engine.tokenizer, self.engine.eos_ids, job.stop) if job.stop else None
-            ev = next(gen)
+            except Exception as e:  # noqa: BLE001
+                job.emit("error", self._api_error(e))
+            finally:
+                job.emit("done")
+            return
+        scan = StopScanner(self.engine.tokenizer, self.engine.eos_ids, job.stop) if job.stop else None
+        live = _Live(job, None, scan)
+        self.active.append(live)
+        try:
+            live.gen = self.engine.stream(**job.kwargs, batch_decode=hasattr(self.engine, "decode_batch"))
+        except Exception as e:  # noqa: BLE001
+            job.emit("error", self._api_error(e))
+            self._finish(live)
+            return
+        self._pump(live)  # the prefill (alone) and the first token
+
+    def _advance(self) -> None:
+        """Advance jobs without a pending step by one step, then run every pending decode step in one pass."""
+        for live in list(self.active):
+            if live.step is None:
+                self._pump(live)
+        pending = []
+        for live in list(self.active):
+            if live.step is None:
+                continue
+            if live.job.cancelled.is_set():  # left the batch before its step ran
+                self.metrics.inc("kvstitch_cancelled_total")
+                self._finish(live)
+                continue
+            pending.append(live)
+        if not pending:
+            return
+        try:
+            logits = self.engine.decode_batch([live.step for live in pending])
+        except Exception as e:  # noqa: BLE001 - a failed pass fails its jobs, not the worker
+            for live in pending:
+                live.job.emit("error", self._api_error(e))
+                self._finish(live)
+            return
+        self.metrics.observe("kvstitch_batch_size", len(pending))
+        self.metrics.inc("kvstitch_decode_passes_total")
+        for live, lg in zip(pending, logits):
+            live.step = None
+            self._pump(live, lg)
+
+    def _pump(self, live: "_Live", value=None) -> None:
+        """Send ``value`` (a step's logits, STOP or None) and handle events until the job needs a model step,
+        has produced one token (unbatched jobs: one model step per iteration) or has ended."""
+        job = live.job
+        if value is None:
+            value, live.send = live.send, None
+        try:
+            ev = live.gen.send(value)
             while True:
+                if isinstance(ev, DecodeStep):
+                    live.step, live.batched = ev, True
+                    return
                 if isinstance(ev, GenerationResult):
                     dt = time.perf_counter() - job.started_at
                     self._service_ema = dt if self._service_ema is None else 0.8 * self._service_ema + 0.2 * dt
                     self.metrics.observe("kvstitch_request_duration_seconds", dt)
-                    job.emit("result", scan.apply(ev) if scan is not None else ev)
-                    break
+                    job.emit("result", live.scan.apply(ev) if live.scan is not None else ev)
+                    self._finish(live)
+                    return
                 job.tokens += 1
                 self.metrics.inc("kvstitch_generated_tokens_total")
                 job.emit("token", ev)
                 if job.cancelled.is_set():  # checked between model steps
                     self.metrics.inc("kvstitch_cancelled_total")
-                    break
+                    self._finish(live)
+                    return
                 # a stop string in the text: the engine ends here and yields its result
-                ev = gen.send(STOP) if scan is not None and scan.push(ev) else next(gen)
-        except InputError as e:
-            job.emit("error", _input_error(e))
-        except KVStitchError as e:
-            job.emit("error", ApiError(500, str(e), "server_error", type(e).__name__))
+                nxt = STOP if live.scan is not None and live.scan.push(ev) else None
+                if not live.batched:
+                    live.send = nxt
+                    return
+                ev = live.gen.send(nxt)  # cheap: the next DecodeStep or the result
+        except StopIteration:
+            job.emit("error", ApiError(500, "generation ended without a result", "server_error", "internal_error"))
+            self._finish(live)
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the worker
-            job.emit("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
-                                       "internal_error"))
-        finally:
-            if gen is not None:
-                gen.close()  # stops the engine's generator (no more model steps)
-            job.emit("done")
+            job.emit("error", self._api_error(e))
+            self._finish(live)
+
+    @staticmethod
+    def _api_error(e: Exception) -> ApiError:
+        if isinstance(e, InputError):
+            return _input_error(e)
+        if isinstance(e, KVStitchError):
+            return ApiError(500, str(e), "server_error", type(e).__name__)
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal_error")
+
+    def _finish(self, live: "_Live") -> None:
+        if live in self.active:
+            self.active.remove(live)
+        if live.gen is not None:
+            try:
+                live.gen.close()  # stops the engine's generator (no more model steps)
+            except Exception:  # noqa: BLE001
+                pass
+        live.job.emit("done")
 
 
 # ---- request parsing -------------------------------------------------------------------------------
@@ -619,12 +758,13 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
                collections_dir: str | Path | None = None, default_decode: str = "full",
                max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
-               guard_rate: float = 0.0, security: "SecurityConfig | None" = None) -> "FastAPI":
+               guard_rate: float = 0.0, security: "SecurityConfig | None" = None, max_batch: int = 8) -> "FastAPI":
     """The FastAPI app serving `engine`. `collections_dir`: where `kvstitch index` put collections (None:
     requests naming a collection get 404). The engine worker starts with the app (lifespan).
     ``guard_rate``: the fraction of greedy requests checked against full prefill (``guard="full"``, chosen
     at random); /metrics counts the checks and the disagreements, so the rate of stitched answers that
-    differ from full prefill is measured on live traffic."""
+    differ from full prefill is measured on live traffic. ``max_batch``: requests served at once (their decode
+    steps share forward passes; 1 = one request at a time)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -643,13 +783,18 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
     if default_decode not in policies:
         raise InputError(f"unknown decode policy {default_decode!r}; known: {', '.join(sorted(policies))}")
     metrics = Metrics()
-    worker = EngineWorker(engine, max_queue, metrics, warmup=warmup)
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+    worker = EngineWorker(engine, max_queue, metrics, warmup=warmup, max_batch=max_batch)
     collections = CollectionCache(collections_dir)
     model_id = model_name or getattr(engine, "model_name", None) or "kvstitch"
     created = int(time.time())
     store = engine.store = resilient(engine.store)  # a store outage degrades to computing chunks (store/resilient)
     metrics.gauges.update({"kvstitch_queue_depth": lambda: worker.waiting,
                            "kvstitch_busy": lambda: int(worker.busy),
+                           "kvstitch_active_requests": lambda: len(worker.active),
+                           "kvstitch_max_batch": max_batch,
+                           "kvstitch_deferred_chunks": lambda: len(getattr(engine, "deferred", ()) or ()),
                            "kvstitch_max_queue": max_queue,
                            "kvstitch_store_up": lambda: int(getattr(store, "up", True)),
                            "kvstitch_store_degraded_ops_total": lambda: getattr(store, "degraded_ops", 0),
@@ -691,7 +836,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
         ok = worker.alive
         body = {"status": "ok" if ok else "unavailable", "model": model_id, "worker_alive": ok,
                 "ready": worker.ready.is_set(), "busy": worker.busy, "queue_depth": worker.waiting,
-                "max_queue": max_queue, "store": store.health() if hasattr(store, "health") else
+                "max_queue": max_queue, "active": len(worker.active), "max_batch": max_batch, "store": store.health() if hasattr(store, "health") else
                 {"status": "up", "backend": repr(store)}}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -744,7 +889,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
                 "recomputed_tokens": st.get("recomputed_tokens", 0), "context_tokens": st.get("context_tokens", 0),
                 "method": req.method, "ratio": req.ratio, "decode": req.decode,
                 "retrieved": retrieved, "ratio_used": st.get("ratio_used"),
-                **{k: st[k] for k in ("rounds", "converged", "signal", "guard") if k in st},
+                **{k: st[k] for k in ("rounds", "converged", "signal", "guard", "cold_path") if k in st},
                 "timings_s": {k: round(st[k], 6) for k in ("tokenize_s", "chunk_load_s", "assemble_s", "select_s",
                                                             "recompute_s", "tpot_s") if k in st}}
 
@@ -1000,6 +1145,10 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
     port: int = typer.Option(8000, "--port", help="port to bind"),
     max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
+    max_batch: int = typer.Option(8, "--max-batch", help="requests served at once (decode steps batched; 1 = serial)"),
+    cold_path: str = typer.Option("auto", "--cold-path", help="requests whose chunks are not stored: auto (full prefill "
+                                                              "when most miss, chunks computed while idle), "
+                                                              "full_prefill or stitched"),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="default max_tokens"),
     collections_dir: Optional[Path] = typer.Option(
         None, "--collections-dir", help="indexed collections (default: STORE/collections or "
@@ -1031,6 +1180,9 @@ def serve_command(
     console = Console(stderr=True)
     print_config(ctx, console)  # the effective configuration, once (server_config)
     check_method(method)  # before the (slow) model load
+    from .cold import DEFAULT_COLD_THRESHOLD, check_cold_path
+
+    check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     ratio = parse_ratio(ratio)
@@ -1048,13 +1200,14 @@ def serve_command(
         budget = parse_size(max_bytes)
         store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        eng = Engine.load(model, store=store_obj)
+        eng = Engine.load(model, store=store_obj, cold_path=cold_path)
     if eng.store.compute_dtype is None:
         eng.store.compute_dtype = eng.dtype
     root = collections_root(store if store is not None else eng.store, collections_dir)
     app = create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue, collections_dir=root,
                      default_decode=decode, max_tokens=max_tokens, model_name=_model_id(model), warmup=True,
-                     max_body_bytes=security.max_body_bytes, security=security, guard_rate=guard_rate)
+                     max_body_bytes=security.max_body_bytes, security=security, guard_rate=guard_rate,
+                     max_batch=max_batch)
     console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} (method {method}, ratio {ratio}, "
                   f"store {eng.store!r}, collections {root}; "
                   f"{'API key required' if security.api_keys else 'no API key'}"

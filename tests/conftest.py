@@ -84,17 +84,19 @@ def make_tiny_engine(name: str, tokenizer) -> Engine:
             for p in model.parameters():
                 if p.dim() == 2:
                     p.mul_(4.0)
-        # float32 storage: the exactness gates compare against full prefill at float32 precision
+        # float32 storage: the exactness gates compare against full prefill at float32 precision;
+        # cold_path="stitched": the suite tests the stitched mechanism, also on a cold store (tests/test_cold.py
+        # covers the default "auto" policy)
         _tiny_cache[name] = Engine(model, tokenizer, weights_id=f"tiny-{name}",
-                                   store=MemoryStore(storage_dtype="float32"))
+                                   store=MemoryStore(storage_dtype="float32"), cold_path="stitched")
     return _tiny_cache[name]
 
 
 @pytest.fixture(scope="session")
 def smollm():
-    return Engine.load()
+    return Engine.load(cold_path="stitched")
 
 
 @pytest.fixture(scope="session")
 def gemma():
-    return Engine.load("gemma3")
+    return Engine.load("gemma3", cold_path="stitched")

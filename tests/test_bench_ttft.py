@@ -2,7 +2,7 @@
 
 import json
 
-from kvstitch.bench import COLD, bench_ttft, ttft_table, write_results
+from kvstitch.bench import COLD, HALF, bench_ttft, ttft_table, write_results
 
 from .conftest import make_tiny_engine
 
@@ -11,9 +11,11 @@ def test_bench_ttft_rows_warm_cold_full(smollm_tokenizer, tmp_path):
     eng = make_tiny_engine("llama", smollm_tokenizer)
     rows = bench_ttft(eng, [300], ["random"], ratio=0.2, repeats=1, chunk_tokens=64, progress=False, cold=True)
     by = {r["method"]: r for r in rows}
-    assert list(by) == ["full", "random", "random" + COLD]
+    assert list(by) == ["full", "random", "random" + COLD, "random" + HALF]
     assert by["full"]["speedup"] == 1.0 and by["random"]["ideal_speedup"] == 5.0
     assert by["random"]["store"] == "warm" and by["random" + COLD]["store"] == "cold"
+    assert by["random" + HALF]["store"] == "half"
+    assert by["random"]["cold_path"] == "stitched" and by["random" + COLD]["cold_path"] == "stitched"
     ctx = by["full"]["context_tokens"]
     assert 200 <= ctx <= 400  # a context of about the requested length
     for r in rows:

@@ -29,7 +29,7 @@ def test_isolated_and_shared_prefix_chunks_get_different_keys():
 def _isolated(name, tok):
     base = make_tiny_engine(name, tok)
     return Engine(base.model, base.tokenizer, weights_id=f"tiny-{name}", store=MemoryStore(storage_dtype="float32"),
-                  precompute="isolated")
+                  precompute="isolated", cold_path="stitched")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

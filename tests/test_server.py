@@ -419,7 +419,7 @@ def test_queue_admission_counts_the_running_job():
             w.submit(Job({}, loop))
         assert e.value.retry_after >= 1
         w2 = EngineWorker(engine=None, max_queue=2, metrics=Metrics())
-        w2.current = Job({}, loop)  # one running ...
+        w2.active.append(object())  # one running ...
         w2.submit(Job({}, loop))
         w2.submit(Job({}, loop))  # ... two waiting
         with pytest.raises(QueueFull):

@@ -27,7 +27,7 @@ def tiny(smollm_tokenizer):
 def disk_engine(tiny, tmp_path):
     """The tiny model over its own directory store (what `kvstitch store gc` operates on)."""
     return Engine(tiny.model, tiny.tokenizer, "tiny-llama", store=DiskStore(tmp_path / "kv", storage_dtype="float32"),
-                  check_rope=False)
+                  check_rope=False, cold_path="stitched")
 
 
 def chat(docs=None, **extra):
