@@ -23,6 +23,9 @@ it. The per-request question is "would more recompute change the answer?", so th
   there). Not converged by ``max_ratio``: with ``max_ratio`` = 1 (default) a real full prefill answers (exact),
   else the last round's cache is used and ``stats["converged"]`` is False (the server reports it).
 
+Contexts shorter than ``min_context`` tokens (default 1024) go straight to full prefill: there the probe's
+decode steps and two rounds cost more than the whole prefill (``stats["auto_skipped"] = "short_context"``).
+
 ``stats``: ``ratio_used`` (context tokens whose K/V are fresh in the final cache / context tokens; 1.0 after
 the fallback), ``rounds``, ``converged``, ``signal`` (last round's mean KL), ``round_log`` (per round: ratio,
 new tokens, agreed, KL, first divergence), ``recompute_cost`` (context tokens forwarded over all rounds,
@@ -53,6 +56,7 @@ class AutoBudget:
     probe_tokens: int = 16  # answer tokens compared between rounds (~12 words)
     patience: int = 1  # consecutive agreeing rounds needed
     mode: str = "refresh"  # or "incremental" (see the module doc)
+    min_context: int = 1024  # shorter contexts: full prefill directly (rounds + probe would cost more than it)
 
     def __post_init__(self):
         sched = tuple(float(r) for r in self.schedule)
@@ -67,6 +71,8 @@ class AutoBudget:
             raise InputError(f"auto probe_tokens must be a positive integer, got {self.probe_tokens!r}")
         if not (isinstance(self.patience, int) and self.patience >= 1):
             raise InputError(f"auto patience must be a positive integer, got {self.patience!r}")
+        if not (isinstance(self.min_context, int) and self.min_context >= 0):
+            raise InputError(f"auto min_context must be an integer >= 0, got {self.min_context!r}")
         if self.mode not in MODES:
             raise InputError(f"auto mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
@@ -77,7 +83,7 @@ class AutoBudget:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode"}
+            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode", "min_context"}
             if set(value) - known:
                 raise InputError(f"unknown auto option(s) {sorted(set(value) - known)}; known: {', '.join(sorted(known))}")
             return cls(**{k: tuple(v) if k == "schedule" else v for k, v in value.items()})
@@ -151,6 +157,12 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     from .select import SelectionContext
 
     n = layout.n_context
+    if selector.zero_budget:  # naive, APE: nothing to rank (checked first: an error whatever the length)
+        raise InputError(f"method {selector.name!r} does not rank context tokens, so it cannot choose a budget "
+                         f"adaptively (recompute_ratio='auto'); use a scoring method such as prophet")
+    if n < auto.min_context:  # too short for rounds to pay off: full prefill answers (ratio_used 1, 0 rounds)
+        stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="short_context")
+        return None
     n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
     rounds = auto.rounds()
     kvs = engine.chunk_kvs(layout, stats)

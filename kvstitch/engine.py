@@ -503,7 +503,8 @@ class Engine:
         t3 = time.perf_counter()
         logits = self.recompute(cache, layout, indices, selector.recompute_plan(ctx))
         _sync(self.device)
-        stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=time.perf_counter() - t3)
+        stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=time.perf_counter() - t3,
+                     ratio_used=indices.numel() / max(layout.n_context, 1))
         return Prefill(cache, layout, logits, indices, stats, selector)
 
     # ---- decoding -------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ import typer
 if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands other than serve stay light
     from fastapi import FastAPI
 
-from .budget import parse_ratio
+from .budget import AutoBudget, parse_ratio
 from .batch import DecodeStep
 from .engine import STOP, GenerationResult
 from .errors import InputError, KVStitchError
@@ -80,7 +80,7 @@ CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "user",
                "metadata", "store", "parallel_tool_calls",
                "documents", "collection", "top_k", "method", "ratio", "recompute_ratio", "decode", "kv_budget",
-               "method_options", "guard"}
+               "method_options", "guard", "auto"}
 
 
 def _input_error(e: InputError) -> ApiError:
@@ -499,6 +499,7 @@ class ChatRequest:
     include_usage: bool
     model: str | None
     guard: str | None = None  # "full": verify the answer against full prefill
+    auto: dict | None = None  # options of ratio "auto" (kvstitch.budget.AutoBudget)
 
 
 def _bad(msg: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
@@ -599,6 +600,12 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
     guard = body.get("guard")
     if guard not in (None, "full"):
         raise _bad(f"'guard' must be \"full\" or absent, got {guard!r:.60}", "guard")
+    auto = body.get("auto")
+    if auto is not None:
+        try:
+            AutoBudget.of(auto)
+        except InputError as e:
+            raise _bad(f"'auto': {e}", "auto") from None
     decode = body.get("decode", default_decode)
     if not isinstance(decode, str) or decode not in decode_policies:
         raise _bad(f"unknown decode policy {decode!r:.60}; known: {', '.join(sorted(decode_policies))}",
@@ -632,7 +639,8 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
                        ratio=ratio, decode=decode, kv_budget=kv_budget, method_options=method_options,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
                        include_usage=bool(opts.get("include_usage", False)),
-                       model=model if isinstance(model, str) else None, guard=guard)
+                       model=model if isinstance(model, str) else None, guard=guard,
+                       auto=auto)
 
 
 def _decode_policies() -> set[str]:
@@ -971,7 +979,7 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
         kwargs = dict(messages=req.messages, chunks=docs, method=req.method, recompute_ratio=req.ratio,
                       max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                       decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options,
-                      guard=req.guard or ("full" if req.temperature == 0 and guard_rate > 0 and req.method != "full"
+                      auto=req.auto, guard=req.guard or ("full" if req.temperature == 0 and guard_rate > 0 and req.method != "full"
                                           and guard_rng.random() < guard_rate else None))
         job = Job(kwargs, asyncio.get_running_loop(), stop=req.stop)
         try:

@@ -12,6 +12,8 @@ CHUNKS = SAMPLE_CHUNKS * 2
 
 
 def _gen(eng, method="prophet", ratio="auto", **kw):
+    if ratio == "auto" and not isinstance(kw.get("auto"), dict):
+        kw["auto"] = {"min_context": 0}  # the test prompts are short: make the rounds run
     return eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, recompute_ratio=ratio,
                         max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
 
@@ -19,7 +21,7 @@ def _gen(eng, method="prophet", ratio="auto", **kw):
 @pytest.mark.parametrize("tiny_engine", TINY, indirect=True)
 def test_tolerance_zero_is_full_prefill_exactly(tiny_engine):
     full = _gen(tiny_engine, "full", 0.0)
-    auto = _gen(tiny_engine, auto={"tol": 0.0})
+    auto = _gen(tiny_engine, auto={"min_context": 0, "tol": 0.0})
     assert auto.token_ids == full.token_ids
     assert torch.equal(auto.first_logits, full.first_logits)  # the fallback IS a full prefill
     st = auto.stats
@@ -43,7 +45,7 @@ def test_rounds_never_recompute_a_context_token_twice(smollm_tokenizer, method, 
     monkeypatch.setattr(eng, "forward", spy)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
     res = eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, recompute_ratio="auto", max_new_tokens=4,
-                       auto={"tol": 0.0, "max_ratio": 0.5, "mode": "incremental", "schedule": (0.05, 0.1, 0.2, 0.4)})
+                       auto={"min_context": 0, "tol": 0.0, "max_ratio": 0.5, "mode": "incremental", "schedule": (0.05, 0.1, 0.2, 0.4)})
     # never converges: every round runs
     c0, c1 = layout.context_start, layout.context_end
     ctx_slots = [s[(s >= c0) & (s < c1)] for s in seen if s.numel() > 1 or (c0 <= int(s[0]) < c1)]
@@ -62,7 +64,7 @@ def test_rounds_never_recompute_a_context_token_twice(smollm_tokenizer, method, 
 @pytest.mark.parametrize("name", TINY)
 def test_ratio_used_is_the_real_fraction_and_rounds_stop_at_the_first_agreement(smollm_tokenizer, name):
     eng = make_tiny_engine(name, smollm_tokenizer)
-    res = _gen(eng, auto={"tol": 1e9, "probe_tokens": 4})  # KL never blocks: a reproduced probe converges
+    res = _gen(eng, auto={"min_context": 0, "tol": 1e9, "probe_tokens": 4})  # KL never blocks: a reproduced probe converges
     st = res.stats
     agreed = [r["agreed"] for r in st["round_log"]]
     assert agreed[0] is None  # the first round has nothing to compare with
@@ -77,10 +79,10 @@ def test_ratio_used_is_the_real_fraction_and_rounds_stop_at_the_first_agreement(
 def test_converged_answer_equals_greedy_decode_of_the_same_cache(smollm_tokenizer):
     """The answer read off the rounds (probe K/V reused) equals decoding the final round's cache step by step."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    res = _gen(eng, auto={"tol": 1e9, "probe_tokens": 3}, max_new_tokens=8)
+    res = _gen(eng, auto={"min_context": 0, "tol": 1e9, "probe_tokens": 3}, max_new_tokens=8)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
     # same final set, recomputed in one pass: the probe tokens must be that cache's greedy answer
-    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"tol": 1e9, "probe_tokens": 3})
+    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"min_context": 0, "tol": 1e9, "probe_tokens": 3})
     tokens = list(eng.decode_tokens(pre, 8))
     assert tokens == res.token_ids
     assert len(res.token_ids) > 3 or eng.finished(res.token_ids)
@@ -88,7 +90,7 @@ def test_converged_answer_equals_greedy_decode_of_the_same_cache(smollm_tokenize
 
 def test_ceiling_below_one_keeps_the_last_round_and_reports_not_converged(smollm_tokenizer):
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    res = _gen(eng, auto={"tol": 0.0, "max_ratio": 0.3, "schedule": (0.05, 0.1, 0.2)})
+    res = _gen(eng, auto={"min_context": 0, "tol": 0.0, "max_ratio": 0.3, "schedule": (0.05, 0.1, 0.2)})
     st = res.stats
     assert st["converged"] is False and st["ratio_used"] < 0.31 and "fallback_s" not in st
     assert [r["ratio"] for r in st["round_log"]] == sorted(r["ratio"] for r in st["round_log"])
@@ -125,10 +127,18 @@ def test_guard_full_returns_full_prefill_answer(smollm_tokenizer):
 def test_refresh_rounds_equal_a_fixed_ratio_prefill_at_their_budget(smollm_tokenizer, name):
     eng = make_tiny_engine(name, smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
-    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"tol": 0.0, "max_ratio": 0.3, "mode": "refresh"})
+    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"min_context": 0, "tol": 0.0, "max_ratio": 0.3, "mode": "refresh"})
     last = pre.stats["round_log"][-1]
     fixed = eng.prefill(layout, "prophet", 0.3, 8)
     assert torch.equal(pre.indices, fixed.indices)
     assert (pre.logits[-1] - fixed.logits[-1]).abs().max() < 1e-4
     assert last["new_tokens"] == fixed.indices.numel()  # the whole set, recomputed in one pass
     assert pre.stats["recompute_cost"] > pre.stats["ratio_used"]  # earlier rounds' tokens were paid again
+
+
+def test_short_contexts_go_straight_to_full_prefill(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    full = _gen(eng, "full", 0.0)
+    res = eng.generate(SAMPLE_QUESTION, CHUNKS, method="prophet", recompute_ratio="auto", max_new_tokens=8)
+    assert res.stats["auto_skipped"] == "short_context" and res.stats["rounds"] == 0
+    assert res.stats["ratio_used"] == 1.0 and res.token_ids == full.token_ids

@@ -44,7 +44,7 @@ def test_ask_auto_reports_the_budget_it_used(chunk_files):
     r = runner.invoke(app, ["ask", SAMPLE_QUESTION, *_chunk_args(chunk_files), "--method", "prophet",
                             "--ratio", "auto", "--max-new-tokens", "16"], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
-    assert "auto: " in r.output and ("converged in" in r.output or "no convergence" in r.output)
+    assert "auto: " in r.output and any(x in r.output for x in ("converged in", "no convergence", "short context"))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -73,15 +73,22 @@ def test_ask_unreadable_model_path(chunk_files, tmp_path):
 
 
 def test_demo_answers_bundled_questions_with_full_and_stitched():
-    """The README's first command: every bundled question, both answers marked against the expected text,
-    TTFT side by side. SmolLM2 with full prefill gets at least the two plainly stated facts."""
-    r = runner.invoke(app, ["demo", "--method", "prophet", "--ratio", "0.2"], env={"COLUMNS": "250"})
+    """The README's first command: every bundled question (ones full prefill answers correctly), full prefill
+    and the default stitched method (auto budget) side by side with the budget each used, agreement with full
+    prefill, and a fixed-20% contrast line."""
+    import json
+    from importlib import resources
+
+    n = len(json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())["questions"])
+    r = runner.invoke(app, ["demo"], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
-    assert "Carn Dubh" in r.output and "TTFT prophet" in r.output and "speedup" in r.output
-    line = next(x for x in r.output.splitlines() if x.startswith("answers containing the expected text"))
-    n_full = int(line.split("full ")[1].split("/")[0])
-    assert n_full >= 2, line
-    assert r.output.count("✓") + r.output.count("✗") == 2 * 4
+    assert "Carn Dubh" in r.output and "TTFT prophet" in r.output and "budget used" in r.output
+    line = " ".join(r.output.split())
+    full_right = int(line.split("answers containing the expected text: full ")[1].split("/")[0])
+    assert full_right == n, line  # the bundled questions are the ones full prefill answers
+    agree = int(line.split("prophet says what full prefill says (first 12 words) in ")[1].split("/")[0])
+    assert 0 <= agree <= n and f"at a fixed 20%: says what full prefill says in " in line
+    assert r.output.count("✓") + r.output.count("✗") == 2 * n
 
 
 REYNE = ["The Reyne Tower in Alder Bay was designed and built by the engineer Tomas Reyne.",

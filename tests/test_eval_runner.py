@@ -286,7 +286,7 @@ def test_auto_rows_report_agreement_cost_and_resume(engine, tmp_path):
     """ratio 'auto' next to fixed ratios: rows carry the rounds, the real recomputed fraction and the agreement
     with full prefill's answer; the auto options are part of the protocol; the summary has an agreement table."""
     cfg = _cfg(tasks=["niah_single_essay"], methods=["prophet"], ratios=[0.2, "auto"], n=2,
-               auto={"tol": 1e9, "schedule": [0.05, 0.1]})
+               auto={"tol": 1e9, "schedule": [0.05, 0.1], "min_context": 0})
     rows = run_eval(engine, cfg, tmp_path, progress=False)
     auto = [r for r in rows if r["ratio"] == "auto"]
     fixed = [r for r in rows if r["ratio"] == 0.2]

@@ -25,7 +25,7 @@ def client(engine):
 
 def body(**kw):
     b = {"model": "tiny", "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "documents": SAMPLE_CHUNKS,
-         "max_tokens": 6}
+         "max_tokens": 6, "auto": {"min_context": 0}}  # short test prompts: make the rounds run
     b.update(kw)
     return b
 
@@ -37,7 +37,8 @@ def test_auto_is_the_default_and_reports_rounds(client, engine):
     assert ext["ratio"] == "auto" and isinstance(ext["converged"], bool) and ext["rounds"] >= 1
     assert 0 < ext["ratio_used"] <= 1.0
     direct = engine.generate(messages=[{"role": "user", "content": SAMPLE_QUESTION}], chunks=SAMPLE_CHUNKS,
-                             method="prophet", recompute_ratio="auto", max_new_tokens=6, guard="full")
+                             method="prophet", recompute_ratio="auto", max_new_tokens=6, guard="full",
+                             auto={"min_context": 0})
     assert r.json()["choices"][0]["message"]["content"] == direct.text
 
 
@@ -66,3 +67,5 @@ def test_guard_rate_one_checks_every_greedy_request_and_counts_it(client, engine
         == (0 if g["agreed"] else 1)
     bad = client.post("/v1/chat/completions", json=body(guard="always"))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "guard"
+    bad = client.post("/v1/chat/completions", json=body(auto={"tol": -1}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "auto"

@@ -593,6 +593,13 @@ def _ratio_of_means(num: Iterable[Any], den: Iterable[Any]) -> float:
     return n / d if d and not math.isnan(n) and not math.isnan(d) else math.nan
 
 
+def _used(row: dict) -> float | None:
+    """Recomputed fraction of the context: the engine's ``ratio_used``, else recomputed / context tokens."""
+    if row.get("ratio_used") is not None:
+        return row["ratio_used"]
+    return row["recomputed"] / row["n_tokens"] if row.get("recomputed") is not None and row.get("n_tokens") else None
+
+
 def agreement_table(rows: Sequence[dict]) -> str:
     """Per method / ratio over all tasks: does the answer say what full prefill said (first 12 words; first
     token), at what cost (recomputed fraction of the context, rounds' total for ``auto``) and speed (mean
@@ -617,8 +624,8 @@ def agreement_table(rows: Sequence[dict]) -> str:
         lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | "
                      f"{fmt_ci(_mean(agree), bootstrap_mean_ci([agree]), 2)} | "
                      f"{_fmt(_mean(float(bool(x['agree_first'])) for x in g), 2)} | {_fmt(100 * pct, 1)} | "
-                     f"{_fmt(_mean(x.get('ratio_used') for x in g), 3)} | "
-                     f"{_fmt(_mean(x.get('recompute_cost', x.get('ratio_used')) for x in g), 3)} | "
+                     f"{_fmt(_mean(_used(x) for x in g), 3)} | "
+                     f"{_fmt(_mean(x.get('recompute_cost') or _used(x) for x in g), 3)} | "
                      f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
                      f"{fell} |")
     return "\n".join(lines) + "\n"
