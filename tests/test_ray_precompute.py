@@ -130,7 +130,7 @@ def test_a_killed_worker_loses_only_its_batch_and_the_job_completes(ray_cluster,
     url = _db(redis_url, 6)
     eng = Engine.load(str(tiny_dir))
     pairs, ids = directory_chunks(eng, docs, CHUNK_TOKENS)
-    expected = {eng.chunk_key(eng.builder.prefix_ids, i) for i in ids}
+    expected = {eng.chunk_key(p, i) for p in eng.builder.canonical_prefixes() for i in ids}  # question + chat
     counter = SetCounter(url, 6)
     job = RayPrecompute(docs, url, model=str(tiny_dir), workers=2, chunk_tokens=CHUNK_TOKENS, batch_size=BATCH)
     killed = {}
