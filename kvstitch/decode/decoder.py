@@ -108,6 +108,14 @@ class SparseDecoder:
         self._gather_buf: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------------- prefill
+    def check_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int]:
+        """``[Hkv, n, D]`` prefill K/V of this decoder's shape -> (Hkv, n, D); else an `InputError`."""
+        Hkv, n, D = keys.shape
+        if (Hkv, D) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
+            raise InputError(f"layer {layer}: prefill K/V {tuple(keys.shape)} / {tuple(values.shape)} do not match "
+                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+        return Hkv, n, D
+
     def load_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                      obs_queries: torch.Tensor | None = None, sliding_window: int | None = None,
                      scaling: float | None = None, inv_freq: torch.Tensor | None = None) -> None:
@@ -118,10 +126,7 @@ class SparseDecoder:
         RoPE frequencies) is only used by decoders that un-rotate keys (`shadowkv`)."""
         if scaling is not None:
             self.scaling = scaling
-        Hkv, n, D = keys.shape
-        if (Hkv, D) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
-            raise InputError(f"layer {layer}: prefill K/V {tuple(keys.shape)} / {tuple(values.shape)} do not match "
-                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+        Hkv, n, D = self.check_prefill(layer, keys, values)
         keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
         host = HostPool(Hkv, self.page_size, D, self.dtype, capacity_tokens=n + 256)
         slots = pages_for(sliding_window, self.page_size) + 1 if sliding_window else self.device_pages

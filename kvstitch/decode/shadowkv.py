@@ -123,10 +123,7 @@ class ShadowKVDecoder(SparseDecoder):
             return super().load_prefill(layer, keys, values, obs_queries, sliding_window, scaling, inv_freq)
         if scaling is not None:
             self.scaling = scaling
-        Hkv, n, D = keys.shape
-        if (Hkv, D) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
-            raise InputError(f"layer {layer}: prefill K/V {tuple(keys.shape)} / {tuple(values.shape)} do not match "
-                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+        Hkv, n, D = self.check_prefill(layer, keys, values)
         if inv_freq is None:
             raise InputError("shadowkv needs each layer's RoPE inv_freq (load_prefill(..., inv_freq=...)) to "
                              "un-rotate the cached keys")
