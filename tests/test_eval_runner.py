@@ -306,3 +306,19 @@ def test_auto_rows_report_agreement_cost_and_resume(engine, tmp_path):
     assert (tmp_path / "pareto_160.png").read_bytes()[:8] == PNG
     again = run_eval(engine, cfg, tmp_path, progress=False)  # resumes: nothing left to run
     assert again == [] or len(read_jsonl(tmp_path / RESULTS)) == len(rows)
+
+
+def test_eval_report_pools_several_runs(engine, tmp_path):
+    """`kvstitch eval-report A B --out C`: one summary over the union of the runs' rows, naming their commands."""
+    from kvstitch.cli import app
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_eval(engine, _cfg(tasks=["niah_single_essay"], n=1, methods=["random"]), a, progress=False, command="cmd-a")
+    run_eval(engine, _cfg(tasks=["two_hop"], n=1, methods=["random"]), b, progress=False, command="cmd-b")
+    r = CliRunner().invoke(app, ["eval-report", str(a), str(b), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "c" / "summary.md").read_text()
+    assert "`cmd-a`" in text and "`cmd-b`" in text and "niah_single_essay" in text and "two_hop" in text
+    assert "Agreement with full prefill" in text
+    bad = CliRunner().invoke(app, ["eval-report", str(tmp_path / "nothing"), "--out", str(tmp_path / "d")])
+    assert bad.exit_code == 2 and "results.jsonl" in bad.output

@@ -48,6 +48,37 @@ def compare_command(
     console.print(f"{len(rows)} rows -> {md}, {js}", highlight=False)
 
 
+def report_command(
+        runs: list[Path] = typer.Argument(..., help="`kvstitch eval --out` directories (e.g. one per task)"),
+        out: Path = typer.Option(..., "--out", help="directory for summary.md and the plots of their union"),
+) -> None:
+    """One summary (tables, agreement with full prefill, Pareto plot) over the rows of several eval runs,
+    e.g. runs of one task each made side by side; the commands of the runs are listed in it."""
+    import json
+
+    from .report import read_jsonl, write_reports
+
+    rows, commands = [], []
+    for run in runs:
+        path = run / RESULTS if run.is_dir() else run
+        if not path.is_file():
+            raise InputError(f"no {RESULTS} in {run}")
+        rows += read_jsonl(path)
+        meta = run / "run.json"
+        if meta.is_file():
+            commands += json.loads(meta.read_text()).get("commands", [])
+    out.mkdir(parents=True, exist_ok=True)
+    written = write_reports(rows, out)
+    if "summary" not in written:
+        raise InputError("the runs hold no scored rows")
+    command = "kvstitch eval-report " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
+    text = written["summary"].read_text()
+    lines = [f"Written by `{command}` over the rows of:", ""] + [f"- `{c}`" for c in commands] + [""]
+    written["summary"].write_text(text.replace("# kvstitch eval summary\n", "# kvstitch eval summary\n\n"
+                                               + "\n".join(lines), 1))
+    typer.echo(f"{len(rows)} rows -> {written['summary']}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # `kvstitch eval` (moved from eval/runner.py)
 # ---------------------------------------------------------------------------------------------------
