@@ -492,12 +492,9 @@ def _mount_optional() -> None:
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
     app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))
-    try:
-        from .store.cli import store_app
+    from .store.cli import store_app  # part of the package: a failing import is a bug to see, not to hide
 
-        app.add_typer(store_app, name="store", help="Inspect, verify and garbage-collect a chunk store.")
-    except ImportError:
-        pass
+    app.add_typer(store_app, name="store", help="Inspect, verify and garbage-collect a chunk store.")
 
 
 _mount_optional()
