@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over one `Engine` (FastAPI + uvicorn).
 
-    kvstitch serve --model ... --store DIR --method prophet --ratio 0.2 --port 8000
+    kvstitch serve --model ... --store DIR --method prophet --ratio 0.2 --port 8000   (`kvstitch.serve_cli`)
 
 Endpoints
     POST /v1/chat/completions   OpenAI chat completions (JSON, or SSE with ``"stream": true``)
@@ -50,9 +50,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
-
-import typer
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands other than serve stay light
     from fastapi import FastAPI
@@ -62,12 +60,11 @@ from .batch import DecodeStep
 from .engine import STOP, GenerationResult
 from .errors import InputError, KVStitchError
 from .prompt import normalize_messages
-from .retrieval import CollectionCache, CollectionNotFound, collections_root
+from .retrieval import CollectionCache, CollectionNotFound
 from .select import check_method
 from .select import methods as registered_methods
 from .server_core import ApiError, ClientGone, Job, QueueFull  # noqa: F401  (re-exported: tests, routers)
 from .server_documents import DocumentService, documents_router, resolve_document_ids
-from .server_config import config_callback, print_config
 from .server_security import SecurityConfig, install_security
 from .store.resilient import resilient
 
@@ -762,110 +759,118 @@ class _StatusCounter:
         return await self.app(scope, receive, send_wrapper)
 
 
-def create_app(engine, default_method: str = "prophet", default_ratio: float = 0.2, max_queue: int = 16,
-               collections_dir: str | Path | None = None, default_decode: str = "full",
-               max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
-               disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
-               guard_rate: float = 0.0, security: "SecurityConfig | None" = None, max_batch: int = 8) -> "FastAPI":
-    """The FastAPI app serving `engine`. `collections_dir`: where `kvstitch index` put collections (None:
-    requests naming a collection get 404). The engine worker starts with the app (lifespan).
-    ``guard_rate``: the fraction of greedy requests checked against full prefill (``guard="full"``, chosen
-    at random); /metrics counts the checks and the disagreements, so the rate of stitched answers that
-    differ from full prefill is measured on live traffic. ``max_batch``: requests served at once (their decode
-    steps share forward passes; 1 = one request at a time)."""
-    from contextlib import asynccontextmanager
+@dataclass
+class _Reply:
+    """One chat completion on its way back: the parsed request, its engine job, the OpenAI id and creation
+    time, the queue wait and what was retrieved from a collection (None without one)."""
 
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    req: ChatRequest
+    job: Job
+    retrieved: list[dict] | None
+    rid: str
+    created_at: int
+    wait: float = 0.0
 
-    check_method(default_method)
-    default_ratio = parse_ratio(default_ratio)
-    if not 0.0 <= guard_rate <= 1.0:
-        raise InputError(f"guard rate must be in [0, 1], got {guard_rate}")
-    import random
 
-    guard_rng = random.Random(0)
-    policies = _decode_policies()
-    if default_decode not in policies:
-        raise InputError(f"unknown decode policy {default_decode!r}; known: {', '.join(sorted(policies))}")
-    metrics = Metrics()
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
-    worker = EngineWorker(engine, max_queue, metrics, warmup=warmup, max_batch=max_batch)
-    collections = CollectionCache(collections_dir)
-    model_id = model_name or getattr(engine, "model_name", None) or "kvstitch"
-    created = int(time.time())
-    store = engine.store = resilient(engine.store)  # a store outage degrades to computing chunks (store/resilient)
-    metrics.gauges.update({"kvstitch_queue_depth": lambda: worker.waiting,
-                           "kvstitch_busy": lambda: int(worker.busy),
-                           "kvstitch_active_requests": lambda: len(worker.active),
-                           "kvstitch_max_batch": max_batch,
-                           "kvstitch_deferred_chunks": lambda: len(getattr(engine, "deferred", ()) or ()),
-                           "kvstitch_max_queue": max_queue,
-                           "kvstitch_store_up": lambda: int(getattr(store, "up", True)),
-                           "kvstitch_store_degraded_ops_total": lambda: getattr(store, "degraded_ops", 0),
-                           "kvstitch_store_outages_total": lambda: getattr(store, "outages", 0)})
+def _usage(res: GenerationResult) -> dict:
+    """OpenAI's ``usage``."""
+    st = res.stats
+    p = int(st.get("prefix_tokens", 0) + st.get("context_tokens", 0) + st.get("suffix_tokens", 0))
+    c = len(res.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    @asynccontextmanager
-    async def lifespan(app):
-        worker.start()
-        try:
-            yield
-        finally:
-            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 
-    app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan)
-    app.state.worker, app.state.metrics, app.state.engine, app.state.collections = worker, metrics, engine, collections
-    install_security(app, security, getattr(engine, "tokenizer", None))  # auth, limits, CORS (server_security)
-    app.add_middleware(_StatusCounter, metrics=metrics)
-    documents = DocumentService(engine, worker)  # /v1/documents (server_documents)
-    app.include_router(documents_router(documents))
+def _ext(req: ChatRequest, res: GenerationResult | None, wait: float, retrieved) -> dict:
+    """The response's ``kvstitch`` extension."""
+    st = res.stats if res is not None else {}
+    return {"ttft_s": round(res.ttft_s, 6) if res is not None else None, "queue_wait_s": round(wait, 6),
+            "store_hits": st.get("store_hits", 0), "store_misses": st.get("store_misses", 0),
+            "recomputed_tokens": st.get("recomputed_tokens", 0), "context_tokens": st.get("context_tokens", 0),
+            "method": req.method, "ratio": req.ratio, "decode": req.decode,
+            "retrieved": retrieved, "ratio_used": st.get("ratio_used"),
+            **{k: st[k] for k in ("rounds", "converged", "signal", "guard", "cold_path") if k in st},
+            "timings_s": {k: round(st[k], 6) for k in ("tokenize_s", "chunk_load_s", "assemble_s", "select_s",
+                                                        "recompute_s", "tpot_s") if k in st}}
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return exc.response()
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return ApiError(exc.status_code, msg, "invalid_request_error", kind).response()
+class ChatService:
+    """What the server's routes do, over one engine: it owns the engine worker (queue, batching), the
+    metrics, the collections and the request defaults. `create_app` wires the HTTP routes to its methods;
+    FastAPI appears here only in the responses `chat` returns. Arguments as `create_app`'s."""
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
-                        "internal_error").response()
+    def __init__(self, engine, default_method: str = "prophet", default_ratio: float = 0.2, max_queue: int = 16,
+                 collections_dir: str | Path | None = None, default_decode: str = "full",
+                 max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
+                 disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20, guard_rate: float = 0.0,
+                 max_batch: int = 8):
+        import random
+
+        check_method(default_method)
+        default_ratio = parse_ratio(default_ratio)
+        if not 0.0 <= guard_rate <= 1.0:
+            raise InputError(f"guard rate must be in [0, 1], got {guard_rate}")
+        self.guard_rng = random.Random(0)
+        self.policies = _decode_policies()
+        if default_decode not in self.policies:
+            raise InputError(f"unknown decode policy {default_decode!r}; known: {', '.join(sorted(self.policies))}")
+        self.metrics = Metrics()
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.engine = engine
+        self.default_method, self.default_ratio, self.default_decode = default_method, default_ratio, default_decode
+        self.max_queue, self.max_batch, self.max_tokens = max_queue, max_batch, max_tokens
+        self.max_body_bytes, self.guard_rate, self.disconnect_poll_s = max_body_bytes, guard_rate, disconnect_poll_s
+        self.worker = EngineWorker(engine, max_queue, self.metrics, warmup=warmup, max_batch=max_batch)
+        self.collections = CollectionCache(collections_dir)
+        self.model_id = model_name or getattr(engine, "model_name", None) or "kvstitch"
+        self.created = int(time.time())
+        # a store outage degrades to computing chunks (store/resilient)
+        self.store = engine.store = resilient(engine.store)
+        self._register_gauges()
+        self.documents = DocumentService(engine, self.worker)  # /v1/documents (server_documents)
+
+    def _register_gauges(self) -> None:
+        worker, store, engine = self.worker, self.store, self.engine
+        self.metrics.gauges.update({
+            "kvstitch_queue_depth": lambda: worker.waiting,
+            "kvstitch_busy": lambda: int(worker.busy),
+            "kvstitch_active_requests": lambda: len(worker.active),
+            "kvstitch_max_batch": self.max_batch,
+            "kvstitch_deferred_chunks": lambda: len(getattr(engine, "deferred", ()) or ()),
+            "kvstitch_max_queue": self.max_queue,
+            "kvstitch_store_up": lambda: int(getattr(store, "up", True)),
+            "kvstitch_store_degraded_ops_total": lambda: getattr(store, "degraded_ops", 0),
+            "kvstitch_store_outages_total": lambda: getattr(store, "outages", 0)})
 
     # -- simple endpoints ----------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
+    def health(self) -> tuple[dict, int]:
+        """GET /health -> (body, status code): 503 when the engine worker is dead."""
+        worker, store = self.worker, self.store
         ok = worker.alive
-        body = {"status": "ok" if ok else "unavailable", "model": model_id, "worker_alive": ok,
+        body = {"status": "ok" if ok else "unavailable", "model": self.model_id, "worker_alive": ok,
                 "ready": worker.ready.is_set(), "busy": worker.busy, "queue_depth": worker.waiting,
-                "max_queue": max_queue, "active": len(worker.active), "max_batch": max_batch, "store": store.health() if hasattr(store, "health") else
-                {"status": "up", "backend": repr(store)}}
-        return JSONResponse(body, status_code=200 if ok else 503)
+                "max_queue": self.max_queue, "active": len(worker.active), "max_batch": self.max_batch,
+                "store": store.health() if hasattr(store, "health") else {"status": "up", "backend": repr(store)}}
+        return body, 200 if ok else 503
 
-    @app.get("/v1/models")
-    async def models():
+    def models(self) -> dict:
+        """GET /v1/models: the served model, with methods, defaults and collections as an extension."""
         return {"object": "list", "data": [{
-            "id": model_id, "object": "model", "created": created, "owned_by": "kvstitch",
-            "kvstitch": {"methods": registered_methods(), "default_method": default_method,
-                         "default_ratio": default_ratio, "default_decode": default_decode,
-                         "decode_policies": sorted(policies), "collections": collections.names(),
-                         "max_positions": getattr(getattr(engine, "adapter", None), "max_positions", None)}}]}
+            "id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvstitch",
+            "kvstitch": {"methods": registered_methods(), "default_method": self.default_method,
+                         "default_ratio": self.default_ratio, "default_decode": self.default_decode,
+                         "decode_policies": sorted(self.policies), "collections": self.collections.names(),
+                         "max_positions": getattr(getattr(self.engine, "adapter", None), "max_positions", None)}}]}
 
-    @app.get("/v1/collections")
-    async def list_cols():
-        return {"object": "list", "data": [{"id": n, "object": "collection"} for n in collections.names()]}
+    def list_collections(self) -> dict:
+        """GET /v1/collections."""
+        return {"object": "list", "data": [{"id": n, "object": "collection"} for n in self.collections.names()]}
 
-    @app.get("/metrics")
-    async def prom():
-        text = metrics.render()
+    def metrics_text(self) -> str:
+        """GET /metrics: the Prometheus text, with the store's counters when it has them."""
+        text = self.metrics.render()
         try:
-            s = store.stats()
+            s = self.store.stats()
             text += ("# HELP kvstitch_store_entries_loaded_bytes_total bytes of chunk caches loaded from the store\n"
                      "# TYPE kvstitch_store_entries_loaded_bytes_total counter\n"
                      f"kvstitch_store_entries_loaded_bytes_total {int(s.get('bytes_loaded', 0))}\n"
@@ -874,48 +879,208 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
                      f"kvstitch_store_problems {int(s.get('problems', 0))}\n")
         except Exception:  # noqa: BLE001 - a store without stats must not break /metrics
             pass
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return text
 
     # -- chat completions ----------------------------------------------------------------------
-    async def next_event(job: Job, request: Request | None):
+    async def chat(self, request):
+        """POST /v1/chat/completions: read and check the request, queue its job, then answer as JSON or as
+        server-sent events (``stream``). An input error found by the engine is a 4xx even when streaming."""
+        try:
+            req, docs, retrieved = await self._read_request(request)
+        except ApiError as e:
+            self.metrics.inc("kvstitch_chat_requests_total", outcome="invalid")
+            return e.response()
+        job = Job(self._generate_kwargs(req, docs), asyncio.get_running_loop(), stop=req.stop)
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            self.metrics.inc("kvstitch_chat_requests_total", outcome="rejected")
+            self.metrics.inc("kvstitch_rejected_total")
+            return ApiError(429, f"the server is busy: {self.worker.waiting} requests are already waiting "
+                                 f"(max_queue={self.max_queue}); retry after {e.retry_after} s", "rate_limit_error",
+                            "queue_full", headers={"Retry-After": str(e.retry_after)}).response()
+
+        reply = _Reply(req, job, retrieved, rid=f"chatcmpl-{uuid.uuid4().hex}", created_at=int(time.time()))
+        try:
+            kind, value, reply.wait = await self._first_event(job, request)
+        except (ClientGone, asyncio.CancelledError) as e:
+            return self._disconnected(job, e)
+        if kind == "error":
+            self.metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if value.status < 500 else "error")
+            return value.response()
+        if kind == "done":  # cancelled before it started
+            self.metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+            return ApiError(499, "request cancelled", "invalid_request_error", "cancelled").response()
+        if req.stream:
+            from fastapi.responses import StreamingResponse
+
+            return StreamingResponse(self._sse(reply, kind, value), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._json(reply, kind, value, request)
+
+    async def _read_request(self, request) -> tuple[ChatRequest, list[str] | None, list[dict] | None]:
+        """The checked request, its passages and what was retrieved for them (a 4xx `ApiError` otherwise)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large ({declared} bytes > {self.max_body_bytes})",
+                           code="body_too_large")
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large ({len(raw)} bytes > {self.max_body_bytes})",
+                           code="body_too_large")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        body = await resolve_document_ids(self.documents, body)
+        req = parse_chat_request(body, self.default_method, self.default_ratio, self.default_decode,
+                                 self.max_tokens, self.policies)
+        retrieved = None
+        docs = req.documents
+        if req.collection is not None:
+            docs, retrieved = await self.retrieve(req)
+        return req, docs, retrieved
+
+    def _generate_kwargs(self, req: ChatRequest, docs: list[str] | None) -> dict:
+        """`Engine.stream` arguments; ``guard_rate`` of the greedy stitched requests are checked (guard)."""
+        guard = req.guard or ("full" if req.temperature == 0 and self.guard_rate > 0 and req.method != "full"
+                              and self.guard_rng.random() < self.guard_rate else None)
+        return dict(messages=req.messages, chunks=docs, method=req.method, recompute_ratio=req.ratio,
+                    max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                    decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options,
+                    auto=req.auto, guard=guard)
+
+    async def retrieve(self, req: ChatRequest) -> tuple[list[str], list[dict]]:
+        """The top-k passages of ``req.collection`` for the last user message, and their descriptions."""
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            col = await run_in_threadpool(self.collections.get, req.collection)
+        except CollectionNotFound as e:
+            raise ApiError(404, str(e), code="collection_not_found", param="collection") from None
+        except InputError as e:
+            raise ApiError(400, str(e), code="invalid_collection", param="collection") from None
+        except KVStitchError as e:
+            raise ApiError(500, str(e), "server_error", "collection_unreadable") from None
+        hits = await run_in_threadpool(col.search, req.question, req.top_k)
+        if not hits:
+            raise ApiError(400, f"collection {req.collection!r} is empty", code="empty_collection",
+                           param="collection")
+        return [h.text for h in hits], [h.as_dict() for h in hits]
+
+    async def next_event(self, job: Job, request):
         """The job's next event; while waiting, a disconnected client cancels the job (JSON path)."""
         while True:
-            if request is not None and time.monotonic() - job.checked_at >= disconnect_poll_s:
+            if request is not None and time.monotonic() - job.checked_at >= self.disconnect_poll_s:
                 job.checked_at = time.monotonic()  # by time, not by idleness: tokens may arrive continuously
                 if await request.is_disconnected():
                     job.cancel()
                     raise ClientGone()
             try:
-                return await asyncio.wait_for(job.events.get(), timeout=disconnect_poll_s)
+                return await asyncio.wait_for(job.events.get(), timeout=self.disconnect_poll_s)
             except asyncio.TimeoutError:
                 continue
 
-    def _ext(req: ChatRequest, res: GenerationResult | None, wait: float, retrieved) -> dict:
-        st = res.stats if res is not None else {}
-        return {"ttft_s": round(res.ttft_s, 6) if res is not None else None, "queue_wait_s": round(wait, 6),
-                "store_hits": st.get("store_hits", 0), "store_misses": st.get("store_misses", 0),
-                "recomputed_tokens": st.get("recomputed_tokens", 0), "context_tokens": st.get("context_tokens", 0),
-                "method": req.method, "ratio": req.ratio, "decode": req.decode,
-                "retrieved": retrieved, "ratio_used": st.get("ratio_used"),
-                **{k: st[k] for k in ("rounds", "converged", "signal", "guard", "cold_path") if k in st},
-                "timings_s": {k: round(st[k], 6) for k in ("tokenize_s", "chunk_load_s", "assemble_s", "select_s",
-                                                            "recompute_s", "tpot_s") if k in st}}
+    async def _first_event(self, job: Job, request) -> tuple[str, Any, float]:
+        """(kind, value, queue wait) of the job's first event after it started."""
+        wait = 0.0
+        while True:
+            kind, value = await self.next_event(job, request)
+            if kind == "started":
+                wait = value
+                continue
+            return kind, value, wait
 
-    def _usage(res: GenerationResult) -> dict:
-        st = res.stats
-        p = int(st.get("prefix_tokens", 0) + st.get("context_tokens", 0) + st.get("suffix_tokens", 0))
-        c = len(res.token_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    def _disconnected(self, job: Job, e: BaseException):
+        """The client went away: cancel the job; a 499 (or the task's own cancellation, re-raised)."""
+        job.cancel()
+        self.metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+        if isinstance(e, asyncio.CancelledError):
+            raise e
+        return ApiError(499, "client disconnected", "invalid_request_error", "cancelled").response()
 
-    def _finish_reason(req: ChatRequest, res: GenerationResult) -> str:
+    async def _json(self, reply: _Reply, kind: str, value, request):
+        """Collect the job's events to its result: one chat.completion object."""
+        from fastapi.responses import JSONResponse
+
+        req, job = reply.req, reply.job
+        result, error = None, None
+        try:
+            while kind != "done":
+                if kind == "result":
+                    result = value
+                elif kind == "error":
+                    error = value
+                kind, value = await self.next_event(job, request)
+        except (ClientGone, asyncio.CancelledError) as e:
+            return self._disconnected(job, e)
+        if error is not None or result is None:
+            error = error or ApiError(500, "generation ended without a result", "server_error", "internal_error")
+            self.metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if error.status < 500 else "error")
+            return error.response()
+        self._record(req, result)
+        return JSONResponse({
+            "id": reply.rid, "object": "chat.completion", "created": reply.created_at, "model": self.model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "logprobs": None, "finish_reason": self._finish_reason(req, result)}],
+            "usage": _usage(result), "kvstitch": _ext(req, result, reply.wait, reply.retrieved)})
+
+    def _chunk(self, reply: _Reply, delta: dict, finish=None, **extra) -> str:
+        obj = {"id": reply.rid, "object": "chat.completion.chunk", "created": reply.created_at,
+               "model": self.model_id,
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def _sse(self, reply: _Reply, kind: str, value):
+        """The job's events as chat.completion.chunk server-sent events, ``data: [DONE]`` last."""
+        req, job = reply.req, reply.job
+        text = TextStream(self.engine.tokenizer, self.engine.eos_ids, req.stop)
+        finished = False
+        try:
+            yield self._chunk(reply, {"role": "assistant", "content": ""})
+            while True:
+                if kind == "token":
+                    delta = text.push(value)
+                    if delta:
+                        yield self._chunk(reply, {"content": delta})
+                elif kind == "result":
+                    tail = text.finish(value.text)
+                    if tail:
+                        yield self._chunk(reply, {"content": tail})
+                    self._record(req, value)
+                    finished = True
+                    yield self._chunk(reply, {}, self._finish_reason(req, value),
+                                      kvstitch=_ext(req, value, reply.wait, reply.retrieved))
+                    if req.include_usage:
+                        obj = {"id": reply.rid, "object": "chat.completion.chunk", "created": reply.created_at,
+                               "model": self.model_id, "choices": [], "usage": _usage(value)}
+                        yield f"data: {json.dumps(obj)}\n\n"
+                elif kind == "error":
+                    finished = True
+                    self.metrics.inc("kvstitch_chat_requests_total",
+                                     outcome="invalid" if value.status < 500 else "error")
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                elif kind == "done":
+                    break
+                kind, value = await self.next_event(job, None)  # disconnects cancel this task (see below)
+            yield "data: [DONE]\n\n"
+        finally:
+            # reached on normal end, and on client disconnect (Starlette cancels the response task, or the
+            # generator is closed): stop the engine at its next step
+            if not finished:
+                job.cancel()
+                self.metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+
+    def _finish_reason(self, req: ChatRequest, res: GenerationResult) -> str:
         if res.stats.get("stop_sequence") is not None:
             return "stop"
-        if res.token_ids and res.token_ids[-1] in engine.eos_ids:
+        if res.token_ids and res.token_ids[-1] in self.engine.eos_ids:
             return "stop"
         return "length" if len(res.token_ids) >= req.max_tokens else "stop"
 
-    def _record(req: ChatRequest, res: GenerationResult) -> None:
-        st = res.stats
+    def _record(self, req: ChatRequest, res: GenerationResult) -> None:
+        """An answered request in the metrics."""
+        metrics, st = self.metrics, res.stats
         metrics.inc("kvstitch_chat_requests_total", outcome="ok")
         metrics.inc("kvstitch_chat_method_total", method=req.method)
         metrics.observe("kvstitch_ttft_seconds", res.ttft_s)
@@ -936,156 +1101,85 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
             metrics.inc("kvstitch_guard_checks_total")
             metrics.inc("kvstitch_guard_disagreements_total", 0 if st["guard"]["agreed"] else 1)
 
-    async def retrieve(req: ChatRequest) -> tuple[list[str], list[dict]]:
+
+def _install_error_handlers(app) -> None:
+    """Every error as OpenAI's error JSON: `ApiError`s, HTTP errors (404, 405) and anything unexpected (500)."""
+    from fastapi import Request
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return ApiError(exc.status_code, msg, "invalid_request_error", kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
+                        "internal_error").response()
+
+
+def create_app(engine, default_method: str = "prophet", default_ratio: float = 0.2, max_queue: int = 16,
+               collections_dir: str | Path | None = None, default_decode: str = "full",
+               max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
+               disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
+               guard_rate: float = 0.0, security: "SecurityConfig | None" = None, max_batch: int = 8) -> "FastAPI":
+    """The FastAPI app serving `engine`. `collections_dir`: where `kvstitch index` put collections (None:
+    requests naming a collection get 404). The engine worker starts with the app (lifespan).
+    ``guard_rate``: the fraction of greedy requests checked against full prefill (``guard="full"``, chosen
+    at random); /metrics counts the checks and the disagreements, so the rate of stitched answers that
+    differ from full prefill is measured on live traffic. ``max_batch``: requests served at once (their decode
+    steps share forward passes; 1 = one request at a time). The routes' logic is `ChatService`'s."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    service = ChatService(engine, default_method, default_ratio, max_queue, collections_dir, default_decode,
+                          max_tokens, model_name, warmup, disconnect_poll_s, max_body_bytes, guard_rate, max_batch)
+    worker = service.worker
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
         try:
-            col = await run_in_threadpool(collections.get, req.collection)
-        except CollectionNotFound as e:
-            raise ApiError(404, str(e), code="collection_not_found", param="collection") from None
-        except InputError as e:
-            raise ApiError(400, str(e), code="invalid_collection", param="collection") from None
-        except KVStitchError as e:
-            raise ApiError(500, str(e), "server_error", "collection_unreadable") from None
-        hits = await run_in_threadpool(col.search, req.question, req.top_k)
-        if not hits:
-            raise ApiError(400, f"collection {req.collection!r} is empty", code="empty_collection",
-                           param="collection")
-        return [h.text for h in hits], [h.as_dict() for h in hits]
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+
+    app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan)
+    app.state.service = service
+    app.state.worker, app.state.metrics, app.state.engine, app.state.collections = \
+        worker, service.metrics, engine, service.collections
+    install_security(app, security, getattr(engine, "tokenizer", None))  # auth, limits, CORS (server_security)
+    app.add_middleware(_StatusCounter, metrics=service.metrics)
+    app.include_router(documents_router(service.documents))  # /v1/documents (server_documents)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        body, status = service.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/v1/models")
+    async def models():
+        return service.models()
+
+    @app.get("/v1/collections")
+    async def list_cols():
+        return service.list_collections()
+
+    @app.get("/metrics")
+    async def prom():
+        return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        try:
-            declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-                raise ApiError(413, f"request body too large ({declared} bytes > {max_body_bytes})",
-                               code="body_too_large")
-            raw = await request.body()
-            if len(raw) > max_body_bytes:
-                raise ApiError(413, f"request body too large ({len(raw)} bytes > {max_body_bytes})",
-                               code="body_too_large")
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-            body = await resolve_document_ids(documents, body)
-            req = parse_chat_request(body, default_method, default_ratio, default_decode, max_tokens, policies)
-            retrieved = None
-            docs = req.documents
-            if req.collection is not None:
-                docs, retrieved = await retrieve(req)
-        except ApiError as e:
-            metrics.inc("kvstitch_chat_requests_total", outcome="invalid")
-            return e.response()
-
-        kwargs = dict(messages=req.messages, chunks=docs, method=req.method, recompute_ratio=req.ratio,
-                      max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                      decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options,
-                      auto=req.auto, guard=req.guard or ("full" if req.temperature == 0 and guard_rate > 0 and req.method != "full"
-                                          and guard_rng.random() < guard_rate else None))
-        job = Job(kwargs, asyncio.get_running_loop(), stop=req.stop)
-        try:
-            worker.submit(job)
-        except QueueFull as e:
-            metrics.inc("kvstitch_chat_requests_total", outcome="rejected")
-            metrics.inc("kvstitch_rejected_total")
-            return ApiError(429, f"the server is busy: {worker.waiting} requests are already waiting (max_queue="
-                                 f"{max_queue}); retry after {e.retry_after} s", "rate_limit_error", "queue_full",
-                            headers={"Retry-After": str(e.retry_after)}).response()
-
-        rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        # wait for the first event: an input error becomes a 4xx even for a streaming request
-        wait = 0.0
-        try:
-            while True:
-                kind, value = await next_event(job, request)
-                if kind == "started":
-                    wait = value
-                    continue
-                break
-        except (ClientGone, asyncio.CancelledError) as e:
-            job.cancel()
-            metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return ApiError(499, "client disconnected", "invalid_request_error", "cancelled").response()
-        if kind == "error":
-            metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if value.status < 500 else "error")
-            return value.response()
-        if kind == "done":  # cancelled before it started
-            metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
-            return ApiError(499, "request cancelled", "invalid_request_error", "cancelled").response()
-
-        if req.stream:
-            return StreamingResponse(sse(req, job, kind, value, rid, created_at, wait, retrieved),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        # JSON: collect to the result
-        result, error = None, None
-        try:
-            while kind != "done":
-                if kind == "result":
-                    result = value
-                elif kind == "error":
-                    error = value
-                kind, value = await next_event(job, request)
-        except (ClientGone, asyncio.CancelledError) as e:
-            job.cancel()
-            metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return ApiError(499, "client disconnected", "invalid_request_error", "cancelled").response()
-        if error is not None or result is None:
-            error = error or ApiError(500, "generation ended without a result", "server_error", "internal_error")
-            metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if error.status < 500 else "error")
-            return error.response()
-        _record(req, result)
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created_at, "model": model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                         "logprobs": None, "finish_reason": _finish_reason(req, result)}],
-            "usage": _usage(result), "kvstitch": _ext(req, result, wait, retrieved)})
-
-    def _chunk(rid, created_at, delta: dict, finish=None, **extra) -> str:
-        obj = {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    async def sse(req: ChatRequest, job: Job, kind, value, rid, created_at, wait, retrieved):
-        text = TextStream(engine.tokenizer, engine.eos_ids, req.stop)
-        finished = False
-        try:
-            yield _chunk(rid, created_at, {"role": "assistant", "content": ""})
-            while True:
-                if kind == "token":
-                    delta = text.push(value)
-                    if delta:
-                        yield _chunk(rid, created_at, {"content": delta})
-                elif kind == "result":
-                    tail = text.finish(value.text)
-                    if tail:
-                        yield _chunk(rid, created_at, {"content": tail})
-                    _record(req, value)
-                    finished = True
-                    yield _chunk(rid, created_at, {}, _finish_reason(req, value),
-                                 kvstitch=_ext(req, value, wait, retrieved))
-                    if req.include_usage:
-                        obj = {"id": rid, "object": "chat.completion.chunk", "created": created_at,
-                               "model": model_id, "choices": [], "usage": _usage(value)}
-                        yield f"data: {json.dumps(obj)}\n\n"
-                elif kind == "error":
-                    finished = True
-                    metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if value.status < 500 else "error")
-                    yield f"data: {json.dumps(value.body())}\n\n"
-                elif kind == "done":
-                    break
-                kind, value = await next_event(job, None)  # disconnects cancel this task (see below)
-            yield "data: [DONE]\n\n"
-        finally:
-            # reached on normal end, and on client disconnect (Starlette cancels the response task, or the
-            # generator is closed): stop the engine at its next step
-            if not finished:
-                job.cancel()
-                metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
+        return await service.chat(request)
 
     return app
 
@@ -1137,93 +1231,3 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def serve_command(
-    ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="embedded name (smollm2, gemma3), HF directory or .gguf file"),
-    store: Optional[str] = typer.Option(None, "--store",
-                                        help="chunk store: a directory, redis://host:port/db, or none (memory)"),
-    method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
-    ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
-    guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
-                                                               "prefill (disagreements in /metrics)"),
-    decode: str = typer.Option("full", "--decode", help="default decode policy (per-request: 'decode')"),
-    host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
-    port: int = typer.Option(8000, "--port", help="port to bind"),
-    max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
-    max_batch: int = typer.Option(8, "--max-batch", help="requests served at once (decode steps batched; 1 = serial)"),
-    cold_path: str = typer.Option("auto", "--cold-path", help="requests whose chunks are not stored: auto (full prefill "
-                                                              "when most miss, chunks computed while idle), "
-                                                              "full_prefill or stitched"),
-    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="default max_tokens"),
-    collections_dir: Optional[Path] = typer.Option(
-        None, "--collections-dir", help="indexed collections (default: STORE/collections or "
-                                        "$KVSTITCH_CACHE/collections)"),
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
-    api_key: Optional[list[str]] = typer.Option(
-        None, "--api-key", help="require 'Authorization: Bearer KEY' (repeatable; default: $KVSTITCH_API_KEY, "
-                                "comma-separated)"),
-    insecure: bool = typer.Option(False, "--insecure", help="allow a non-loopback --host without an API key"),
-    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin",
-                                                    help="allow browser requests from this origin (repeatable; "
-                                                         "CORS is off by default)"),
-    max_body: str = typer.Option("32MiB", "--max-body", help="request body limit (413 above it)"),
-    max_documents: int = typer.Option(256, "--max-documents", help="passages per request (413 above it)"),
-    max_request_tokens: Optional[int] = typer.Option(None, "--max-request-tokens",
-                                                     help="passage tokens per request (413 above it)"),
-    max_bytes: Optional[str] = typer.Option(None, "--max-bytes",
-                                            help="store budget: unpinned chunk caches are evicted least-recently-"
-                                                 "used above it (memory, directory and Redis stores)"),
-    config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=config_callback,
-                                          help="a TOML file of serve options (flags > KVSTITCH_* env > file)"),
-) -> None:
-    """Serve the OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, /health, /metrics)."""
-    import uvicorn
-    from rich.console import Console
-
-    from .engine import Engine
-
-    console = Console(stderr=True)
-    print_config(ctx, console)  # the effective configuration, once (server_config)
-    check_method(method)  # before the (slow) model load
-    from .cold import DEFAULT_COLD_THRESHOLD, check_cold_path
-
-    check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
-    if max_queue < 0:
-        raise InputError(f"--max-queue must be >= 0, got {max_queue}")
-    ratio = parse_ratio(ratio)
-    from .server_security import api_keys_from, check_bind
-    from .store.cli import parse_size
-
-    security = SecurityConfig(api_keys=api_keys_from(api_key), insecure=insecure, max_body_bytes=parse_size(max_body),
-                              max_documents=max_documents, max_request_tokens=max_request_tokens,
-                              cors_origins=tuple(cors_origin or ()))
-    check_bind(host, security)  # before the (slow) model load
-    store_obj = store
-    if max_bytes is not None:
-        from .store import open_store
-
-        budget = parse_size(max_bytes)
-        store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
-    with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        eng = Engine.load(model, store=store_obj, cold_path=cold_path)
-    if eng.store.compute_dtype is None:
-        eng.store.compute_dtype = eng.dtype
-    root = collections_root(store if store is not None else eng.store, collections_dir)
-    app = create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue, collections_dir=root,
-                     default_decode=decode, max_tokens=max_tokens, model_name=_model_id(model), warmup=True,
-                     max_body_bytes=security.max_body_bytes, security=security, guard_rate=guard_rate,
-                     max_batch=max_batch)
-    console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} (method {method}, ratio {ratio}, "
-                  f"store {eng.store!r}, collections {root}; "
-                  f"{'API key required' if security.api_keys else 'no API key'}"
-                  f"{', CORS ' + ','.join(security.cors_origins) if security.cors_origins else ''})", highlight=False)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
-
-
-def _model_id(model: str | None) -> str:
-    if model is None:
-        return "smollm2"
-    return Path(model).name or str(model)

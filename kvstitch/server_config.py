@@ -7,18 +7,17 @@ Every serve option has an environment variable: ``KVSTITCH_`` + its name in capi
 ``-`` (``--max-queue`` -> ``KVSTITCH_MAX_QUEUE``). The file holds the same names, at the top level or
 under ``[serve]`` (``max_queue = 8`` or ``max-queue = 8``); an unknown name is an error, not ignored.
 The effective configuration, and where each value came from, is printed once at start (keys masked).
+This module reads the file; the options themselves and ``--config`` are `kvstitch.serve_cli`'s.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import typer
-
 from .errors import InputError
 
 ENV_PREFIX = "KVSTITCH"
-SECRET = {"api_key"}
+SECRET = {"api_key"}  # options whose values are masked when the configuration is printed
 
 
 def read_config(path: str | Path, known: set[str]) -> dict:
@@ -45,38 +44,3 @@ def read_config(path: str | Path, known: set[str]) -> dict:
             raise InputError(f"{p}: unknown option {k!r}; known: {', '.join(sorted(known))}")
         out[name] = v
     return out
-
-
-def config_callback(ctx: typer.Context, param: typer.CallbackParam, value):
-    """Eager ``--config``: the file's values become the defaults of the other options (under env and flags)."""
-    if value:
-        known = {p.name for p in ctx.command.params if p.name not in ("config",)}
-        try:
-            values = read_config(value, known)
-        except InputError as e:  # raised while parsing: a usage error (exit 2), not a traceback
-            raise typer.BadParameter(str(e), ctx=ctx, param=param) from None
-        ctx.default_map = {**(ctx.default_map or {}), **values}
-    return value
-
-
-def describe(ctx: typer.Context) -> list[tuple[str, str, str]]:
-    """``(option, value, source)`` for every serve option (source: flag, env, file or default)."""
-    names = {"COMMANDLINE": "flag", "ENVIRONMENT": "env", "DEFAULT_MAP": "file", "DEFAULT": "default"}
-    rows = []
-    for p in ctx.command.params:
-        if p.name in ("install_completion", "show_completion", "help") or getattr(p, "hidden", False):
-            continue
-        v = ctx.params.get(p.name)
-        if p.name in SECRET and v:
-            n = sum(len([k for k in str(x).split(",") if k.strip()]) for x in v)
-            v = f"<{n} key{'s' if n != 1 else ''}>"
-        src = ctx.get_parameter_source(p.name)
-        rows.append((p.name, str(v), names.get(getattr(src, "name", ""), "default")))
-    return rows
-
-
-def print_config(ctx: typer.Context, console) -> None:
-    """The effective serve configuration, once, at start."""
-    rows = describe(ctx)
-    console.print("configuration (flag > env KVSTITCH_* > file > default): "
-                  + ", ".join(f"{n}={v} ({s})" for n, v, s in rows), highlight=False, soft_wrap=True)

@@ -360,7 +360,7 @@ def test_serve_command_rejects_unknown_method_before_loading():
     import typer
     from typer.testing import CliRunner
 
-    from kvstitch.server import serve_command
+    from kvstitch.serve_cli import serve_command
 
     app = typer.Typer()
     app.command("serve")(serve_command)
