@@ -480,11 +480,11 @@ def bench_store_cmd(path: Path = typer.Option(Path("/tmp/kvstitch-bench-store"),
 
 def _mount_optional() -> None:
     """Sub-apps owned by other modules (added as they land)."""
-    from .retrieval import index_command
-    from .server import serve_command
+    from .retrieval_cli import index_command
+    from .serve_cli import serve_command
 
     from .eval.cli import compare_command, eval_command, report_command
-    from .viz import viz_command
+    from .viz_cli import viz_command
 
     app.command("eval")(friendly_errors(eval_command))
     app.command("eval-compare")(friendly_errors(compare_command))

@@ -166,10 +166,12 @@ def test_index_and_ask_commands(engine, docs_dir, tmp_path, monkeypatch, offline
     import typer
     from typer.testing import CliRunner
 
-    monkeypatch.setattr(retrieval, "_load_engine", lambda model, store: engine)
+    from kvstitch import retrieval_cli
+
+    monkeypatch.setattr(retrieval_cli, "_load_engine", lambda model, store: engine)
     app = typer.Typer()
-    app.command("index")(retrieval.index_command)
-    app.command("ask")(retrieval.ask_collection_command)
+    app.command("index")(retrieval_cli.index_command)
+    app.command("ask")(retrieval_cli.ask_collection_command)
     runner = CliRunner()
     cols = tmp_path / "cols"
     r = runner.invoke(app, ["index", str(docs_dir), "--collection", "cli", "--store", str(tmp_path / "kv"),
