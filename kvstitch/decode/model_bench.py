@@ -29,6 +29,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from rich.progress import Progress
@@ -162,6 +163,182 @@ class _Sample:
         return text.strip()
 
 
+@dataclass
+class _Plan:
+    """What every measurement of one run shares: the NIAH samples and their answer caps (``main``: the
+    sample recall and TPOT use), the decoder options per policy, and what the decoders' shapes imply."""
+
+    samples: list
+    caps: list[int]           # answer tokens + 8 per sample, at least 8 (`kvstitch eval`'s answer budget)
+    main: int
+    length: int               # context tokens asked of the task generator (capped at positions - 256)
+    opts: dict[str, dict]     # decoder options per policy
+    obs_window: int           # observation queries kept: the widest local window of any decoder
+    budget_counts: dict[str, str]
+    on_top: int               # the local window when it is not inside k
+
+
+def _plan(engine, context: int, budgets: list[int], policies: list[str], n_niah: int, task: str,
+          chunk_tokens: int, seed: int, page_size: int | None, policy_options: dict | None) -> _Plan:
+    """The samples of one run and the decoders' shapes (probed at the first budget)."""
+    from ..eval.tasks import generate
+
+    length = min(context, engine.adapter.max_positions - 256)
+    tok = engine.tokenizer
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    samples = generate(task, max(1, n_niah), length, chunk_tokens, seed, count)
+    caps = [max(8, count(", ".join(smp.answers)) + 8) for smp in samples]  # eval's answer budget
+    opts = {p: _options(p, policy_options, page_size) for p in policies}
+    probe = {p: _probe(engine, p, budgets[0], opts[p]) for p in policies}
+    return _Plan(samples=samples, caps=caps, main=len(samples) // 2, length=length, opts=opts,
+                 obs_window=max([OBS_WINDOW] + [d.window for d in probe.values()]),
+                 budget_counts={p: d.budget_counts() for p, d in probe.items()},
+                 on_top=min(d.cap - d.kv_budget for d in probe.values()))
+
+
+class _Steps:
+    """The progress bar of one run: the current stage and the work units done."""
+
+    def __init__(self, bar: Progress, total: int):
+        self.bar = bar
+        self.job = bar.add_task("bench decode", total=total)
+
+    def stage(self, text: str) -> None:
+        self.bar.update(self.job, description=text)
+
+    def advance(self, units: int = 1) -> None:
+        self.bar.advance(self.job, units)
+
+
+def _reference(engine, s: _Sample, new_tokens: int, steps: _Steps) -> list[int]:
+    """Dense greedy decode, EOS ignored (also warms the decode path up): the tokens every run is forced with."""
+    steps.stage("reference (full)")
+    cache, _ = s.runner(None, None, {})
+    ref = [s.first]
+    for _ in range(new_tokens):
+        ref.append(int(torch.argmax(engine.decode_step(cache, ref[-1])[-1])))
+        steps.advance()
+    return ref
+
+
+def _time_steps(engine, s: _Sample, ref: list[int], budgets: list[int], policies: list[str], opts: dict,
+                new_tokens: int, warmup: int, steps: _Steps) -> dict[tuple, list[float]]:
+    """TPOT: per budget, full + every policy in lockstep (the order rotates step by step), teacher-forced
+    with the reference tokens -> ``{(policy or "full", budget): step seconds after warm-up}``."""
+    device = engine.device
+    times: dict[tuple, list[float]] = {}
+    for b in budgets:
+        steps.stage(f"TPOT, budget {b}")
+        runners = {("full", None): s.runner(None, None, {})}
+        runners.update({(p, b): s.runner(p, b, opts[p]) for p in policies})
+        names = list(runners)
+        step_times = {name: [] for name in names}
+        for t in range(new_tokens):
+            for name in names[t % len(names):] + names[:t % len(names)]:
+                cache, dec = runners[name]
+                _sync(device)
+                t0 = time.perf_counter()
+                engine.decode_step(cache, ref[t], dec)
+                _sync(device)
+                step_times[name].append(time.perf_counter() - t0)
+            steps.advance(len(names))
+        s.cache.truncate(s.n)
+        for name, ts in step_times.items():
+            times[(name[0], b)] = ts[warmup:]
+        del runners
+    return times
+
+
+def _recall(engine, s: _Sample, ref: list[int], budgets: list[int], policies: list[str], opts: dict,
+            new_tokens: int, steps: _Steps) -> dict[tuple, dict]:
+    """Recall: diagnostic mode, one policy at a time, teacher-forced with the reference tokens ->
+    ``{(policy, budget): recall fields of its row}``."""
+    recall: dict[tuple, dict] = {}
+    for b in budgets:
+        for p in policies:
+            steps.stage(f"recall {p} @ {b}")
+            cache, dec = s.runner(p, b, opts[p], diagnostic=True)
+            agree = 0
+            for t in range(new_tokens):
+                agree += int(torch.argmax(engine.decode_step(cache, ref[t], dec)[-1])) == ref[t + 1]
+                steps.advance()
+            st = dec.stats()
+            recall[(p, b)] = {**_selecting_recall(dec), "top1_agreement": agree / new_tokens,
+                              "recall_per_layer": st["recall_per_layer"],
+                              "max_abs_err_vs_dense": st["max_abs_err_vs_dense"],
+                              "mean_selected_tokens": st["mean_selected_tokens"],
+                              "pages_copied_per_step": st["pages_copied"] / max(1, st["steps"]),
+                              "static_refreshes": st["static_refreshes"],
+                              "budget_counts": st["budget_counts"]}
+            del dec
+    return recall
+
+
+def _niah(engine, plan: _Plan, s: _Sample, budgets: list[int], policies: list[str], n_niah: int, task: str,
+          method: str, recompute_ratio: float, method_options: dict | None,
+          steps: _Steps) -> tuple[dict[tuple, list[float]], list[dict]]:
+    """NIAH: free greedy decode of every sample with full and every (policy, sparse budget) ->
+    (``{(policy, budget): scores}``, one prediction record per run). ``s``: the main sample, prefilled."""
+    from ..eval.scoring import scorer_for
+
+    score = scorer_for(task)
+    niah: dict[tuple, list[float]] = {("full", None): []}
+    niah.update({(p, b): [] for b in budgets for p in policies})
+    preds: list[dict] = []
+    for i in range(n_niah):
+        if i != plan.main:
+            steps.stage(f"prefill sample {i}")
+            s_i = _Sample(engine, plan.samples[i], method, recompute_ratio, plan.caps[i], method_options)
+            s_i.obs_window = plan.obs_window
+            steps.advance()
+        else:
+            s_i = s
+        answers = plan.samples[i].answers
+        for key in niah:
+            p, b = key
+            steps.stage(f"NIAH {i + 1}/{n_niah}: {p}" + (f" @ {b}" if b else ""))
+            text = s_i.generate(None if p == "full" else p, b, plan.opts.get(p, {}), plan.caps[i])
+            niah[key].append(score(text, answers))
+            preds.append({"sample": i, "policy": p, "budget": b, "pred": text, "answers": answers,
+                          "score": niah[key][-1]})
+            steps.advance(plan.caps[i])
+        del s_i
+    return niah, preds
+
+
+def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], dense: list[int], n_max: int,
+          times: dict, recall: dict, niah: dict) -> list[dict]:
+    """The `full` row, then one row per (budget, policy); what was not measured is None."""
+    def ms(ts: list[float]) -> float:
+        return 1e3 * statistics.median(ts) if ts else math.nan
+
+    def acc(key) -> float:
+        return statistics.mean(niah[key]) if niah.get(key) else math.nan
+
+    base = {"context_tokens": s.layout.n_context, "prompt_tokens": s.n, "new_tokens": new_tokens}
+    full_all = [t for b in budgets if b not in dense for t in times[("full", b)]]
+    rows = [{"policy": "full", "budget": None, **base, "recall": 1.0, "oracle_recall": 1.0, "recall_min": 1.0,
+             "top1_agreement": 1.0, "tpot_ms": ms(full_all), "tpot_vs_full": 1.0 if full_all else math.nan,
+             "niah_acc": acc(("full", None)), "niah_n": len(niah[("full", None)]),
+             "note": "dense decode over the contiguous cache (reference)"}]
+    for b in budgets:
+        for p in policies:
+            row = {"policy": p, "budget": b, **base, **recall[(p, b)]}
+            if b in dense:
+                row.update(tpot_ms=math.nan, full_tpot_ms=math.nan, tpot_vs_full=math.nan, niah_acc=math.nan,
+                           niah_n=0, note=f"budget + window >= {n_max} tokens (prompt + new tokens): dense; "
+                                          f"TPOT and NIAH not run")
+            else:
+                tp, tf = ms(times[(p, b)]), ms(times[("full", b)])
+                row.update(tpot_ms=tp, full_tpot_ms=tf, tpot_vs_full=tp / tf, niah_acc=acc((p, b)),
+                           niah_n=len(niah[(p, b)]), note="")
+            rows.append(row)
+    return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+
+
 def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEFAULT_BUDGETS,
                        policies: Sequence[str] = DEFAULT_POLICIES, n_niah: int = 5,
                        new_tokens: int = DEFAULT_NEW_TOKENS, *,
@@ -182,157 +359,44 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     Returns (rows, meta): a `full` row (budget None) then one row per (budget, policy); what was not
     measured (TPOT / NIAH of a dense budget, NIAH with ``n_niah=0``) is None.
     """
-    from ..eval.scoring import scorer_for
-    from ..eval.tasks import generate
-
     budgets, policies = _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task,
                                       policy_options, page_size)
     warmup = max(0, min(warmup, new_tokens - 1))
-    limit = engine.adapter.max_positions
-    length = min(context, limit - 256)
-    tok = engine.tokenizer
-
-    def count(text: str) -> int:
-        return len(tok.encode(text, add_special_tokens=False))
-
-    samples = generate(task, max(1, n_niah), length, chunk_tokens, seed, count)
-    caps = [max(8, count(", ".join(smp.answers)) + 8) for smp in samples]  # eval's answer budget
-    main = len(samples) // 2
-    opts = {p: _options(p, policy_options, page_size) for p in policies}
-    probe = {p: _probe(engine, p, budgets[0], opts[p]) for p in policies}
-    obs_window = max([OBS_WINDOW] + [d.window for d in probe.values()])
-    budget_counts = {p: d.budget_counts() for p, d in probe.items()}
-    on_top = min(d.cap - d.kv_budget for d in probe.values())  # the local window when it is not inside k
-    del probe
-    score = scorer_for(task)
-    device = engine.device
+    plan = _plan(engine, context, budgets, policies, n_niah, task, chunk_tokens, seed, page_size, policy_options)
+    samples, caps, main = plan.samples, plan.caps, plan.main
 
     # work units: prefills, decode steps (reference, timing, recall) and NIAH runs (their answer cap each)
     n_budgets = len(budgets)
     total = (len(samples) + new_tokens * (1 + n_budgets * (1 + 2 * len(policies)))
              + sum(caps[:n_niah]) * (1 + n_budgets * len(policies)))
     with Progress(disable=not progress) as bar:
-        job = bar.add_task("bench decode", total=total)
-
-        def stage(text: str) -> None:
-            bar.update(job, description=text)
-
-        stage(f"prefill sample {main}")
+        steps = _Steps(bar, total)
+        steps.stage(f"prefill sample {main}")
         s = _Sample(engine, samples[main], method, recompute_ratio, max(new_tokens + 1, caps[main]),
                     method_options)
-        s.obs_window = obs_window
-        bar.advance(job)
+        s.obs_window = plan.obs_window
+        steps.advance()
         n_max = s.n + new_tokens  # tokens in the cache at the last step
-        dense = [b for b in budgets if b + on_top >= n_max]  # every policy selects everything: dense attention
-        sparse_budgets = [b for b in budgets if b + on_top < n_max]
+        dense = [b for b in budgets if b + plan.on_top >= n_max]  # every policy selects everything: dense attention
+        sparse_budgets = [b for b in budgets if b + plan.on_top < n_max]
 
-        # reference: dense greedy decode, EOS ignored (also warms the decode path up)
-        stage("reference (full)")
-        cache, _ = s.runner(None, None, {})
-        ref = [s.first]
-        for _ in range(new_tokens):
-            ref.append(int(torch.argmax(engine.decode_step(cache, ref[-1])[-1])))
-            bar.advance(job)
+        ref = _reference(engine, s, new_tokens, steps)
+        times = _time_steps(engine, s, ref, sparse_budgets, policies, plan.opts, new_tokens, warmup, steps)
+        steps.advance(new_tokens * len(dense) * (1 + len(policies)))
+        recall = _recall(engine, s, ref, budgets, policies, plan.opts, new_tokens, steps)
+        niah, preds = _niah(engine, plan, s, sparse_budgets, policies, n_niah, task, method, recompute_ratio,
+                            method_options, steps)
+        steps.advance(sum(caps[:n_niah]) * len(policies) * len(dense))
 
-        # TPOT: per budget, full + every policy in lockstep, teacher-forced with the reference tokens
-        times: dict[tuple, list[float]] = {}
-        for b in sparse_budgets:
-            stage(f"TPOT, budget {b}")
-            runners = {("full", None): s.runner(None, None, {})}
-            runners.update({(p, b): s.runner(p, b, opts[p]) for p in policies})
-            names = list(runners)
-            step_times = {name: [] for name in names}
-            for t in range(new_tokens):
-                for name in names[t % len(names):] + names[:t % len(names)]:
-                    cache, dec = runners[name]
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    engine.decode_step(cache, ref[t], dec)
-                    _sync(device)
-                    step_times[name].append(time.perf_counter() - t0)
-                bar.advance(job, len(names))
-            s.cache.truncate(s.n)
-            for name, ts in step_times.items():
-                times[(name[0], b)] = ts[warmup:]
-            del runners
-        bar.advance(job, new_tokens * len(dense) * (1 + len(policies)))
-
-        # recall: diagnostic mode, one policy at a time, teacher-forced with the reference tokens
-        recall: dict[tuple, dict] = {}
-        for b in budgets:
-            for p in policies:
-                stage(f"recall {p} @ {b}")
-                cache, dec = s.runner(p, b, opts[p], diagnostic=True)
-                agree = 0
-                for t in range(new_tokens):
-                    agree += int(torch.argmax(engine.decode_step(cache, ref[t], dec)[-1])) == ref[t + 1]
-                    bar.advance(job)
-                st = dec.stats()
-                recall[(p, b)] = {**_selecting_recall(dec), "top1_agreement": agree / new_tokens,
-                                  "recall_per_layer": st["recall_per_layer"],
-                                  "max_abs_err_vs_dense": st["max_abs_err_vs_dense"],
-                                  "mean_selected_tokens": st["mean_selected_tokens"],
-                                  "pages_copied_per_step": st["pages_copied"] / max(1, st["steps"]),
-                                  "static_refreshes": st["static_refreshes"],
-                                  "budget_counts": st["budget_counts"]}
-                del dec
-
-        # NIAH: free greedy decode of every sample with full and every (policy, sparse budget)
-        niah: dict[tuple, list[float]] = {("full", None): []}
-        niah.update({(p, b): [] for b in sparse_budgets for p in policies})
-        preds: list[dict] = []
-        for i in range(n_niah):
-            if i != main:
-                stage(f"prefill sample {i}")
-                s_i = _Sample(engine, samples[i], method, recompute_ratio, caps[i], method_options)
-                s_i.obs_window = obs_window
-                bar.advance(job)
-            else:
-                s_i = s
-            answers = samples[i].answers
-            for key in niah:
-                p, b = key
-                stage(f"NIAH {i + 1}/{n_niah}: {p}" + (f" @ {b}" if b else ""))
-                text = s_i.generate(None if p == "full" else p, b, opts.get(p, {}), caps[i])
-                niah[key].append(score(text, answers))
-                preds.append({"sample": i, "policy": p, "budget": b, "pred": text, "answers": answers,
-                              "score": niah[key][-1]})
-                bar.advance(job, caps[i])
-            del s_i
-        bar.advance(job, sum(caps[:n_niah]) * len(policies) * len(dense))
-
-    def ms(ts: list[float]) -> float:
-        return 1e3 * statistics.median(ts) if ts else math.nan
-
-    def acc(key) -> float:
-        return statistics.mean(niah[key]) if niah.get(key) else math.nan
-
-    base = {"context_tokens": s.layout.n_context, "prompt_tokens": s.n, "new_tokens": new_tokens}
-    full_all = [t for b in sparse_budgets for t in times[("full", b)]]
-    rows = [{"policy": "full", "budget": None, **base, "recall": 1.0, "oracle_recall": 1.0, "recall_min": 1.0,
-             "top1_agreement": 1.0, "tpot_ms": ms(full_all), "tpot_vs_full": 1.0 if full_all else math.nan,
-             "niah_acc": acc(("full", None)), "niah_n": len(niah[("full", None)]),
-             "note": "dense decode over the contiguous cache (reference)"}]
-    for b in budgets:
-        for p in policies:
-            row = {"policy": p, "budget": b, **base, **recall[(p, b)]}
-            if b in dense:
-                row.update(tpot_ms=math.nan, full_tpot_ms=math.nan, tpot_vs_full=math.nan, niah_acc=math.nan,
-                           niah_n=0, note=f"budget + window >= {n_max} tokens (prompt + new tokens): dense; "
-                                          f"TPOT and NIAH not run")
-            else:
-                tp, tf = ms(times[(p, b)]), ms(times[("full", b)])
-                row.update(tpot_ms=tp, full_tpot_ms=tf, tpot_vs_full=tp / tf, niah_acc=acc((p, b)),
-                           niah_n=len(niah[(p, b)]), note="")
-            rows.append(row)
-    rows = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
-    meta = {"model": engine.adapter.describe(), "device": str(device), "dtype": str(engine.dtype),
+    rows = _rows(s, new_tokens, budgets, policies, dense, n_max, times, recall, niah)
+    limit = engine.adapter.max_positions
+    meta = {"model": engine.adapter.describe(), "device": str(engine.device), "dtype": str(engine.dtype),
             "context_requested": context, "context_tokens": s.layout.n_context, "prompt_tokens": s.n,
-            "capped": context > length, "max_positions": limit, "budgets": budgets, "policies": policies,
+            "capped": context > plan.length, "max_positions": limit, "budgets": budgets, "policies": policies,
             "new_tokens": new_tokens, "warmup": warmup, "n_niah": n_niah, "task": task, "method": method,
             "recompute_ratio": recompute_ratio if method != "full" else None, "chunk_tokens": chunk_tokens,
             "seed": seed, "page_size": page_size or 32, "policy_options": policy_options or {},
-            "observation_window": obs_window, "budget_counts": budget_counts,
+            "observation_window": plan.obs_window, "budget_counts": plan.budget_counts,
             "recall_sample": {"index": main, "depth": samples[main].meta.get("depth")},
             "niah_answer_caps": caps[:n_niah], "reference_tokens": ref, "niah_predictions": preds}
     return rows, meta
