@@ -45,11 +45,26 @@ def friendly_errors(fn):
     return wrapper
 
 
-def _load(model: Optional[str], store: Optional[str] = None):
+def _load(model: Optional[str], store: Optional[str] = None, dtype: Optional[str] = None):
     from .engine import Engine
 
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        return Engine.load(model, store=store)
+        return Engine.load(model, store=store, dtype=dtype)
+
+
+def _set_threads(threads: Optional[int]) -> None:
+    import torch
+
+    from .errors import InputError
+
+    if threads is not None:
+        if threads < 1:
+            raise InputError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+ThreadsOpt = typer.Option(None, help="torch CPU threads (default: torch's, one per core)")
+DtypeOpt = typer.Option(None, help="model dtype: float32 (CPU default) or bfloat16 (CUDA default)")
 
 
 @app.command()
@@ -254,20 +269,26 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
                                                         "store (the engine's cold path)"),
                    cold_path: str = typer.Option("auto", help="cold-path policy: auto, full_prefill or stitched "
                                                               "(kvstitch.cold)"),
+                   threads: Optional[int] = ThreadsOpt, dtype: Optional[str] = DtypeOpt,
                    out: Path = typer.Option(Path("docs/results"), help="output directory"),
                    model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
-    """Full-prefill TTFT vs stitched TTFT (warm and cold chunk store), ratios measured in one run."""
+    """Full-prefill TTFT vs stitched TTFT (warm and cold chunk store), ratios measured in one run, with
+    the stage breakdown (attention kernel vs MLP, the selection's causal work and its bound)."""
+    import torch
+
     from .bench import bench_ttft, ttft_table, write_results
 
     from .cold import check_cold_path
 
     check_cold_path(cold_path, 0.5)
-    eng = _load(model, store)
+    _set_threads(threads)
+    eng = _load(model, store, dtype)
     eng.cold_path = cold_path
     rows = bench_ttft(eng, _csv_ints(lengths), _csv(methods), ratio, repeats, chunk_tokens, cold=cold)
     table = ttft_table(rows)
     write_results(rows, out, "bench_ttft", table, {"model": eng.adapter.describe(), "device": str(eng.device),
-                                                   "store": repr(eng.store)})
+                                                   "dtype": str(eng.dtype), "store": repr(eng.store),
+                                                   "threads": torch.get_num_threads()})
     console.print(table, highlight=False)
     console.print(f"written: {out / 'bench_ttft.json'}, {out / 'bench_ttft.md'}")
 
@@ -351,26 +372,21 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
                          help="a policy field, POLICY.FIELD=VALUE (repeatable), e.g. prkv.group_reduce=max"),
                      warmup: int = typer.Option(2, help="decode steps left out of the TPOT medians"),
                      chunk_tokens: int = typer.Option(256), seed: int = typer.Option(0),
-                     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+                     threads: Optional[int] = ThreadsOpt, dtype: Optional[str] = DtypeOpt,
                      out: Path = typer.Option(Path("docs/results"), help="output directory"),
                      model: Optional[str] = ModelOpt) -> None:
     """Sparse decode on a real model: attention recall, TPOT vs full and NIAH accuracy per policy and budget."""
-    import torch
-
     from .bench import write_results
     from .decode.model_bench import bench_decode_model, decode_table
     from .errors import InputError
 
-    if threads is not None:
-        if threads < 1:
-            raise InputError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
         budgets, names = _csv_ints(budget), _csv(policies)
     except ValueError:
         raise InputError(f"--budget takes comma-separated integers, got {budget!r}") from None
     options = _policy_options(policy_option or [])
-    eng = _load(model)
+    eng = _load(model, dtype=dtype)
     cap = eng.adapter.max_positions - 256
     if context > cap:
         err_console.print(f"[yellow]note:[/] --context {context} is more than this model takes; running at "

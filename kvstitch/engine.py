@@ -25,6 +25,7 @@ from .store import ChunkStore, check_precompute, chunk_key, open_store
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
 DEFAULT_METHOD = "prophet"
+_DTYPES = ("float32", "bfloat16", "float16")  # model dtypes Engine.load accepts by name
 STOP = object()  # `stream(...).send(STOP)`: end the generation after the token just yielded (stop sequences)
 
 
@@ -133,6 +134,8 @@ class Engine:
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         elif isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise InputError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
             dtype = getattr(torch, dtype)
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
         check_precompute(kwargs.get("precompute", "shared_prefix"))

@@ -22,6 +22,14 @@ from .errors import PositionRecoveryError
 SELF_CHECK_RTOL = 1e-2
 
 
+def self_check_rtol(dtype: torch.dtype) -> float:
+    """The self-check's tolerance for a model running in ``dtype``: `SELF_CHECK_RTOL`, or 8 units of
+    the dtype's rounding when that is coarser (bfloat16: 0.0625). A bfloat16 model rounds its own RoPE
+    cos/sin and keys to 8 bits of mantissa, so its two probe runs differ by ~0.03 at 8K positions
+    (measured on SmolLM2) with an exact re-rotation; a wrong base or RoPE type still gives O(1)."""
+    return max(SELF_CHECK_RTOL, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else SELF_CHECK_RTOL
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -60,7 +68,7 @@ def self_check(model, adapter, probe_ids: torch.Tensor, delta: int | None = None
     re-rotate the first run's keys (every layer) by ``delta`` and compare with the second run's.
 
     RoPE attention is translation invariant, so the two must agree up to float rounding. Returns the
-    max relative error; raises `PositionRecoveryError` above `SELF_CHECK_RTOL`.
+    max relative error; raises `PositionRecoveryError` above `self_check_rtol` of the model's dtype.
     """
     from .cache import StitchCache
 
@@ -78,8 +86,9 @@ def self_check(model, adapter, probe_ids: torch.Tensor, delta: int | None = None
         kv.append(cache.stacked_keys())
     moved = rerotate(kv[0], delta, inv_freq_table(adapter))
     err = (moved.float() - kv[1].float()).abs().max().item() / kv[1].float().abs().max().clamp_min(1e-6).item()
-    if not err <= SELF_CHECK_RTOL:  # also catches NaN
+    rtol = self_check_rtol(next(model.parameters()).dtype)
+    if not err <= rtol:  # also catches NaN
         raise PositionRecoveryError(
-            f"RoPE re-rotation self-check failed: relative error {err:.3g} > {SELF_CHECK_RTOL} at delta {delta} "
+            f"RoPE re-rotation self-check failed: relative error {err:.3g} > {rtol:g} at delta {delta} "
             f"({adapter.family}); refusing to stitch caches")
     return err

@@ -27,3 +27,31 @@ def test_bench_ttft_rows_warm_cold_full(smollm_tokenizer, tmp_path):
     assert table.count("\n") == 1 + len(rows) and "cold" in table and "warm" in table
     write_results(rows, tmp_path, "bench_ttft", table)
     assert json.loads((tmp_path / "bench_ttft.json").read_text())["rows"][2]["method"] == "random" + COLD
+
+
+def test_bench_ttft_breakdown_attention_mlp_and_causal_work(smollm_tokenizer):
+    """The stage breakdown: attention-kernel and MLP time are measured inside the TTFT, the hooks are
+    removed afterwards, and the causal-work model is exact for full prefill (1.0) and counts positions."""
+    from transformers import AttentionInterface
+
+    from kvstitch.attention import ATTN_IMPL, kvstitch_attention
+    from kvstitch.bench import causal_work
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    rows = bench_ttft(eng, [300], ["random"], ratio=0.2, repeats=1, chunk_tokens=64, progress=False)
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        assert 0 < r["attn_s"] < r["ttft_median_s"] and 0 < r["mlp_s"] < r["ttft_median_s"]
+    assert by["full"]["attn_work"] == 1.0 and by["full"]["token_frac"] == 1.0 and by["full"]["work_bound"] == 1.0
+    rnd = by["random"]
+    assert 0.2 <= rnd["token_frac"] < 0.5 and 0 < rnd["attn_work"] < 1 and rnd["work_bound"] > 1
+    assert AttentionInterface()[ATTN_IMPL] is kvstitch_attention  # the timing wrapper is gone
+    assert not any(layer.mlp._forward_hooks or layer.mlp._forward_pre_hooks for layer in eng.adapter.backbone.layers)
+
+    layout = eng.layout("q?", ["a b c d e f g h", "i j k l m n o p"])
+    n, c0, nc = layout.n_total, layout.context_start, layout.n_context
+    last = causal_work(layout, [nc - 1])  # one context token, the last: it attends to every earlier key
+    suffix = list(range(c0 + nc, n))
+    expect = ((c0 + nc) + sum(p + 1 for p in suffix)) / (n * (n + 1) / 2)
+    assert abs(last["attn_work"] - expect) < 1e-12 and last["pos_mean"] == 1.0
+    assert causal_work(layout, [0])["attn_work"] < last["attn_work"]  # earlier tokens: less causal work

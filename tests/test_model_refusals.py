@@ -4,6 +4,8 @@ tolerance raises `PositionRecoveryError` instead of stitching with wrong positio
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -119,3 +121,28 @@ def test_engine_refuses_to_stitch_when_self_check_fails(smollm_tokenizer, monkey
         Engine(model, smollm_tokenizer, weights_id="tiny-wrong-base")
     monkeypatch.setattr(engine_mod, "adapter_for", real)
     assert Engine(model, smollm_tokenizer, weights_id="tiny-right-base").rope_error < SELF_CHECK_RTOL
+
+
+def test_self_check_tolerance_follows_the_model_dtype(smollm_tokenizer):
+    """A bfloat16 model (CUDA's default dtype) rounds its own RoPE: the exact re-rotation must still pass,
+    and a wrong base must still fail."""
+    from kvstitch.rope import self_check_rtol
+
+    assert self_check_rtol(torch.float32) == SELF_CHECK_RTOL
+    assert self_check_rtol(torch.bfloat16) == pytest.approx(0.0625)
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    model = copy.deepcopy(eng.model).to(torch.bfloat16)  # a copy: the tiny model is shared
+    probe = eng.tokenizer("The quick brown fox jumps over the lazy dog again and again.",
+                          return_tensors="pt").input_ids[0][:16]
+    assert self_check(model, _WrongBase(model=model, family="llama"), probe) < self_check_rtol(torch.bfloat16)
+    wrong = _WrongBase(model=model, family="llama")
+    wrong.scale = 1.05
+    with pytest.raises(PositionRecoveryError, match="refusing to stitch"):
+        self_check(model, wrong, probe)
+
+
+def test_unknown_dtype_is_an_input_error():
+    from kvstitch.errors import InputError
+
+    with pytest.raises(InputError, match="unknown dtype 'float8'"):
+        Engine.load(dtype="float8")
