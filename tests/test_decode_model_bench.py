@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvstitch import InputError
@@ -23,9 +24,15 @@ def test_rows_for_every_policy_and_budget_and_dense_budget_recall_is_one(family,
                                     new_tokens=4, page_size=8, warmup=1, progress=False, policy_options=full_rank)
     assert rows[0]["policy"] == "full" and rows[0]["budget"] is None
     assert rows[0]["tpot_ms"] > 0 and rows[0]["niah_n"] == 2
-    assert [(r["budget"], r["policy"]) for r in rows[1:]] == [(b, p) for b in (96, 4096) for p in POLICIES]
+    # a floor row per sparse budget (dense decode over k + window tokens), none for the dense budget
+    assert [(r["budget"], r["policy"]) for r in rows[1:]] == (
+        [(96, "floor")] + [(b, p) for b in (96, 4096) for p in POLICIES])
+    floor = rows[1]
+    assert floor["mean_selected_tokens"] == 96 + 64 and floor["tpot_ms"] > 0 and floor["recall"] is None
+    assert floor["tpot_vs_full"] == pytest.approx(floor["tpot_ms"] / floor["full_tpot_ms"])
+    assert "| floor | 96 |" in decode_table(rows, meta)
     assert not meta["capped"] and meta["prompt_tokens"] > meta["context_tokens"] > 250
-    for r in rows[1:]:
+    for r in rows[2:]:
         assert 0.0 <= r["recall"] <= r["oracle_recall"] + 1e-5 <= 1.0 + 2e-5
         assert 0.0 <= r["top1_agreement"] <= 1.0
         if r["budget"] == 4096:  # covers prompt + new tokens: every policy attends densely
@@ -105,7 +112,7 @@ def test_cli_writes_json_and_markdown(tiny_model_dir, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [(row["policy"], row["budget"]) for row in data["rows"]] == [
-        ("full", None), ("prkv", 96), ("quest", 96), ("prkv", 128), ("quest", 128)]
+        ("full", None), ("floor", 96), ("prkv", 96), ("quest", 96), ("floor", 128), ("prkv", 128), ("quest", 128)]
     assert data["meta"]["model_name"] == str(tiny_model_dir)
     assert data["meta"]["policy_options"] == {"prkv": {"group_reduce": "max", "static_ratio": 0.5}}
     md = (tmp_path / "bench_decode.md").read_text()
@@ -127,3 +134,21 @@ def test_cli_bad_input_is_one_clear_line(args, message, tiny_model_dir, tmp_path
     assert r.exit_code == 2, r.output
     assert message in r.output and "Traceback" not in r.output
     assert not (tmp_path / "bench_decode.json").exists()
+
+
+def test_floor_cache_holds_the_prompts_last_tokens(tiny_engine):
+    """The floor runner's cache is the prompt's last n tokens, and dense decode over it attends n + 1 keys."""
+    from kvstitch.decode.model_bench import _Sample
+    from kvstitch.eval.tasks import generate
+
+    eng = tiny_engine
+    count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
+    smp = generate("niah_multikey", 1, 200, 64, 0, count)[0]
+    s = _Sample(eng, smp, "full", 0.2, 8, None)
+    cache, dec = s.floor_runner(40, 4)
+    assert dec is None and cache.length == 40
+    for mine, full in zip(cache.layers, s.cache.layers):
+        assert torch.equal(mine.keys[0, :, :40], full.keys[0, :, s.n - 40:s.n])
+        assert torch.equal(mine.values[0, :, :40], full.values[0, :, s.n - 40:s.n])
+    eng.decode_step(cache, 5)
+    assert cache.length == 41

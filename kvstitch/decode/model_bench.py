@@ -151,6 +151,16 @@ class _Sample:
         dec = eng.make_decoder(self.cache, policy, budget, obs_queries=self.obs, diagnostic=diagnostic, **options)
         return StitchCache.for_decoder(eng.adapter, self.n, eng.device, eng.dtype), dec
 
+    def floor_runner(self, n_tokens: int, extra: int):
+        """(cache, None) for dense decode over a cache of only the prompt's last ``n_tokens`` tokens: the TPOT
+        a policy attending that many tokens would reach with no selection, scoring or gather of its own
+        (the same weights, the same per-layer work otherwise). The new tokens sit at positions
+        ``n_tokens, ...`` instead of ``n, ...``: the step's cost does not depend on them."""
+        n0 = self.n - n_tokens
+        keys = torch.stack([layer.keys[0, :, n0:self.n] for layer in self.cache.layers])
+        values = torch.stack([layer.values[0, :, n0:self.n] for layer in self.cache.layers])
+        return StitchCache.from_stacked(keys, values, n_tokens + extra), None
+
     def generate(self, policy: str | None, budget: int | None, options: dict, max_tokens: int) -> str:
         """Free greedy decode (EOS / a base model's line break / ``max_tokens`` stop) -> the answer text."""
         eng = self.engine
@@ -225,14 +235,15 @@ def _reference(engine, s: _Sample, new_tokens: int, steps: _Steps) -> list[int]:
 
 
 def _time_steps(engine, s: _Sample, ref: list[int], budgets: list[int], policies: list[str], opts: dict,
-                new_tokens: int, warmup: int, steps: _Steps) -> dict[tuple, list[float]]:
-    """TPOT: per budget, full + every policy in lockstep (the order rotates step by step), teacher-forced
-    with the reference tokens -> ``{(policy or "full", budget): step seconds after warm-up}``."""
+                new_tokens: int, warmup: int, steps: _Steps, on_top: int) -> dict[tuple, list[float]]:
+    """TPOT: per budget, full + the floor + every policy in lockstep (the order rotates step by step),
+    teacher-forced with the reference tokens -> ``{(policy or "full" or "floor", budget): step seconds
+    after warm-up}``. The floor is dense decode over ``budget + on_top`` tokens (`_Sample.floor_runner`)."""
     device = engine.device
     times: dict[tuple, list[float]] = {}
     for b in budgets:
         steps.stage(f"TPOT, budget {b}")
-        runners = {("full", None): s.runner(None, None, {})}
+        runners = {("full", None): s.runner(None, None, {}), ("floor", b): s.floor_runner(b + on_top, new_tokens + 1)}
         runners.update({(p, b): s.runner(p, b, opts[p]) for p in policies})
         names = list(runners)
         step_times = {name: [] for name in names}
@@ -310,8 +321,9 @@ def _niah(engine, plan: _Plan, s: _Sample, budgets: list[int], policies: list[st
 
 
 def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], dense: list[int], n_max: int,
-          times: dict, recall: dict, niah: dict) -> list[dict]:
-    """The `full` row, then one row per (budget, policy); what was not measured is None."""
+          times: dict, recall: dict, niah: dict, on_top: int) -> list[dict]:
+    """The `full` row, then per budget a `floor` row (sparse budgets) and one row per policy; what was not
+    measured is None."""
     def ms(ts: list[float]) -> float:
         return 1e3 * statistics.median(ts) if ts else math.nan
 
@@ -325,6 +337,13 @@ def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], 
              "niah_acc": acc(("full", None)), "niah_n": len(niah[("full", None)]),
              "note": "dense decode over the contiguous cache (reference)"}]
     for b in budgets:
+        if b not in dense:
+            tp, tf = ms(times[("floor", b)]), ms(times[("full", b)])
+            rows.append({"policy": "floor", "budget": b, **base, "recall": None, "oracle_recall": None,
+                         "recall_min": None, "top1_agreement": None, "tpot_ms": tp, "full_tpot_ms": tf,
+                         "tpot_vs_full": tp / tf, "niah_acc": None, "niah_n": 0, "mean_selected_tokens": b + on_top,
+                         "note": f"dense decode over {b + on_top} tokens (k + window): no policy attending as many "
+                                 f"is faster with these weights"})
         for p in policies:
             row = {"policy": p, "budget": b, **base, **recall[(p, b)]}
             if b in dense:
@@ -367,7 +386,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
 
     # work units: prefills, decode steps (reference, timing, recall) and NIAH runs (their answer cap each)
     n_budgets = len(budgets)
-    total = (len(samples) + new_tokens * (1 + n_budgets * (1 + 2 * len(policies)))
+    total = (len(samples) + new_tokens * (1 + n_budgets * (2 + 2 * len(policies)))  # timing: full, floor, policies
              + sum(caps[:n_niah]) * (1 + n_budgets * len(policies)))
     with Progress(disable=not progress) as bar:
         steps = _Steps(bar, total)
@@ -381,14 +400,15 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
         sparse_budgets = [b for b in budgets if b + plan.on_top < n_max]
 
         ref = _reference(engine, s, new_tokens, steps)
-        times = _time_steps(engine, s, ref, sparse_budgets, policies, plan.opts, new_tokens, warmup, steps)
-        steps.advance(new_tokens * len(dense) * (1 + len(policies)))
+        times = _time_steps(engine, s, ref, sparse_budgets, policies, plan.opts, new_tokens, warmup, steps,
+                            plan.on_top)
+        steps.advance(new_tokens * len(dense) * (2 + len(policies)))
         recall = _recall(engine, s, ref, budgets, policies, plan.opts, new_tokens, steps)
         niah, preds = _niah(engine, plan, s, sparse_budgets, policies, n_niah, task, method, recompute_ratio,
                             method_options, steps)
         steps.advance(sum(caps[:n_niah]) * len(policies) * len(dense))
 
-    rows = _rows(s, new_tokens, budgets, policies, dense, n_max, times, recall, niah)
+    rows = _rows(s, new_tokens, budgets, policies, dense, n_max, times, recall, niah, plan.on_top)
     limit = engine.adapter.max_positions
     meta = {"model": engine.adapter.describe(), "device": str(engine.device), "dtype": str(engine.dtype),
             "context_requested": context, "context_tokens": s.layout.n_context, "prompt_tokens": s.n,
