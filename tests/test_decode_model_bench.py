@@ -136,12 +136,12 @@ def test_cli_bad_input_is_one_clear_line(args, message, tiny_model_dir, tmp_path
     assert not (tmp_path / "bench_decode.json").exists()
 
 
-def test_floor_cache_holds_the_prompts_last_tokens(tiny_engine):
+def test_floor_cache_holds_the_prompts_last_tokens(smollm_tokenizer):
     """The floor runner's cache is the prompt's last n tokens, and dense decode over it attends n + 1 keys."""
     from kvstitch.decode.model_bench import _Sample
     from kvstitch.eval.tasks import generate
 
-    eng = tiny_engine
+    eng = make_tiny_engine("llama", smollm_tokenizer)
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     smp = generate("niah_multikey", 1, 200, 64, 0, count)[0]
     s = _Sample(eng, smp, "full", 0.2, 8, None)
