@@ -46,9 +46,21 @@ def test_compare_runs_definitions():
     assert math.isclose(rows[("naive", None)]["nll_rec_other"], -0.6 / gap)
     assert math.isclose(p["kl_base"], 0.1) and math.isclose(p["kl_other"], 0.2)
     assert p["same_answer"] == 0.5 and rows[("full", None)]["same_answer"] == 1.0
+    # identical rows: the full rows are; prophet's NLL moved by 0.3 (same answer text on i=0 is not enough)
+    assert rows[("full", None)]["identical"] == 1.0 and rows[("full", None)]["max_dnll"] == 0.0
+    assert p["identical"] == 0.0 and math.isclose(p["max_dnll"], 0.3)
     table = compare_table(list(rows.values()), "fp16", "int8")
-    assert "| prophet | 0.2 | 100.0 | 50.0 | 0.67 | 0.47 | 0.100 | 0.200 | 50% |" in table
-    assert table.splitlines()[0].startswith("| method | r | score fp16 | score int8 |")
+    assert "| prophet | 0.2 | 2 | 100.0 | 50.0 | 0.67 | 0.47 | 0.100 | 0.200 | 50% | 0% | 3.0e-01 |" in table
+    assert table.splitlines()[0].startswith("| method | r | n | score fp16 | score int8 |")
+
+
+def test_identical_rows_tolerate_float_rounding_only():
+    base, _ = _runs()
+    other = [dict(r, nll=r["nll"] + 1e-8) for r in base]  # summation-order noise: still identical
+    assert all(r["identical"] == 1.0 for r in compare_runs(base, other))
+    base = [dict(r, recomputed=4) for r in base]
+    other = [dict(r, recomputed=5) if r["method"] == "prophet" else r for r in base]  # another selection size
+    assert {(r["method"], r["identical"]) for r in compare_runs(base, other)} >= {("prophet", 0.0), ("full", 1.0)}
 
 
 def test_eval_compare_command(tmp_path):

@@ -9,7 +9,10 @@ present in both runs count. Per (method, ratio):
   sum(NLL_naive,base - NLL_m) / sum(NLL_naive,base - NLL_full,base), so the other run's loss shows as
   lower recovery instead of being normalised away by its own (also shifted) naive row;
 - ``kl_*``: mean KL(full || method) over the answer;
-- ``same_answer``: share of samples whose greedy answer text is identical in both runs.
+- ``same_answer``: share of samples whose greedy answer text is identical in both runs;
+- ``identical``: share of samples whose rows agree in answer text, recomputed-token count, NLL and KL
+  (within `IDENTICAL_TOL`): the check that a refactor left the numbers unchanged; ``max_dnll`` is the
+  largest |NLL difference|.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from ..errors import InputError
 from .report import _method_key, _ratio_key, read_jsonl
 
 SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")
+IDENTICAL_TOL = 1e-5  # absolute, on the answer NLL and KL: two processes running the same float32 prefill
+# with different thread counts differ by up to ~2e-6 (measured: the full rows of the int8 comparison)
 
 
 def _sample(r: dict) -> tuple:
@@ -60,6 +65,15 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
             den += naive[s] - full[s]
         return num / den if abs(den) > 1e-9 else math.nan
 
+    def close(x, y) -> bool:
+        if x is None or y is None:
+            return x is None and y is None
+        return abs(float(x) - float(y)) <= IDENTICAL_TOL
+
+    def identical(x: dict, y: dict) -> bool:
+        return (x.get("pred") == y.get("pred") and x.get("recomputed") == y.get("recomputed")
+                and close(x.get("nll"), y.get("nll")) and close(x.get("kl"), y.get("kl")))
+
     out = []
     for method, ratio in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
         keys = groups[(method, ratio)]
@@ -70,6 +84,9 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
             "nll_rec_base": recovery(ra), "nll_rec_other": recovery(rb),
             "kl_base": _mean(r.get("kl") for r in ra), "kl_other": _mean(r.get("kl") for r in rb),
             "same_answer": sum(x.get("pred") == y.get("pred") for x, y in zip(ra, rb)) / len(keys),
+            "identical": sum(identical(x, y) for x, y in zip(ra, rb)) / len(keys),
+            "max_dnll": max((abs(float(x["nll"]) - float(y["nll"])) for x, y in zip(ra, rb)
+                             if x.get("nll") is not None and y.get("nll") is not None), default=math.nan),
         })
     return out
 
@@ -81,13 +98,14 @@ def _f(x: float, digits: int) -> str:
 def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: str = "other") -> str:
     """The comparison as a markdown table (the README's int8 table)."""
     b, o = base_label, other_label
-    lines = [f"| method | r | score {b} | score {o} | NLL rec. {b} | NLL rec. {o} | KL {b} | KL {o} | same answer |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| method | r | n | score {b} | score {o} | NLL rec. {b} | NLL rec. {o} | KL {b} | KL {o} | same answer | "
+             "identical rows | max abs NLL diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "–" if r["ratio"] is None else str(r["ratio"]) if r["ratio"] == "auto" else f"{r['ratio']:g}"
-        lines.append(f"| {r['method']} | {ratio} | {_f(r['score_base'], 1)} | {_f(r['score_other'], 1)} | "
+        dnll = "–" if math.isnan(r["max_dnll"]) else f"{r['max_dnll']:.1e}"
+        lines.append(f"| {r['method']} | {ratio} | {r['n']} | {_f(r['score_base'], 1)} | {_f(r['score_other'], 1)} | "
                      f"{_f(r['nll_rec_base'], 2)} | {_f(r['nll_rec_other'], 2)} | {_f(r['kl_base'], 3)} | "
-                     f"{_f(r['kl_other'], 3)} | {100 * r['same_answer']:.0f}% |")
+                     f"{_f(r['kl_other'], 3)} | {100 * r['same_answer']:.0f}% | {100 * r['identical']:.0f}% | {dnll} |")
     return "\n".join(lines) + "\n"
 
 
