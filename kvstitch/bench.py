@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -215,7 +216,8 @@ def ttft_table(rows: list[dict]) -> str:
 
 def write_results(rows: list[dict], out: Path, name: str, table: str, meta: dict | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": {**(meta or {}), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    command = "kvstitch " + " ".join(sys.argv[1:])  # what wrote these numbers (the README cites it)
+    payload = {"meta": {"command": command, **(meta or {}), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                         "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
     (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
     (out / f"{name}.md").write_text(table + "\n")
