@@ -10,17 +10,30 @@ never sees another row's keys.
 Exactness: a row's result equals the lone step's when the batched GEMMs give each row the numbers the
 1-row GEMM gives. `batch_is_exact` checks that once per engine (the server falls back to one step per
 request if it ever fails on a backend); the tests compare whole greedy answers batched vs alone.
+
+Batched recompute passes (`Engine.recompute_batch`): the recompute pass of a request (its selected context
+tokens + suffix at their slots, or a full prefill's whole prompt over an empty cache) is a `RecomputeStep`.
+Several are packed on the sequence axis, ``[1, sum n_i]`` with each token's own position id, and run as one
+forward: every token-wise op (embeddings, norms, projections, RoPE, MLPs) is one GEMM over all tokens; in
+each attention layer `PackedCache.update` scatters segment i's fresh K/V into request i's own `StitchCache`
+at its slots, and `PackedCache.attend` runs segment i's queries over that cache with ``q_slots`` = its slots,
+through the same `kvstitch_attention` call a lone pass makes. Segment i's logits are those of its last token.
+Only plain passes pack (`can_batch`: no hooks, capture, APE, key masks, sparse decoder); the engine runs the
+others alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from contextlib import ExitStack
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 from transformers.cache_utils import Cache
 
 from .attention import ForwardPlan, kvstitch_attention
 from .cache import StitchCache
+from .errors import InputError
 
 
 @dataclass
@@ -74,3 +87,126 @@ def decode_batch(engine, steps: list[DecodeStep]) -> list[torch.Tensor]:
                        kvstitch_plan=ForwardPlan(batch=batch))
     logits = out.logits[:, -1:].float()
     return [logits[i] for i in range(len(steps))]
+
+
+
+# ---- batched recompute passes ------------------------------------------------------------------------
+@dataclass
+class RecomputeStep:
+    """One pending recompute pass of a request: ``ids`` at global positions ``slots`` (sorted) over ``cache``,
+    its fresh K/V written into ``cache``; the result is the last token's logits ``[1, V]``.
+    `Engine.stream_request(GenerationRequest(batch_prefill=True))` yields these (plain passes only, see
+    `can_batch`); the consumer runs them (`Engine.recompute_batch`, several requests at once) and ``send``s
+    back the logits. ``seconds`` / ``batch_size``: set by the pass that ran it (its wall time, its steps)."""
+
+    cache: StitchCache
+    ids: torch.Tensor
+    slots: torch.Tensor
+    plan: ForwardPlan | None = None
+    seconds: float | None = None
+    batch_size: int = 0
+
+
+_PLAN_ANY = {"q_slots"}  # set by the pass itself
+
+
+def plain_plan(plan: ForwardPlan | None) -> bool:
+    """True when ``plan`` changes nothing about a forward (every field but ``q_slots`` at its default). A field
+    added to `ForwardPlan` later makes plans that set it unbatchable until `PackedCache` learns it."""
+    if plan is None:
+        return True
+    for f in fields(plan):
+        if f.name in _PLAN_ANY:
+            continue
+        v = getattr(plan, f.name)
+        if f.default_factory is not MISSING:
+            if v:  # e.g. captured queries
+                return False
+        elif f.default is None:
+            if v is not None:
+                return False
+        elif v != f.default:
+            return False
+    return True
+
+
+def can_batch(step: RecomputeStep) -> bool:
+    """The rule for packing a recompute pass with others: a plain plan (no attention hooks, early stops, query
+    capture, APE scaling, key masks, sparse decoder) over a cache in its default modes (writes in place, no
+    K/V capture, no decoder) and at least one token. Sliding-window layers pack: the window is applied per
+    segment by the same attention call. Everything else runs alone."""
+    c = step.cache
+    return (plain_plan(step.plan) and step.ids.numel() > 0 and step.ids.numel() == step.slots.numel()
+            and c.write and not c.capture and c.decoder is None and c.slots is None)
+
+
+class PackedCache(Cache):
+    """A transformers `Cache` over several requests' `StitchCache`s for one packed recompute pass: the token
+    axis is cut into segments, segment i belongs to cache i."""
+
+    def __init__(self, steps: list[RecomputeStep]):
+        super().__init__(layers=steps[0].cache.layers)  # protocol only: every call below is routed per segment
+        self.caches = [s.cache for s in steps]
+        self.slots = [s.slots for s in steps]
+        bounds = [0]
+        for s in steps:
+            bounds.append(bounds[-1] + s.ids.numel())
+        self.bounds = bounds
+        self.seg_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def segments(self):
+        return zip(self.bounds[:-1], self.bounds[1:])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # each cache is in mode(slots=its slots): its segment's K/V overwrite its own slots
+        self.seg_kv = [c.update(key_states[:, :, a:b], value_states[:, :, a:b], layer_idx)
+                       for c, (a, b) in zip(self.caches, self.segments())]
+        return key_states, value_states  # unused: the attention reads `seg_kv` (see `attend`)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(c.get_seq_length(layer_idx) for c in self.caches)
+
+    def attend(self, module, query, **kwargs):
+        """Per-segment attention: segment i's queries over cache i at its slots, as a lone pass computes it."""
+        outs = []
+        for (k, v), s, (a, b) in zip(self.seg_kv, self.slots, self.segments()):
+            out, _ = kvstitch_attention(module, query[:, :, a:b], k, v, kvstitch_plan=ForwardPlan(q_slots=s),
+                                        **kwargs)
+            outs.append(out)  # [1, n_i, Hq, d]
+        return torch.cat(outs, dim=1), None
+
+
+@torch.no_grad()
+def recompute_batch(engine, steps: list[RecomputeStep]) -> list[torch.Tensor]:
+    """Run recompute passes as one packed forward -> each step's last-token logits ``[1, V]`` (float32).
+    One step is the lone path (`Engine.forward`); several that `can_batch` refuses raise InputError."""
+    if not steps:
+        return []
+    t0 = time.perf_counter()
+    if len(steps) == 1:
+        s = steps[0]
+        out = [engine.forward(s.cache, s.ids, s.slots, s.plan)]
+    else:
+        for s in steps:
+            if not can_batch(s):
+                raise InputError("a recompute pass with a non-plain plan or cache mode cannot be packed; run it alone")
+        if len({id(s.cache) for s in steps}) != len(steps):
+            raise InputError("two packed recompute passes share one cache")
+        dev = engine.device
+        slots = [s.slots.to(dev) for s in steps]
+        packed = PackedCache(steps)
+        packed.slots = slots
+        ids = torch.cat([s.ids.reshape(-1).to(dev) for s in steps]).view(1, -1)
+        pos = torch.cat(slots).view(1, -1)
+        last = torch.tensor(packed.bounds[1:], device=dev) - 1
+        with ExitStack() as stack:
+            for s, sl in zip(steps, slots):
+                stack.enter_context(s.cache.mode(slots=sl, write=True))
+            res = engine.model(input_ids=ids, position_ids=pos, past_key_values=packed, use_cache=True,
+                               logits_to_keep=last, kvstitch_plan=ForwardPlan(batch=packed))
+        logits = res.logits[0].float()
+        out = [logits[i:i + 1] for i in range(len(steps))]
+    dt = time.perf_counter() - t0
+    for s in steps:
+        s.seconds, s.batch_size = dt, len(steps)
+    return out

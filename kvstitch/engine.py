@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ForwardPlan, StopForward
-from .batch import DecodeStep, decode_batch
+from .batch import DecodeStep, RecomputeStep, can_batch, decode_batch, recompute_batch
 from .cache import StitchCache
 from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred, take_full_prefill
 from .chunk import ChunkKV
@@ -69,6 +69,9 @@ class GenerationRequest:
     # yield a `DecodeStep` for every dense decode step instead of running it: a batching consumer (the
     # server) runs the steps of several requests in one pass (`Engine.decode_batch`) and sends the logits back
     batch_decode: bool = False
+    # yield a `RecomputeStep` where the prefill's recompute pass (or full prefill) would run, if it is plain
+    # (`kvstitch.batch.can_batch`): the consumer packs several requests' passes (`Engine.recompute_batch`)
+    batch_prefill: bool = False
 
 
 @dataclass
@@ -258,10 +261,46 @@ class Engine:
                   plan: ForwardPlan | None = None, logits_to_keep: int = 1) -> torch.Tensor:
         """One pass of the selected context tokens plus the suffix, at their global positions, through
         all layers; their fresh K/V overwrite the stitched cache. Returns the suffix's last logits."""
+        step = self.recompute_step(cache, layout, indices, plan)
+        return self.forward(cache, step.ids, step.slots, plan, logits_to_keep=logits_to_keep)
+
+    def recompute_step(self, cache: StitchCache, layout: PromptLayout, indices: torch.Tensor,
+                       plan: ForwardPlan | None = None) -> RecomputeStep:
+        """The pass `recompute` runs, as a `RecomputeStep` (for `recompute_batch`)."""
         slots = torch.cat([indices.to(torch.long).cpu() + layout.context_start,
                            torch.arange(layout.context_end, layout.n_total)])
-        ids = layout.ids[slots]
-        return self.forward(cache, ids, slots, plan, logits_to_keep=logits_to_keep)
+        return RecomputeStep(cache, layout.ids[slots], slots, plan)
+
+    @torch.no_grad()
+    def recompute_batch(self, steps: list[RecomputeStep]) -> list[torch.Tensor]:
+        """Run the recompute passes of several requests as one packed forward (`kvstitch.batch`) -> each
+        pass's last logits ``[1, V]``, in order, as if it ran alone (one step: the lone path)."""
+        return recompute_batch(self, steps)
+
+    def _pass_steps(self, step: RecomputeStep, batch: bool):
+        """Run ``step`` here, or (``batch`` and a plain pass) yield it and take its logits from the consumer."""
+        if not (batch and can_batch(step)):
+            t0 = time.perf_counter()
+            logits = self.forward(step.cache, step.ids, step.slots, step.plan)
+            step.seconds, step.batch_size = time.perf_counter() - t0, 1
+            return logits
+        logits = yield step
+        if logits is None:
+            raise InputError("a batched recompute pass needs its logits sent back (Engine.recompute_batch)")
+        return logits
+
+    def _full_prefill_steps(self, layout: PromptLayout, extra: int, batch: bool, stats: dict):
+        """`full_prefill` (lone), or as a `RecomputeStep` when ``batch``: the whole prompt over an empty cache."""
+        if not batch:
+            t0 = time.perf_counter()
+            cache, logits = self.full_prefill(layout, extra=extra)
+            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
+            return cache, logits
+        cache = StitchCache.empty(self.adapter, layout.n_total + extra, self.device, self.dtype)
+        step = RecomputeStep(cache, layout.ids, torch.arange(layout.n_total))
+        logits = yield from self._pass_steps(step, batch)
+        stats.update(recompute_s=step.seconds, ratio_used=1.0, recompute_batch=step.batch_size)
+        return cache, logits
 
     def full_prefill(self, layout: PromptLayout, extra: int = 0, plan: ForwardPlan | None = None,
                      logits_to_keep: int = 1) -> tuple[StitchCache, torch.Tensor]:
@@ -356,7 +395,8 @@ class Engine:
         stats: dict = {"method": req.method, "ratio": ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
-        pre = self._prefill(layout, selector, ratio, req.max_new_tokens, stats, req.auto, cold=True)
+        pre = yield from self._prefill_steps(layout, selector, ratio, req.max_new_tokens, stats, req.auto, cold=True,
+                                             batch=req.batch_prefill)
         if req.guard:
             yield from self._guarded(req, pre, t_start)
             self.precompute_deferred()  # after the answer (a consumer that reads to the end: `run`)
@@ -471,10 +511,19 @@ class Engine:
 
     def _prefill(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
                  auto=None, cold: bool = False) -> "Prefill":
+        steps = self._prefill_steps(layout, selector, ratio, max_new_tokens, stats, auto, cold)
+        try:
+            next(steps)
+        except StopIteration as done:  # without batch=True no pass is handed out
+            return done.value
+        raise RuntimeError("a lone prefill yielded a recompute step")
+
+    def _prefill_steps(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
+                       auto=None, cold: bool = False, batch: bool = False):
+        """`_prefill` as a generator: with ``batch`` its final plain pass (recompute, or full prefill) is
+        yielded as a `RecomputeStep` whose logits the consumer sends back; returns the `Prefill`."""
         if selector.full_prefill:
-            t0 = time.perf_counter()
-            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
-            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
+            cache, logits = yield from self._full_prefill_steps(layout, max_new_tokens, batch, stats)
             return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
         if ratio == AUTO:
             t0 = time.perf_counter()
@@ -489,9 +538,7 @@ class Engine:
             stats["recompute_s"] = time.perf_counter() - t0
             return Prefill(got.cache, got.layout, got.logits, got.indices, stats, selector, greedy=got.greedy)
         if cold and take_full_prefill(self, layout, stats):  # cold store: full prefill answers, chunks computed later
-            t0 = time.perf_counter()
-            cache, logits = self.full_prefill(layout, extra=max_new_tokens)
-            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
+            cache, logits = yield from self._full_prefill_steps(layout, max_new_tokens, batch, stats)
             return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, make_selector("full"))
         kvs = self.chunk_kvs(layout, stats)
         t1 = time.perf_counter()
@@ -504,10 +551,13 @@ class Engine:
         layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
         _sync(self.device)
         t3 = time.perf_counter()
-        logits = self.recompute(cache, layout, indices, selector.recompute_plan(ctx))
+        step = self.recompute_step(cache, layout, indices, selector.recompute_plan(ctx))
+        logits = yield from self._pass_steps(step, batch)
         _sync(self.device)
         stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=time.perf_counter() - t3,
                      ratio_used=indices.numel() / max(layout.n_context, 1))
+        if batch and step.seconds is not None:  # the pass's own time, not the wait for the requests packed with it
+            stats.update(recompute_s=step.seconds, recompute_batch=step.batch_size)
         return Prefill(cache, layout, logits, indices, stats, selector)
 
     # ---- decoding -------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ recomputed_tokens, context_tokens, method, ratio, decode, retrieved}`` (in the l
 streaming). Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Concurrency: the model is not thread-safe, so one worker thread owns the engine. It serves up to
-``max_batch`` jobs at once (continuous batching, `EngineWorker`): a job's prefill runs alone between
-decode steps, then the job joins the batch, whose dense decode steps run as one forward per token
+``max_batch`` jobs at once (continuous batching, `EngineWorker`): each round admits the queued jobs there is
+room for, prepares each (load, stitch, select) and runs their recompute passes as one packed forward
+(`Engine.recompute_batch`), then the jobs join the batch, whose dense decode steps run as one forward per token
 (`Engine.decode_batch`; each request attends over its own cache, so its answer is the one it gets alone);
 jobs whose decoding cannot batch (sparse decode, APE/A3 decode plans, guard="full") take one model step
 per round. Between steps the worker checks each job's cancelled flag, which is set when the client
@@ -56,7 +57,7 @@ if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands othe
     from fastapi import FastAPI
 
 from .budget import AutoBudget, parse_ratio
-from .batch import DecodeStep
+from .batch import DecodeStep, RecomputeStep
 from .engine import STOP, GenerationResult
 from .errors import InputError, KVStitchError
 from .prompt import normalize_messages
@@ -145,6 +146,8 @@ class Metrics:
         "kvstitch_max_batch": ("gauge", "jobs the engine serves at once (continuous batching)"),
         "kvstitch_batch_size": ("histogram", "requests per batched decode pass"),
         "kvstitch_decode_passes_total": ("counter", "batched decode passes (one forward each)"),
+        "kvstitch_recompute_batch_size": ("histogram", "requests per packed recompute (prefill) pass"),
+        "kvstitch_recompute_passes_total": ("counter", "packed recompute passes (one forward each)"),
         "kvstitch_deferred_chunks": ("gauge", "chunks cold requests left to precompute while idle"),
         "kvstitch_max_queue": ("gauge", "queue depth past which requests get 429"),
         "kvstitch_ttft_seconds": ("histogram", "engine time to first token (prefill: load, stitch, select, "
@@ -170,7 +173,8 @@ class Metrics:
                       "kvstitch_queue_wait_seconds": _Histogram(WAIT_BUCKETS),
                       "kvstitch_request_duration_seconds": _Histogram(TTFT_BUCKETS + (60.0, 120.0)),
                       "kvstitch_recompute_ratio": _Histogram(RATIO_BUCKETS),
-                      "kvstitch_batch_size": _Histogram(BATCH_BUCKETS)}
+                      "kvstitch_batch_size": _Histogram(BATCH_BUCKETS),
+                      "kvstitch_recompute_batch_size": _Histogram(BATCH_BUCKETS)}
 
     def inc(self, name: str, value: float = 1, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -214,6 +218,7 @@ class Metrics:
 _DONE = object()
 _QUIT = object()
 IDLE_PRECOMPUTE_CHUNKS = 8  # deferred cold chunks computed per idle slice (a new job waits at most one slice)
+RECOMPUTE_PACK_TOKENS = 16384  # tokens per packed recompute pass (more passes are split: bounded activations)
 
 
 class _Live:
@@ -222,6 +227,7 @@ class _Live:
     def __init__(self, job: Job, gen, scan):
         self.job, self.gen, self.scan = job, gen, scan
         self.step = None  # a `DecodeStep` waiting for the next batched pass
+        self.rstep = None  # a `RecomputeStep` (its prefill's recompute pass) waiting for the next packed pass
         self.send = None  # what to send the generator next (None, or STOP after a stop string)
         self.batched = False  # its decode steps come as `DecodeStep`s
 
@@ -229,10 +235,12 @@ class _Live:
 class EngineWorker:
     """One thread owns the engine and serves up to ``max_batch`` jobs at once (continuous batching).
 
-    Each loop iteration: admit at most one queued job (its prefill runs alone, between decode steps), advance
-    every job that has no pending step by one model step (jobs that cannot batch - sparse decode, a method's
-    decode plan, guard="full" - decode one token at a time here), then run the pending dense decode steps of
-    all the others in one forward (`Engine.decode_batch`). A job joins the batch after its prefill and
+    Each loop iteration: admit the queued jobs there is room for and prepare each (load, stitch, select) up to
+    its recompute pass, run those passes packed in one forward (`Engine.recompute_batch`; passes that cannot
+    pack - APE, ratio "auto" rounds - ran alone during the preparation), advance every job that has no pending
+    step by one model step (jobs that cannot batch - sparse decode, a method's decode plan, guard="full" -
+    decode one token at a time here), then run the pending dense decode steps of all the others in one
+    forward (`Engine.decode_batch`). A job joins the batch after its prefill and
     leaves it when it finishes, is cancelled (checked after each of its tokens) or fails. ``max_batch=1`` is
     the serial server. While idle, the worker computes the chunks cold requests deferred (`kvstitch.cold`)."""
 
@@ -319,10 +327,11 @@ class EngineWorker:
         try:
             while True:
                 job = self._next_job(block=not self.active)
-                if job is _QUIT:
-                    return
-                if job is not None and len(self.active) < self.max_batch:
+                while job is not None:  # admit every queued job there is room for: their recompute passes pack
+                    if job is _QUIT:
+                        return
                     self._start(job)
+                    job = self._next_job(block=False)
                 self._advance()
         finally:
             for live in list(self.active):
@@ -380,17 +389,54 @@ class EngineWorker:
         live = _Live(job, None, scan)
         self.active.append(live)
         try:
-            live.gen = self.engine.stream(**job.kwargs, batch_decode=hasattr(self.engine, "decode_batch"))
+            live.gen = self.engine.stream(**job.kwargs, batch_decode=hasattr(self.engine, "decode_batch"),
+                                          batch_prefill=hasattr(self.engine, "recompute_batch"))
         except Exception as e:  # noqa: BLE001
             job.emit("error", self._api_error(e))
             self._finish(live)
             return
-        self._pump(live)  # the prefill (alone) and the first token
+        self._pump(live)  # the preparation up to its recompute pass (or, if it cannot pack, to the first token)
+
+    def _recompute(self) -> None:
+        """Run the pending recompute passes of the jobs just admitted, packed (`Engine.recompute_batch`), and
+        take each job on to its first token."""
+        pending = []
+        for live in list(self.active):
+            if live.rstep is None:
+                continue
+            if live.job.cancelled.is_set():  # left before its recompute pass ran
+                self.metrics.inc("kvstitch_cancelled_total")
+                self._finish(live)
+                continue
+            pending.append(live)
+        packs, size = [], RECOMPUTE_PACK_TOKENS
+        for live in pending:
+            n = live.rstep.ids.numel()
+            if not packs or size + n > RECOMPUTE_PACK_TOKENS:
+                packs.append([])
+                size = 0
+            packs[-1].append(live)
+            size += n
+        for pack in packs:
+            try:
+                logits = self.engine.recompute_batch([live.rstep for live in pack])
+            except Exception as e:  # noqa: BLE001 - a failed pass fails its jobs, not the worker
+                for live in pack:
+                    live.job.emit("error", self._api_error(e))
+                    self._finish(live)
+                continue
+            self.metrics.observe("kvstitch_recompute_batch_size", len(pack))
+            self.metrics.inc("kvstitch_recompute_passes_total")
+            for live, lg in zip(pack, logits):
+                live.rstep = None
+                self._pump(live, lg)
 
     def _advance(self) -> None:
-        """Advance jobs without a pending step by one step, then run every pending decode step in one pass."""
+        """Run the pending recompute passes, advance jobs without a pending step by one step, then run every
+        pending decode step in one pass."""
+        self._recompute()
         for live in list(self.active):
-            if live.step is None:
+            if live.step is None and live.rstep is None:
                 self._pump(live)
         pending = []
         for live in list(self.active):
@@ -427,6 +473,9 @@ class EngineWorker:
             while True:
                 if isinstance(ev, DecodeStep):
                     live.step, live.batched = ev, True
+                    return
+                if isinstance(ev, RecomputeStep):
+                    live.rstep = ev
                     return
                 if isinstance(ev, GenerationResult):
                     dt = time.perf_counter() - job.started_at
