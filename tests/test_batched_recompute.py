@@ -168,7 +168,10 @@ def _drain(loop, jobs, timeout=60.0):
             if kind == "done":
                 return out
 
-    return loop.run_until_complete(asyncio.wait_for(asyncio.gather(*(one(j) for j in jobs)), timeout))
+    async def all_():
+        return await asyncio.wait_for(asyncio.gather(*(one(j) for j in jobs)), timeout)
+
+    return loop.run_until_complete(all_())
 
 
 def test_worker_packs_admitted_jobs_and_survives_a_cancel(smollm_tokenizer):
@@ -242,6 +245,7 @@ def test_serial_server_and_cold_full_prefill_still_answer(smollm_tokenizer):
                  check_rope=False)
     cold_docs = ["Dave's boat is blue and moored in Oslo harbour. " * 3, "Erin plays the cello every Sunday. " * 3]
     bodies = [{**_body(0, method="random", ratio=0.3), "documents": cold_docs}, _body(1, method="prophet", ratio=0.2)]
+    _alone(eng, bodies[1])  # stores its chunks: stitched in the server too
     app = create_app(eng, default_method="random", default_ratio=0.2, max_queue=4, model_name="tiny", max_batch=1)
     with ServerThread(app) as srv:
         got = asyncio.run(_send_all(srv.url, bodies))
@@ -249,5 +253,5 @@ def test_serial_server_and_cold_full_prefill_still_answer(smollm_tokenizer):
     assert got[0][0] == 200 and got[0][3]["cold_path"] == "full_prefill"
     full = _alone(eng, {**bodies[0], "method": "full"})
     assert got[0][1] == full.text
-    assert got[1][0] == 200 and got[1][1] == _alone(eng, bodies[1]).text
+    assert got[1][0] == 200 and got[1][3]["cold_path"] == "stitched" and got[1][1] == _alone(eng, bodies[1]).text
     assert metric(m, "kvstitch_recompute_batch_size_sum") == metric(m, "kvstitch_recompute_batch_size_count") >= 2
