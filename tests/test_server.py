@@ -386,7 +386,10 @@ class _FailingEngine:
         if messages[-1]["content"].startswith("early"):
             raise RuntimeError("boom before the first token")
         gen = self._engine.stream(messages=messages, chunks=chunks, **kw)
-        yield next(gen)
+        ev = next(gen)
+        while not isinstance(ev, int):  # a recompute pass (batch_prefill): the worker runs it, sends its logits
+            ev = gen.send((yield ev))
+        yield ev
         gen.close()
         raise RuntimeError("boom mid-stream")
 
