@@ -8,7 +8,8 @@ tokens/s, client-side TTFT p50/p95 (request sent -> first SSE event, i.e. queue 
 token), the 429 rate (a 429 is retried after its Retry-After, so no request is lost) and whether every
 answer equals the same request served alone (greedy). With ``serial`` the highest concurrency is also run
 against a serial server (``max_batch=1``) on the same engine: ``speedup_vs_serial`` is the batched
-server's completion tokens/s over the serial server's.
+server's completion tokens/s over the serial server's. ``prefill_batch`` / ``decode_batch``: the mean number of
+requests per packed recompute pass / per batched decode pass during the row (the server's own histograms).
 """
 
 from __future__ import annotations
@@ -111,6 +112,20 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
+def _batch_means(metrics, before: dict | None = None) -> dict:
+    """{histogram: (sum, count)} of the server's batch-size histograms; with ``before``: the mean over the interval."""
+    now = {k: (metrics.hists[k].sum, metrics.hists[k].count)
+           for k in ("kvstitch_recompute_batch_size", "kvstitch_batch_size") if k in metrics.hists}
+    if before is None:
+        return now
+    means = {}
+    for k, (s, c) in now.items():
+        s0, c0 = before.get(k, (0.0, 0))
+        means[k] = (s - s0) / (c - c0) if c > c0 else float("nan")
+    return {"prefill_batch": means.get("kvstitch_recompute_batch_size", float("nan")),
+            "decode_batch": means.get("kvstitch_batch_size", float("nan"))}
+
+
 def _row(server: str, concurrency: int, results: list[dict], wall: float, reference: list[str] | None) -> dict:
     ok = [r for r in results if r and r["status"] == 200]
     ttfts = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
@@ -141,9 +156,12 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
     log(f"warming the store: {warm_store(engine, bodies)} chunks computed")
     max_queue = max_queue if max_queue is not None else max(n_requests, max(concurrency))
 
+    apps = []
+
     def server(batch: int):
-        return ServerThread(create_app(engine, default_method=methods[0], default_ratio=ratio, max_queue=max_queue,
-                                       model_name="bench", max_batch=batch))
+        apps.append(create_app(engine, default_method=methods[0], default_ratio=ratio, max_queue=max_queue,
+                               model_name="bench", max_batch=batch))
+        return ServerThread(apps[-1])
 
     rows = []
     with server(max_batch) as srv:
@@ -153,14 +171,18 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
         reference = [r["text"] for r in ref]
         log(f"reference (each request alone): {wall:.1f} s")
         for c in concurrency:
+            before = _batch_means(apps[-1].state.metrics)
             results, wall = asyncio.run(run_load(srv.url, bodies, c))
             rows.append(_row(f"batched (max_batch={max_batch})", c, results, wall, reference))
+            rows[-1].update(_batch_means(apps[-1].state.metrics, before))
             log(f"concurrency {c}: {rows[-1]['completion_tokens_per_s']:.1f} tok/s, {wall:.1f} s")
     if serial and max_batch > 1:
         c = max(concurrency)
         with server(1) as srv:
+            before = _batch_means(apps[-1].state.metrics)
             results, wall = asyncio.run(run_load(srv.url, bodies, c))
         rows.append(_row("serial (max_batch=1)", c, results, wall, reference))
+        rows[-1].update(_batch_means(apps[-1].state.metrics, before))
         log(f"serial server, concurrency {c}: {rows[-1]['completion_tokens_per_s']:.1f} tok/s")
         base = rows[-1]["completion_tokens_per_s"]
         for r in rows[:-1]:
@@ -171,12 +193,13 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
 
 def serve_table(rows: list[dict]) -> str:
     lines = ["| server | concurrency | requests | answered | req/s | completion tok/s | TTFT p50 (s) | TTFT p95 (s) | "
-             "429 rate | equal to alone | vs serial |", "|" + "---|" * 11]
+             "429 rate | prefill batch | decode batch | equal to alone | vs serial |", "|" + "---|" * 13]
     for r in rows:
         eq = "-" if r["answers_equal_alone"] is None else ("yes" if r["answers_equal_alone"] else
                                                             f"no ({r['mismatches']} differ)")
         vs = f"{r['speedup_vs_serial']:.2f}x" if "speedup_vs_serial" in r else "-"
         lines.append(f"| {r['server']} | {r['concurrency']} | {r['requests']} | {r['answered']} | "
                      f"{r['requests_per_s']:.3f} | {r['completion_tokens_per_s']:.2f} | {r['ttft_p50_s']:.3f} | "
-                     f"{r['ttft_p95_s']:.3f} | {r['rate_429']:.2%} | {eq} | {vs} |")
+                     f"{r['ttft_p95_s']:.3f} | {r['rate_429']:.2%} | {r.get('prefill_batch', float('nan')):.2f} | "
+                     f"{r.get('decode_batch', float('nan')):.2f} | {eq} | {vs} |")
     return "\n".join(lines)

@@ -25,6 +25,8 @@ def test_bench_serve_rows_tiny(smollm_tokenizer, tmp_path):
     # the serial server with max_queue=1 refuses some of 3 concurrent clients: retried, none lost
     assert rows[2]["n_429"] > 0 and rows[2]["rate_429"] > 0
     assert "speedup_vs_serial" in rows[1] and "speedup_vs_serial" not in rows[0]
+    assert rows[0]["prefill_batch"] == 1.0 and rows[2]["prefill_batch"] == 1.0 == rows[2]["decode_batch"]
+    assert rows[1]["prefill_batch"] >= 1.0 and rows[1]["decode_batch"] >= 1.0
     table = serve_table(rows)
     assert table.count("\n") == 1 + len(rows) and "yes" in table
     write_results(rows, tmp_path, "bench_serve", table)
