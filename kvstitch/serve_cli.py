@@ -71,7 +71,8 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
     port: int = typer.Option(8000, "--port", help="port to bind"),
     max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
-    max_batch: int = typer.Option(8, "--max-batch", help="requests served at once (decode steps batched; 1 = serial)"),
+    max_batch: int = typer.Option(8, "--max-batch", help="requests served at once (their recompute passes and "
+                                                         "decode steps batched; 1 = serial)"),
     cold_path: str = typer.Option("auto", "--cold-path", help="requests whose chunks are not stored: auto (full prefill "
                                                               "when most miss, chunks computed while idle), "
                                                               "full_prefill or stitched"),

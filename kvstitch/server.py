@@ -1181,8 +1181,8 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
     requests naming a collection get 404). The engine worker starts with the app (lifespan).
     ``guard_rate``: the fraction of greedy requests checked against full prefill (``guard="full"``, chosen
     at random); /metrics counts the checks and the disagreements, so the rate of stitched answers that
-    differ from full prefill is measured on live traffic. ``max_batch``: requests served at once (their decode
-    steps share forward passes; 1 = one request at a time). The routes' logic is `ChatService`'s."""
+    differ from full prefill is measured on live traffic. ``max_batch``: requests served at once (their recompute
+    passes and decode steps share forward passes; 1 = one request at a time). The routes' logic is `ChatService`'s."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
