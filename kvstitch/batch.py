@@ -144,10 +144,10 @@ class PackedCache(Cache):
     """A transformers `Cache` over several requests' `StitchCache`s for one packed recompute pass: the token
     axis is cut into segments, segment i belongs to cache i."""
 
-    def __init__(self, steps: list[RecomputeStep]):
+    def __init__(self, steps: list[RecomputeStep], slots: list[torch.Tensor]):
         super().__init__(layers=steps[0].cache.layers)  # protocol only: every call below is routed per segment
         self.caches = [s.cache for s in steps]
-        self.slots = [s.slots for s in steps]
+        self.slots = slots  # each segment's slots, on the model's device
         bounds = [0]
         for s in steps:
             bounds.append(bounds[-1] + s.ids.numel())
@@ -194,8 +194,7 @@ def recompute_batch(engine, steps: list[RecomputeStep]) -> list[torch.Tensor]:
             raise InputError("two packed recompute passes share one cache")
         dev = engine.device
         slots = [s.slots.to(dev) for s in steps]
-        packed = PackedCache(steps)
-        packed.slots = slots
+        packed = PackedCache(steps, slots)
         ids = torch.cat([s.ids.reshape(-1).to(dev) for s in steps]).view(1, -1)
         pos = torch.cat(slots).view(1, -1)
         last = torch.tensor(packed.bounds[1:], device=dev) - 1

@@ -52,7 +52,8 @@ def _finish(eng, gen, logits):
             return ev
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers (window 24) + global ones
+# gemma3: sliding-window layers (window 24) + global ones; mistral-window: every layer windowed; qwen2: biases
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral-window", "qwen2"])
 def test_packed_recompute_equals_each_alone(family, smollm_tokenizer):
     eng = make_tiny_engine(family, smollm_tokenizer)
     reqs = [_req(i, m, r, k) for i, (m, r, k) in enumerate(MIX)]
