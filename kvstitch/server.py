@@ -397,20 +397,40 @@ class EngineWorker:
             return
         self._pump(live)  # the preparation up to its recompute pass (or, if it cannot pack, to the first token)
 
-    def _recompute(self) -> None:
-        """Run the pending recompute passes of the jobs just admitted, packed (`Engine.recompute_batch`), and
-        take each job on to its first token."""
+    def _pending(self, attr: str) -> list["_Live"]:
+        """The live jobs waiting on a pass (``attr``: "rstep" or "step"); a job cancelled meanwhile leaves here."""
         pending = []
         for live in list(self.active):
-            if live.rstep is None:
+            if getattr(live, attr) is None:
                 continue
-            if live.job.cancelled.is_set():  # left before its recompute pass ran
+            if live.job.cancelled.is_set():  # left before its pass ran
                 self.metrics.inc("kvstitch_cancelled_total")
                 self._finish(live)
                 continue
             pending.append(live)
+        return pending
+
+    def _run_pass(self, jobs: list["_Live"], attr: str, run, size_metric: str, count_metric: str) -> None:
+        """One forward for the pending steps (``attr``) of ``jobs`` (``run``: the engine's batched call), then
+        hand each job its logits; a failed pass fails its jobs, not the worker."""
+        try:
+            logits = run([getattr(live, attr) for live in jobs])
+        except Exception as e:  # noqa: BLE001
+            for live in jobs:
+                live.job.emit("error", self._api_error(e))
+                self._finish(live)
+            return
+        self.metrics.observe(size_metric, len(jobs))
+        self.metrics.inc(count_metric)
+        for live, lg in zip(jobs, logits):
+            setattr(live, attr, None)
+            self._pump(live, lg)
+
+    def _recompute(self) -> None:
+        """Run the pending recompute passes of the jobs just admitted, packed (`Engine.recompute_batch`, at most
+        `RECOMPUTE_PACK_TOKENS` tokens a forward), and take each job on to its first token."""
         packs, size = [], RECOMPUTE_PACK_TOKENS
-        for live in pending:
+        for live in self._pending("rstep"):
             n = live.rstep.ids.numel()
             if not packs or size + n > RECOMPUTE_PACK_TOKENS:
                 packs.append([])
@@ -418,18 +438,8 @@ class EngineWorker:
             packs[-1].append(live)
             size += n
         for pack in packs:
-            try:
-                logits = self.engine.recompute_batch([live.rstep for live in pack])
-            except Exception as e:  # noqa: BLE001 - a failed pass fails its jobs, not the worker
-                for live in pack:
-                    live.job.emit("error", self._api_error(e))
-                    self._finish(live)
-                continue
-            self.metrics.observe("kvstitch_recompute_batch_size", len(pack))
-            self.metrics.inc("kvstitch_recompute_passes_total")
-            for live, lg in zip(pack, logits):
-                live.rstep = None
-                self._pump(live, lg)
+            self._run_pass(pack, "rstep", self.engine.recompute_batch, "kvstitch_recompute_batch_size",
+                           "kvstitch_recompute_passes_total")
 
     def _advance(self) -> None:
         """Run the pending recompute passes, advance jobs without a pending step by one step, then run every
@@ -438,29 +448,10 @@ class EngineWorker:
         for live in list(self.active):
             if live.step is None and live.rstep is None:
                 self._pump(live)
-        pending = []
-        for live in list(self.active):
-            if live.step is None:
-                continue
-            if live.job.cancelled.is_set():  # left the batch before its step ran
-                self.metrics.inc("kvstitch_cancelled_total")
-                self._finish(live)
-                continue
-            pending.append(live)
-        if not pending:
-            return
-        try:
-            logits = self.engine.decode_batch([live.step for live in pending])
-        except Exception as e:  # noqa: BLE001 - a failed pass fails its jobs, not the worker
-            for live in pending:
-                live.job.emit("error", self._api_error(e))
-                self._finish(live)
-            return
-        self.metrics.observe("kvstitch_batch_size", len(pending))
-        self.metrics.inc("kvstitch_decode_passes_total")
-        for live, lg in zip(pending, logits):
-            live.step = None
-            self._pump(live, lg)
+        pending = self._pending("step")
+        if pending:
+            self._run_pass(pending, "step", self.engine.decode_batch, "kvstitch_batch_size",
+                           "kvstitch_decode_passes_total")
 
     def _pump(self, live: "_Live", value=None) -> None:
         """Send ``value`` (a step's logits, STOP or None) and handle events until the job needs a model step,
