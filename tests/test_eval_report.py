@@ -55,6 +55,17 @@ def test_summary_table_values():
     assert methods[:2] == ["full", "naive"]
 
 
+def test_ttft_cells_are_medians():
+    """One row of a cell slowed 100x (the process was paused) must not move its TTFT, as it would a mean."""
+    rows = _rows()
+    slow = next(r for r in rows if r["task"] == "vt" and r["method"] == "prophet" and r["ratio"] == 0.2)
+    slow["ttft_s"] = 50.0
+    table = summary_table(rows)
+    assert _cells(table, "vt", "prophet", "0.20")[8] == "0.500"
+    assert _cells(table, "avg", "prophet", "0.20")[8] == "0.500"
+    assert _cells(table, "vt", "full", "–")[8] == "2.000"
+
+
 def test_summary_table_without_full_leaves_percent_empty():
     rows = [r for r in _rows() if r["method"] != "full"]
     assert _cells(summary_table(rows), "vt", "naive", "0.00")[5] == "–"

@@ -62,6 +62,8 @@ def test_oracle_ideal_is_eq5_as_in_appendix_f(smollm_tokenizer):
     ref = (phi[:, None] * v(full_cache) - phi_r[:, None] * v(ctx.cache)).norm(dim=-1)
     got = make_selector("oracle", mode="ideal").score(ctx)
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-3)
+    # the registered name runs the same Eq. 5 scorer (what `kvstitch eval --methods oracle_ideal` runs)
+    assert torch.equal(make_selector("oracle_ideal").score(ctx), got)
 
 
 # ---- APE --------------------------------------------------------------------------------------------

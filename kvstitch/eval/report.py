@@ -22,7 +22,7 @@ REFERENCE_METHODS = ("full", "naive")
 REFERENCES = REFERENCE_METHODS  # always run, once per sample (they have no ratio)
 _ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
 _METHOD_ORDER = ("full", "naive", "random", "epic", "cacheblend", "kvshare", "a3", "prophet", "infoflow",
-                 "cacheclip", "oracle")
+                 "cacheclip", "oracle", "oracle_ideal")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -40,6 +40,16 @@ def _num(v: Any) -> float | None:
 def _mean(values: Iterable[Any]) -> float:
     xs = [x for x in map(_num, values) if x is not None]
     return sum(xs) / len(xs) if xs else math.nan
+
+
+def _median(values: Iterable[Any]) -> float:
+    """Times are summarised by their median: one row slowed by a paused or contended process (a long eval
+    shares the machine) must not move a cell, as it does a mean."""
+    xs = sorted(x for x in map(_num, values) if x is not None)
+    if not xs:
+        return math.nan
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def _method_key(method: str) -> tuple[int, str]:
@@ -158,7 +168,7 @@ def _group(rows: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
 
 def summary_table(rows: Sequence[dict]) -> str:
     """Markdown table per task / method / ratio: mean score x100, % of the `full` score on the same task,
-    mean KL vs full, mean NLL-gap recovery, mean TTFT; score, % full, KL and NLL rec. carry a 95% percentile
+    mean KL vs full, mean NLL-gap recovery, median TTFT; score, % full, KL and NLL rec. carry a 95% percentile
     bootstrap interval over the samples (`bootstrap_mean_ci`; % full paired with full prefill's score on
     the same samples, `bootstrap_ratio_ci`). A final `avg` block averages the per-task means (RULER's
     "Avg." column), with % of full taken over the same tasks; its intervals resample each task apart."""
@@ -184,14 +194,14 @@ def summary_table(rows: Sequence[dict]) -> str:
 
     cells = {k: {"n": len(g), "score": 100 * _mean(r.get("score") for r in g),
                  "kl": _mean(r.get("kl") for r in g), "rec": _mean(r.get("nll_recovery") for r in g),
-                 "ttft": _mean(r.get("ttft_s") for r in g), "rows": g, "pairs": paired(g)}
+                 "ttft": _median(r.get("ttft_s") for r in g), "rows": g, "pairs": paired(g)}
              for k, g in groups.items()}
 
     def pct(score: float, ref: float | None) -> float:
         return 100 * score / ref if ref is not None and not math.isnan(score) and ref and ref > 0 else math.nan
 
     lines = ["| task | method | ratio | n | score [95% CI] | % full [95% CI] | KL [95% CI] | NLL rec. [95% CI] | "
-             "TTFT (s) |",
+             "TTFT med. (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
 
     def emit(task: str, method: str, ratio: Any, c: dict, ref: float | None, parts: list[dict]) -> None:
@@ -217,7 +227,8 @@ def summary_table(rows: Sequence[dict]) -> str:
         for method, ratio in sorted(by_combo, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
             tasks = by_combo[(method, ratio)]
             per = [cells[(t, method, ratio)] for t in tasks]
-            avg = {"n": sum(c["n"] for c in per), **{f: _mean(c[f] for c in per) for f in ("score", "kl", "rec", "ttft")}}
+            avg = {"n": sum(c["n"] for c in per), **{f: _mean(c[f] for c in per) for f in ("score", "kl", "rec")},
+                   "ttft": _median(r.get("ttft_s") for c in per for r in c["rows"])}
             ref_tasks = [full_score[t] for t in tasks if t in full_score]
             ref = _mean(ref_tasks) if len(ref_tasks) == len(tasks) else None
             emit("avg", str(method), ratio, avg, ref, per)
@@ -453,14 +464,14 @@ def pooled_recovery_ci(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> t
 
 def fidelity_table(rows: Sequence[dict]) -> str:
     """Per method / ratio over all tasks: first-token and answer KL, NLL recovery, oracle overlap (each with
-    its 95% bootstrap interval over the samples), TTFT and its stages (seconds, warm chunk store), share of
+    its 95% bootstrap interval over the samples), median TTFT and its stages (seconds, warm chunk store), share of
     answers read off the teacher-forced pass."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
     naive_nll = naive_nll_by_sample(rows)
     lines = ["| method | ratio | n | KL first | KL answer | NLL (nats/tok) | NLL rec. (mean) | NLL rec. (pooled) | "
-             "overlap w/ oracle | TTFT (s) | load | assemble | select | recompute |",
+             "overlap w/ oracle | TTFT med. (s) | load | assemble | select | recompute |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ci(g, field, digits):  # mean [95% CI]
@@ -473,9 +484,9 @@ def fidelity_table(rows: Sequence[dict]) -> str:
                      f"{ci(g, 'kl', 4)} | {ci(g, 'nll', 3)} | {ci(g, 'nll_recovery', 2)} | "
                      f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
                      f"{ci(g, 'overlap', 2)} | "
-                     f"{_f(_mean(x.get('ttft_s') for x in g))} | {_f(_mean(x.get('chunk_load_s') for x in g))} | "
-                     f"{_f(_mean(x.get('assemble_s') for x in g))} | {_f(_mean(x.get('select_s') for x in g))} | "
-                     f"{_f(_mean(x.get('recompute_s') for x in g))} |")
+                     f"{_f(_median(x.get('ttft_s') for x in g))} | {_f(_median(x.get('chunk_load_s') for x in g))} | "
+                     f"{_f(_median(x.get('assemble_s') for x in g))} | {_f(_median(x.get('select_s') for x in g))} | "
+                     f"{_f(_median(x.get('recompute_s') for x in g))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -154,8 +154,8 @@ class MethodRun:
 
 
 # Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
-# compute once per sample for all ratios: `oracle` runs a full prefill to score.
-SCORE_CACHED = ("oracle",)
+# compute once per sample for all ratios: the oracles run a full prefill to score.
+SCORE_CACHED = ("oracle", "oracle_ideal")
 # Methods that keep chunk caches of their own (CacheClip's auxiliary model): warmed with the store, untimed.
 OWN_CHUNK_CACHES = ("cacheclip",)
 

@@ -26,8 +26,6 @@ from .base import SelectionContext, Selector, register
 from .scoring import layer_mean
 
 
-
-
 @register
 @dataclass
 class Oracle(Selector):
@@ -55,3 +53,14 @@ class Oracle(Selector):
         phi, phi_r = layer_mean(full_att, nkv), layer_mean(reuse_att, nkv)
         diff = phi[:, None] * values(exact).cpu() - phi_r[:, None] * values(ctx.cache).cpu()
         return diff.norm(dim=-1)
+
+
+@register
+@dataclass
+class OracleIdeal(Oracle):
+    """`oracle` in Eq. 5's ``mode="ideal"``, registered under its own name so the eval, CLI and server run it
+    beside the attention oracle: together they bound what a query-driven selection can recover."""
+
+    name: ClassVar[str] = "oracle_ideal"
+    mode: str = "ideal"
+
