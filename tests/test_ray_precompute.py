@@ -216,11 +216,13 @@ def test_store_lost_mid_run_fails_the_job_with_a_clear_message(ray_cluster, tiny
     job = RayPrecompute(docs, url, model=str(tiny_dir), workers=2, chunk_tokens=CHUNK_TOKENS, batch_size=1,
                         max_attempts=3)
 
+    stopped: list[float] = []
+
     def stop_store(j, res):
         if proc.poll() is None:
             proc.terminate()
             proc.wait(10)
-    t0 = time.monotonic()
+            stopped.append(time.monotonic())
     try:
         with pytest.raises(KVStitchError, match=r"failed 3 times .*StoreError: Redis at .* unavailable"):
             job.run(progress=False, on_result=stop_store)
@@ -228,4 +230,6 @@ def test_store_lost_mid_run_fails_the_job_with_a_clear_message(ray_cluster, tiny
         job.shutdown()
         if proc.poll() is None:
             proc.terminate()
-    assert time.monotonic() - t0 < 120  # retried with backoff, then failed: no hang
+    # retried with backoff, then failed: no hang. Timed from the store's loss, not from the start: starting the
+    # Ray workers alone took over a minute on 2 busy cores.
+    assert stopped and time.monotonic() - stopped[0] < 120
