@@ -153,3 +153,22 @@ def test_summary_table_has_intervals_on_score_and_fidelity_columns():
     avg = _cells(table, "avg", "prophet", "0.20", with_ci=True)
     lo_a, hi_a = (float(v) for v in avg[4].split(" [")[1].rstrip("]").split(", "))
     assert hi_a - lo_a < hi - lo  # two tasks: twice the samples
+
+
+def test_agreement_table_carries_pooled_recovery():
+    """The agreement table has each method's pooled NLL-gap recovery beside its agreement and score."""
+    from kvstitch.eval.report import agreement_table
+
+    rows = []
+    for i in range(4):
+        common = dict(task="t", index=i, length=2048, nll_full=1.0, agree_first=True)
+        rows.append(dict(common, method="full", ratio=None, score=1.0, nll=1.0, agree_words=True))
+        rows.append(dict(common, method="naive", ratio=None, score=0.0, nll=3.0, agree_words=False))
+        rows.append(dict(common, method="prophet", ratio=0.2, score=1.0, nll=1.5, agree_words=i < 2))
+    table = agreement_table(rows)
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    row = next([c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+               if line.startswith("| prophet"))
+    assert row[header.index("NLL rec. (pooled)")].split(" [")[0] == "0.75"  # (3 - 1.5) / (3 - 1)
+    assert row[header.index("agrees with full (12 words)")].split(" [")[0] == "0.50"
+    assert row[header.index("score (% full)")] == "100.0"

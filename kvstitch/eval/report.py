@@ -614,15 +614,17 @@ def _used(row: dict) -> float | None:
 def agreement_table(rows: Sequence[dict]) -> str:
     """Per method / ratio over all tasks: does the answer say what full prefill said (first 12 words; first
     token), at what cost (recomputed fraction of the context, rounds' total for ``auto``) and speed (mean
-    full-prefill TTFT / mean TTFT over the same samples). ``auto`` rows add how often they fell back to full."""
+    full-prefill TTFT / mean TTFT over the same samples), with the pooled NLL-gap recovery beside it so one
+    table carries the figures a reader compares. ``auto`` rows add how often they fell back to full."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r.get("agree_words") is not None:
             groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
-    lines = ["| method | ratio | n | agrees with full (12 words) | first token | score (% full) | ratio used | "
-             "recompute cost | TTFT speed-up vs full | fell back to full |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | ratio | n | agrees with full (12 words) | first token | score (% full) | "
+             "NLL rec. (pooled) | ratio used | recompute cost | TTFT speed-up vs full | fell back to full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     full_score = {(r["task"], r["index"]): r.get("score") for r in rows if r.get("method") == "full"}
+    naive_nll = naive_nll_by_sample(rows)
     for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
         g = groups[key]
         m, ratio = key
@@ -635,6 +637,7 @@ def agreement_table(rows: Sequence[dict]) -> str:
         lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | "
                      f"{fmt_ci(_mean(agree), bootstrap_mean_ci([agree]), 2)} | "
                      f"{_fmt(_mean(float(bool(x['agree_first'])) for x in g), 2)} | {_fmt(100 * pct, 1)} | "
+                     f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
                      f"{_fmt(_mean(_used(x) for x in g), 3)} | "
                      f"{_fmt(_mean(x.get('recompute_cost') or _used(x) for x in g), 3)} | "
                      f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
