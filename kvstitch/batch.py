@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 from .attention import ForwardPlan, kvstitch_attention
 from .cache import StitchCache
 from .errors import InputError
+from .models import cache_kwargs
 
 
 @dataclass
@@ -83,7 +84,7 @@ def decode_batch(engine, steps: list[DecodeStep]) -> list[torch.Tensor]:
     ids = torch.tensor([[s.token] for s in steps], device=dev)
     pos = torch.tensor([[s.cache.length] for s in steps], device=dev)
     batch = BatchCache([s.cache for s in steps])
-    out = engine.model(input_ids=ids, position_ids=pos, past_key_values=batch, use_cache=True, logits_to_keep=1,
+    out = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, batch), use_cache=True, logits_to_keep=1,
                        kvstitch_plan=ForwardPlan(batch=batch))
     logits = out.logits[:, -1:].float()
     return [logits[i] for i in range(len(steps))]
@@ -201,7 +202,7 @@ def recompute_batch(engine, steps: list[RecomputeStep]) -> list[torch.Tensor]:
         with ExitStack() as stack:
             for s, sl in zip(steps, slots):
                 stack.enter_context(s.cache.mode(slots=sl, write=True))
-            res = engine.model(input_ids=ids, position_ids=pos, past_key_values=packed, use_cache=True,
+            res = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, packed), use_cache=True,
                                logits_to_keep=last, kvstitch_plan=ForwardPlan(batch=packed))
         logits = res.logits[0].float()
         out = [logits[i:i + 1] for i in range(len(steps))]

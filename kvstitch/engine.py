@@ -16,7 +16,7 @@ from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, p
 from .chunk import ChunkKV
 from .errors import InputError, PromptTooLong, UnknownDecodePolicy
 from .identity import register_model, tokenizer_fingerprint
-from .models import adapter_for, load_model
+from .models import adapter_for, cache_kwargs, load_model
 from .precompute import ensure_chunks
 from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
@@ -179,7 +179,7 @@ class Engine:
                 ids = ids.view(1, -1) if ids.dim() == 1 else ids
                 out = self.model(input_ids=ids.to(self.device),
                                  position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
-                                 past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                                 **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=logits_to_keep,
                                  kvstitch_plan=plan)
                 return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()
             except StopForward:
@@ -667,7 +667,7 @@ class Engine:
         pos = torch.tensor([[cache.length]], device=self.device)
         with cache.mode(slots=None):
             out = self.model(input_ids=torch.tensor([[token]], device=self.device), position_ids=pos,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
+                             **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
         return out.logits[0].float()
 
     def _new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .errors import PositionRecoveryError
+from .models import cache_kwargs
 
 # Relative tolerance of the self-check: max|err| / max|k|. Float32 angle rounding at 8K-32K
 # positions gives ~1e-4..1e-3; a wrong base, convention or RoPE type gives O(1).
@@ -81,7 +82,7 @@ def self_check(model, adapter, probe_ids: torch.Tensor, delta: int | None = None
         cache = StitchCache.empty(adapter, capacity=n, device=dev, dtype=next(model.parameters()).dtype)
         pos = torch.arange(start, start + n, device=dev)
         with cache.mode(slots=torch.arange(n, device=dev)):
-            model(input_ids=probe_ids.view(1, -1).to(dev), position_ids=pos.view(1, -1), past_key_values=cache,
+            model(input_ids=probe_ids.view(1, -1).to(dev), position_ids=pos.view(1, -1), **cache_kwargs(model, cache),
                   use_cache=True, logits_to_keep=1)
         kv.append(cache.stacked_keys())
     moved = rerotate(kv[0], delta, inv_freq_table(adapter))

@@ -1,8 +1,12 @@
 """Correctness gates: 100% recompute == full prefill, 0% == naive, RoPE re-rotation is exact."""
 
+import inspect
+import warnings
+
 import pytest
 import torch
 
+from kvstitch.models import cache_kwargs
 from kvstitch.rope import inv_freq_table, rerotate
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, TINY, make_tiny_engine
@@ -126,3 +130,26 @@ def test_batched_precompute_equals_one_by_one(tiny_engine):
         one = eng.compute_chunk(layout.prefix_ids, ids)
         assert kv.keys.shape == one.keys.shape and torch.equal(kv.token_ids, ids)
         assert (kv.keys - one.keys).abs().max() < 1e-4 and (kv.values - one.values).abs().max() < 1e-4
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    class Before(torch.nn.Module):  # transformers releases before the rename
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    class After(torch.nn.Module):
+        def forward(self, input_ids, cache=None):
+            return input_ids
+
+    assert cache_kwargs(Before(), "kv") == {"past_key_values": "kv"}
+    assert cache_kwargs(After(), "kv") == {"cache": "kv"}
+
+
+@pytest.mark.parametrize("tiny_engine", TINY, indirect=True)
+def test_stitched_generation_uses_the_current_cache_keyword(tiny_engine):
+    # the deprecated keyword warns on every forward and is removed at transformers 5.40
+    (name,) = cache_kwargs(tiny_engine.model, None)
+    assert name in inspect.signature(type(tiny_engine.model).forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _gen(tiny_engine, "prophet", 0.2, max_new_tokens=3)

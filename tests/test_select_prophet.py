@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvstitch.attention import ATTN_IMPL
+from kvstitch.models import cache_kwargs
 from kvstitch.select import SelectionContext, make_selector, top_k_indices
 from kvstitch.select.scoring import group_mean, head_mean
 
@@ -34,7 +35,7 @@ def eager_suffix_attention(eng, layout, kv, positions=None):
     try:
         with torch.no_grad():
             out = model(input_ids=layout.suffix_ids[None], position_ids=pos[None],
-                        cache_position=torch.arange(n, n + layout.n_suffix), past_key_values=dc,
+                        cache_position=torch.arange(n, n + layout.n_suffix), **cache_kwargs(model, dc),
                         use_cache=True, output_attentions=True)
     finally:
         model.set_attn_implementation(ATTN_IMPL)

@@ -7,6 +7,8 @@ uses them) and the maximum position. Nothing else checks ``model_type``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +127,18 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "gemma3_text": ModelAdapter,  # sliding + global layers, one RoPE base per layer type
     "gemma3": ModelAdapter,
 }
+
+
+@functools.cache
+def _cache_keyword(model_cls: type) -> str:
+    # transformers 5.x renamed forward's `past_key_values` to `cache`: the old name warns on every call and is
+    # removed at 5.40, while the releases before the rename (>= 5.0 is allowed) only know the old one.
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """``{name: cache}`` for ``model(...)``, under the KV-cache keyword this transformers release takes."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def adapter_for(model: torch.nn.Module) -> ModelAdapter:
