@@ -349,7 +349,7 @@ def test_shards_split_a_run_and_merge_into_the_whole(engine, tmp_path):
     r = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out",
                                  str(tmp_path / "m")])
     assert r.exit_code == 0, r.output
-    assert "3 found in more than one run" in r.output
+    assert "3 found in more than one run" in r.output and "part of their rows" not in r.output
     merged = read_jsonl(tmp_path / "m" / RESULTS)
     by_key = {row_key(x): x for x in whole}
     assert sorted(map(row_key, merged), key=str) == sorted(by_key, key=str)  # each row once, none missing
@@ -357,6 +357,13 @@ def test_shards_split_a_run_and_merge_into_the_whole(engine, tmp_path):
         assert x["pred"] == by_key[row_key(x)]["pred"] and abs(x["nll"] - by_key[row_key(x)]["nll"]) < 1e-5
     assert "eval-merge" in (tmp_path / "m" / "summary.md").read_text()
     assert run_eval(engine, cfg, tmp_path / "m", progress=False) == merged  # nothing left to run
+
+    (tmp_path / "p").mkdir()  # a shard merged while it still writes its last sample: merged, and said
+    (tmp_path / "p" / "run.json").write_text((tmp_path / "whole" / "run.json").read_text())
+    stopped = read_jsonl(tmp_path / "whole" / RESULTS)[:-1]
+    (tmp_path / "p" / RESULTS).write_text("".join(json.dumps(x) + "\n" for x in stopped))
+    r = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "p"), "--out", str(tmp_path / "pm")])
+    assert r.exit_code == 0 and "has 1 sample with only part of their rows" in r.output, r.output
 
     with pytest.raises(kvstitch.InputError, match="k/n"):
         run_eval(engine, cfg, tmp_path / "x", progress=False, shard=(2, 2))

@@ -82,7 +82,11 @@ def merge_command(
     protocol or model are refused. The joined directory resumes like any `kvstitch eval --out`."""
     from .merge import merge_runs, write_run
 
-    rows, meta, duplicates = merge_runs(runs)
+    rows, meta, duplicates, unfinished = merge_runs(runs)
+    for run, n in unfinished.items():  # e.g. a shard still writing its last sample: say so, the table lacks it
+        typer.echo(f"warning: {run} has {n} sample{'s' if n > 1 else ''} with only part of their rows (still "
+                   f"running, or stopped inside a sample); `kvstitch eval --out {out}` with its command resumes them",
+                   err=True)
     write_run(rows, meta, out)
     command = "kvstitch eval-merge " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
     _write_summary(rows, meta.get("commands", []), out, command)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from .report import _json_default, read_jsonl
-from .runner import RESULTS, row_key
+from .report import _json_default, _norm_ratio, _sample_key, read_jsonl
+from .runner import RESULTS, combos, row_key
 
 NLL_TOL = 1e-4  # the same row computed twice (another machine, another thread count) may differ this much
 
@@ -37,14 +38,28 @@ def _same_row(a: dict, b: dict) -> bool:
     return (na is None) == (nb is None) and (na is None or abs(float(na) - float(nb)) <= NLL_TOL)
 
 
+def unfinished_samples(rows: Sequence[dict], meta: dict) -> int:
+    """Samples holding some but not all of the rows the run's config asks for: a run still writing, or stopped
+    inside a sample. Merging one is allowed (the joined run resumes them), but the joined table lacks those rows."""
+    cfg = meta.get("config") or {}
+    if not cfg.get("methods"):
+        return 0
+    want = set(combos(cfg["methods"], cfg.get("ratios") or []))
+    got: dict[tuple, set] = defaultdict(set)
+    for r in rows:
+        got[_sample_key(r)].add((r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio"))))
+    return sum(1 for have in got.values() if not want <= have)
+
+
 def _one(values: set, what: str, runs: Sequence[Path]) -> None:
     if len(values) > 1:
         raise InputError(f"the runs {', '.join(map(str, runs))} differ in their {what}; their rows are not "
                          f"comparable and are not merged")
 
 
-def merge_runs(runs: Sequence[Path]) -> tuple[list[dict], dict, int]:
-    """The union of the runs' rows (first seen first) and one run.json for it -> (rows, meta, duplicates)."""
+def merge_runs(runs: Sequence[Path]) -> tuple[list[dict], dict, int, dict[str, int]]:
+    """The union of the runs' rows (first seen first) and one run.json for it -> (rows, meta, duplicates,
+    {run: its unfinished samples} for the runs that have any)."""
     if not runs:
         raise InputError("name at least one run to merge")
     read = [_read_run(Path(r)) for r in runs]
@@ -72,7 +87,8 @@ def merge_runs(runs: Sequence[Path]) -> tuple[list[dict], dict, int]:
     meta.update(config=config, commands=list(dict.fromkeys(c for m in metas for c in m.get("commands", []))),
                 merged_from=[str(r) for r in runs], rows=len(merged), updated=time.strftime("%Y-%m-%d %H:%M:%S"))
     meta.pop("rows_before", None)
-    return merged, meta, duplicates
+    unfinished = {str(run): n for (rows, m), run in zip(read, runs) if (n := unfinished_samples(rows, m))}
+    return merged, meta, duplicates, unfinished
 
 
 def write_run(rows: Sequence[dict], meta: dict, out: Path) -> Path:
