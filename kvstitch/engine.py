@@ -130,7 +130,8 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, store=None, device: str | None = None,
              dtype: str | torch.dtype | None = None, storage_dtype: str = "float16", **kwargs) -> "Engine":
-        """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", an HF directory or a .gguf file.
+        """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", "qwen2.5-0.5b" (the reference model), an HF
+        directory or a .gguf file.
         ``store``: None (in-memory), a directory path, "redis://host:port/db" or "tiered:A,B"; chunk K/V
         are kept in ``storage_dtype`` (float16, bfloat16, float32 or int8)."""
         dev = torch.device(device) if device else default_device()

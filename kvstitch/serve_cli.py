@@ -60,7 +60,7 @@ def print_config(ctx: typer.Context, console) -> None:
 def serve_command(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="embedded name (smollm2, gemma3), HF directory or .gguf file"),
+                                        help="embedded name (smollm2, gemma3, qwen2.5-0.5b), HF directory or .gguf file"),
     store: Optional[str] = typer.Option(None, "--store",
                                         help="chunk store: a directory, redis://host:port/db, or none (memory)"),
     method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),

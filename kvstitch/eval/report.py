@@ -645,6 +645,44 @@ def agreement_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kept_table(rows: Sequence[dict]) -> str:
+    """Per method / ratio: does it keep full prefill's answers? Agreement with full prefill's answer over all
+    samples and over the samples full prefill answers correctly ("correct answers kept": same answer there),
+    the share of those the method still answers correctly, the task score (QA F1 for real QA), exact match
+    where measured, and the TTFT speed-up. Correct = a gold answer in the answer's first line (real QA),
+    score 1 (RULER)."""
+    full = {_sample_key(r): r for r in rows if r.get("method") == "full"}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("agree_words") is not None and r.get("correct") is not None and _sample_key(r) in full:
+            groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+    lines = ["| method | ratio | n | agrees with full (all) | full right | correct answers kept | still right | "
+             "score x100 | exact match | TTFT speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+        g = groups[key]
+        m, ratio = key
+        agree = [float(bool(x["agree_words"])) for x in g]
+        right = [x for x in g if full[_sample_key(x)].get("correct")]
+        kept = [float(bool(x["agree_words"])) for x in right]
+        still = [float(bool(x["correct"])) for x in right]
+        em = [x.get("em") for x in g if x.get("em") is not None]
+        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | "
+                     f"{fmt_ci(_mean(agree), bootstrap_mean_ci([agree]), 2)} | {len(right)} | "
+                     f"{fmt_ci(_mean(kept), bootstrap_mean_ci([kept]), 2)} | "
+                     f"{fmt_ci(_mean(still), bootstrap_mean_ci([still]), 2)} | "
+                     f"{_fmt(100 * _mean(x.get('score') for x in g), 1)} | "
+                     f"{_fmt(100 * _mean(em), 1) if em else '–'} | "
+                     f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _length_title(length: int, rows: Sequence[dict]) -> str:
+    if length == 0:  # real QA datasets: one chunk per passage, no target length
+        tokens = _mean(r.get("n_tokens") for r in rows)
+        return f"{', '.join(sorted({str(r['task']) for r in rows}))}: real passages (mean {_fmt(tokens, 0)} context tokens)"
+    return f"{length} tokens"
+
+
 def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     """Agreement with full prefill (y) vs TTFT speed-up over full prefill (x): fixed ratios as one curve per
     method, ``auto`` as a star per method (its options in the run's protocol)."""
@@ -691,16 +729,18 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig 
         return written
     lengths = sorted({int(r["length"]) for r in rows})
     parts = ["# kvstitch eval summary", "",
-             "Scores x100 (RULER string match), % of the `full` score on the same task, mean KL(full || method) "
+             "Scores x100 (RULER string match; LongBench QA F1 on real QA datasets), % of the `full` score on the same task, mean KL(full || method) "
              "over the teacher-forced answer, NLL-gap recovery (1 = full, 0 = naive), TTFT with a warm chunk store. "
              "[lo, hi] = 95% percentile bootstrap interval over the samples (2000 resamples, fixed seed).",
              ""]
     for L in lengths:
         sub = [r for r in rows if int(r["length"]) == L]
-        parts += [f"## {L} tokens", "", summary_table(sub), "", "Fidelity and time per stage (all tasks):", "",
+        parts += [f"## {_length_title(L, sub)}", "", summary_table(sub), "", "Fidelity and time per stage (all tasks):", "",
                   fidelity_table(sub), ""]
         if any(r.get("agree_words") is not None for r in sub):
             parts += ["Agreement with full prefill and its cost (all tasks):", "", agreement_table(sub), ""]
+        if any(r.get("correct") is not None for r in sub):
+            parts += ["Full prefill's answers kept (all tasks):", "", kept_table(sub), ""]
             written[f"pareto_{L}"] = plot_pareto(sub, out / f"pareto_{L}.png")
         written[f"accuracy_{L}"] = plot_vs_ratio(sub, out / f"accuracy_vs_ratio_{L}.png", ("score",))
         written[f"fidelity_{L}"] = plot_vs_ratio(sub, out / f"fidelity_vs_ratio_{L}.png", ("kl", "nll_recovery"))

