@@ -24,7 +24,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -196,31 +195,23 @@ def bm25_tokens(text: str) -> list[str]:
 
 
 class BM25:
-    """Okapi BM25 (k1=1.5, b=0.75, Lucene's non-negative idf) over the chunk texts."""
+    """Okapi BM25 (k1=1.5, b=0.75, Lucene's non-negative idf) over the chunk texts, scored by `bm25s`."""
 
     def __init__(self, texts: list[str], k1: float = 1.5, b: float = 0.75):
-        self.k1, self.b = k1, b
-        self.tfs = [Counter(bm25_tokens(t)) for t in texts]
-        self.lens = [sum(tf.values()) for tf in self.tfs]
-        self.avgdl = (sum(self.lens) / len(self.lens)) if self.lens else 0.0
-        df: Counter = Counter()
-        for tf in self.tfs:
-            df.update(tf.keys())
-        n = len(self.tfs)
-        self.idf = {w: math.log(1.0 + (n - c + 0.5) / (c + 0.5)) for w, c in df.items()}
+        import bm25s
+
+        self.n = len(texts)
+        self.scale = k1 + 1  # Lucene's variant drops Okapi's constant (k1 + 1) factor: scores as before
+        self.index = bm25s.BM25(k1=k1, b=b, method="lucene")
+        if texts:
+            # bm25s treats an empty token list as missing: a placeholder word no query token can equal
+            self.index.index([bm25_tokens(t) or ["\x00"] for t in texts], show_progress=False)
 
     def scores(self, query: str) -> torch.Tensor:
-        q = bm25_tokens(query)
-        out = torch.zeros(len(self.tfs), dtype=torch.float64)
-        avgdl = self.avgdl or 1.0
-        for i, (tf, dl) in enumerate(zip(self.tfs, self.lens)):
-            s = 0.0
-            for w in q:
-                f = tf.get(w, 0)
-                if f:
-                    s += self.idf[w] * f * (self.k1 + 1) / (f + self.k1 * (1 - self.b + self.b * dl / avgdl))
-            out[i] = s
-        return out.float()
+        q = [w for w in bm25_tokens(query) if w in self.index.vocab_dict] if self.n else []
+        if not q:
+            return torch.zeros(self.n)
+        return torch.from_numpy(self.index.get_scores(q).astype("float32")) * self.scale
 
 
 # ---- the collection --------------------------------------------------------------------------------
