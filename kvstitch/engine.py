@@ -17,7 +17,7 @@ from .chunk import ChunkKV
 from .errors import InputError, PromptTooLong, UnknownDecodePolicy
 from .identity import register_model, tokenizer_fingerprint
 from .models import adapter_for, cache_kwargs, load_model
-from .precompute import ensure_chunks
+from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
 from .prompt import PromptBuilder, PromptLayout
 from .rope import inv_freq_table, rerotate, self_check
 from .select import SelectionContext, check_method, make_selector
@@ -236,6 +236,16 @@ class Engine:
             stats.update(store_hits=res.hits, store_misses=res.misses, chunk_load_s=time.perf_counter() - t0,
                          precompute=self.precompute_mode)
         return [kv.to(self.device, self.dtype) for kv in res.kvs]
+
+    def precompute(self, texts: list[str], chunk_tokens: int | None = None, overlap: int = 0, batch_size: int = 8,
+                   progress: bool = True) -> PrecomputeReport:
+        """Cache passages before the questions come, so the first question is a warm hit (the cold path
+        would answer it by full prefill). ``texts``: the passages as ``generate(chunks=...)`` will get them
+        (``chunk_tokens`` None), or documents to split into chunks of ~``chunk_tokens`` tokens. Chunks already
+        stored are skipped; a progress bar shows tok/s. -> report: chunks, computed, skipped, tokens, seconds."""
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise InputError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        return precompute_texts(self, texts, chunk_tokens, overlap, batch_size, progress)
 
     def precompute_deferred(self, max_chunks: int | None = None) -> int:
         """Compute and store the chunks cold requests answered by full prefill left behind (`kvstitch.cold`);

@@ -162,6 +162,26 @@ def precompute_directory(engine: "Engine", docs_dir, chunk_tokens: int = 256, ov
     prefix: `PromptBuilder.canonical_prefixes`), write them back.
     Returns the report and the ``(document, chunk text)`` list (what `index` embeds)."""
     chunks, ids = directory_chunks(engine, docs_dir, chunk_tokens, overlap)
+    return precompute_ids(engine, ids, batch_size, progress), chunks
+
+
+def precompute_texts(engine: "Engine", texts: list[str], chunk_tokens: int | None = None, overlap: int = 0,
+                     batch_size: int = 8, progress: bool = True) -> PrecomputeReport:
+    """Cache passages ahead of the questions. ``chunk_tokens`` None: each text is one chunk, exactly as
+    ``generate(chunks=texts)`` will use it; else each text is a document split into chunks of about that many
+    tokens (`kvstitch.chunking.chunk_text`, as `kvstitch precompute` does)."""
+    from .chunking import chunk_text
+    from .prompt import check_chunks
+
+    texts = check_chunks(texts)
+    if chunk_tokens is not None:
+        texts = [c for t in texts for c in chunk_text(t, engine.tokenizer, chunk_tokens, overlap)]
+    return precompute_ids(engine, [engine.builder.encode_chunk(t) for t in texts], batch_size, progress)
+
+
+def precompute_ids(engine: "Engine", ids: list[torch.Tensor], batch_size: int = 8,
+                   progress: bool = True) -> PrecomputeReport:
+    """`ensure_chunks` for every canonical prefix, with the shared progress bar and a report."""
     t0 = time.perf_counter()
     with progress_bar(progress) as bar:
         task = bar.add_task("precompute", total=None, tps=0.0, cps=0.0)
@@ -172,6 +192,5 @@ def precompute_directory(engine: "Engine", docs_dir, chunk_tokens: int = 256, ov
                        cps=done / dt if dt else 0.0)
 
         res = ensure_chunks(engine, ids, batch_size=batch_size, on_batch=step)  # every canonical prefix
-    rep = PrecomputeReport(chunks=len(chunks), computed=res.computed, skipped=res.already_stored,
-                           tokens=res.tokens, seconds=time.perf_counter() - t0)
-    return rep, chunks
+    return PrecomputeReport(chunks=len(ids), computed=res.computed, skipped=res.already_stored,
+                            tokens=res.tokens, seconds=time.perf_counter() - t0)

@@ -84,3 +84,23 @@ def test_precompute_directory_is_resumable(eng, tmp_path):
     assert rep.chunks == len(chunks) == 4 and rep.computed == 4 * n and rep.skipped == 0 and rep.tokens > 0
     rep2, _ = precompute_directory(eng, docs, chunk_tokens=64, batch_size=2, progress=False)
     assert rep2.computed == 0 and rep2.skipped == 4 * n
+
+
+def test_engine_precompute_warms_the_store_for_the_first_question(eng):
+    from kvstitch.errors import InputError
+
+    rep = eng.precompute(SAMPLE_CHUNKS, progress=False)
+    n_prefixes = len(eng.builder.canonical_prefixes())  # a question's layout and a conversation's
+    assert (rep.chunks, rep.computed, rep.skipped) == (len(SAMPLE_CHUNKS), n_prefixes * len(SAMPLE_CHUNKS), 0)
+    res = eng.generate("What is the special magic number for Carol?", SAMPLE_CHUNKS, method="random",
+                       recompute_ratio=0.2, max_new_tokens=2)
+    assert res.stats["store_hits"] == len(SAMPLE_CHUNKS) and res.stats["store_misses"] == 0
+    again = eng.precompute(SAMPLE_CHUNKS, progress=False)
+    assert again.computed == 0 and again.skipped == rep.computed
+    # documents split into ~12-token chunks: more chunks than documents, each stored
+    docs = eng.precompute([" ".join(SAMPLE_CHUNKS)], chunk_tokens=12, progress=False)
+    assert docs.chunks > 3 and docs.computed == n_prefixes * docs.chunks
+    with pytest.raises(InputError, match="chunk 1 is empty"):
+        eng.precompute(["fine", "  "], progress=False)
+    with pytest.raises(InputError, match="chunk_tokens"):
+        eng.precompute(["fine"], chunk_tokens=0, progress=False)
