@@ -1,35 +1,63 @@
-"""Which demo questions the embedded model answers correctly with FULL prefill: the demo keeps only those.
+"""Choose the demo's questions and default model by measurement.
 
-    python scripts/demo_questions.py        # True/False (expected text in full prefill's answer), question, answer
+    python scripts/demo_questions.py --model qwen2.5-0.5b [--candidates FILE] [--settings prophet@auto,prophet@0.2]
 
-It checks the bundled questions plus the candidates below (ones full prefill failed were dropped from the demo
-for that reason alone, never because a stitched method failed them).
+For every candidate question (the bundled demo's, or FILE's: {"passages": [...], "questions": [{question,
+answer}]}): does full prefill's answer contain the expected text (a question full prefill fails is dropped from
+the demo for that reason alone, never because a stitched method failed it), and, for each stitched setting,
+does its answer say what full prefill says (first 12 words) and at what TTFT speed-up. Prints one line per
+question and setting, then per setting: agreement on the questions full prefill answers, median speed-up.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
+import statistics
 from importlib import resources
 
 import torch
 
 from kvstitch import Engine
-
-CANDIDATES = [
-    {"question": "How long does the ferry crossing to Skerra take?", "answer": "forty minutes"},
-    {"question": "What is Mira Castell's favourite bread?", "answer": "rye with caraway seeds"},
-    {"question": "Who runs the Mill Street bakery?", "answer": "Mira Castell"},
-    {"question": "How many residents does Skerra have?", "answer": "three hundred"},
-    {"question": "How long is the Ashwater river?", "answer": "ninety kilometres"},
-    {"question": "How many red deer live in the Corran hills?", "answer": "two hundred"},
-]
+from kvstitch.budget import parse_ratio
+from kvstitch.eval.agreement import first_words_agree
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    demo = json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())
-    eng = Engine.load()
-    for q in demo["questions"] + CANDIDATES:
-        r = eng.generate(q["question"], demo["passages"], method="full", max_new_tokens=24)
-        print(q["answer"].lower() in r.text.lower(), repr(q["question"]), repr(r.text), flush=True)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--candidates", default=None)
+    ap.add_argument("--settings", default="prophet@auto,prophet@0.2")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    src = open(args.candidates) if args.candidates else resources.files("kvstitch").joinpath(
+        "data/samples/demo.json").open()
+    demo = json.load(src)
+    eng = Engine.load(args.model)
+    passages = demo["passages"]
+    print(f"{len(passages)} passages, {eng.layout('q', passages).n_context} context tokens", flush=True)
+    eng.generate(demo["questions"][0]["question"], passages, method="naive", max_new_tokens=1)  # warm + precompute
+    settings = [(m, parse_ratio(r)) for m, r in (s.split("@") for s in args.settings.split(","))]
+    agree = {s: [] for s in settings}
+    speed = {s: [] for s in settings}
+    for q in demo["questions"]:
+        full = eng.generate(q["question"], passages, method="full", max_new_tokens=24)
+        ok = q["answer"].lower() in full.text.lower()
+        print(f"full {'right' if ok else 'WRONG'} {q['question']!r} -> {full.text!r} ({full.ttft_s:.2f}s)", flush=True)
+        for m, r in settings:
+            res = eng.generate(q["question"], passages, method=m, recompute_ratio=r, max_new_tokens=24)
+            same = first_words_agree(res.text, full.text)
+            if ok:
+                agree[(m, r)].append(same)
+                speed[(m, r)].append(full.ttft_s / res.ttft_s)
+            print(f"   {m}@{r}: {'same' if same else 'DIFFERENT'} {res.text!r} {full.ttft_s / res.ttft_s:.2f}x "
+                  f"(used {res.stats.get('ratio_used')})", flush=True)
+    for s in settings:
+        if agree[s]:
+            print(f"{s[0]}@{s[1]}: agrees on {sum(agree[s])}/{len(agree[s])} questions full prefill answers, median "
+                  f"speed-up {statistics.median(speed[s]):.2f}x")
 
 
 if __name__ == "__main__":
