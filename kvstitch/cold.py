@@ -29,15 +29,21 @@ path a request took ("full_prefill" or "stitched"), ``stats["deferred_chunks"]``
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .errors import InputError
+from .precompute import ChunkComputer
+from .prompt import PromptLayout
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .prompt import PromptLayout
+class ColdEngine(ChunkComputer, Protocol):
+    """What the cold path needs of an engine: precompute's needs, its policy and its deferred queue."""
+
+    cold_path: str
+    cold_threshold: float
+    deferred: "DeferredPrecompute"
+
 
 COLD_PATHS = ("auto", "full_prefill", "stitched")
 DEFAULT_COLD_THRESHOLD = 0.5
@@ -82,7 +88,7 @@ class DeferredPrecompute:
         return groups
 
 
-def missing_chunks(engine: "Engine", layout: "PromptLayout") -> list[int]:
+def missing_chunks(engine: ColdEngine, layout: PromptLayout) -> list[int]:
     """Indices of the layout's chunks whose caches are not in the store (a presence check: nothing is read)."""
     out = []
     for i, ids in enumerate(layout.chunk_ids):
@@ -95,7 +101,7 @@ def missing_chunks(engine: "Engine", layout: "PromptLayout") -> list[int]:
     return out
 
 
-def take_full_prefill(engine: "Engine", layout: "PromptLayout", stats: dict) -> bool:
+def take_full_prefill(engine: ColdEngine, layout: PromptLayout, stats: dict) -> bool:
     """Decide the cold path of a stitched request (see the module doc); records it in ``stats`` and, when
     full prefill answers, queues the missing chunks. -> True when the request should run full prefill."""
     if engine.cold_path == "stitched" or not layout.chunk_ids:
@@ -116,7 +122,7 @@ def take_full_prefill(engine: "Engine", layout: "PromptLayout", stats: dict) -> 
     return full
 
 
-def precompute_deferred(engine: "Engine", max_chunks: int | None = None) -> int:
+def precompute_deferred(engine: ColdEngine, max_chunks: int | None = None) -> int:
     """Compute (and store) up to ``max_chunks`` queued chunks -> the number of chunks handled."""
     from .precompute import ensure_chunks
 

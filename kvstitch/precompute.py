@@ -12,16 +12,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .chunk import ChunkKV
 from .chunking import chunk_directory
+from .prompt import PromptBuilder
 from .store.codec import roundtrip
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class ChunkComputer(Protocol):
+    """What precompute needs of an engine (`kvstitch.Engine` is one): its store, how it keys and computes a
+    chunk's K/V. Typed against this, not the engine, so the engine can import precompute without a cycle."""
+
+    store: Any
+    builder: PromptBuilder
+    tokenizer: Any
+    dtype: torch.dtype
+    fingerprint: str
+    precompute_mode: str
+
+    def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str: ...
+
+    def compute_chunks(self, prefix_ids: torch.Tensor, chunks: list[torch.Tensor],
+                       batch_size: int = 8) -> list[ChunkKV]: ...
 
 
 @dataclass
@@ -40,7 +55,7 @@ class EnsureResult:
     all_keys: list[list[str]] = field(default_factory=list)  # every key of each input chunk (one per prefix)
 
 
-def ensure_chunks(engine: "Engine", chunk_ids: list[torch.Tensor], *, prefix_ids: torch.Tensor | None = None,
+def ensure_chunks(engine: ChunkComputer, chunk_ids: list[torch.Tensor], *, prefix_ids: torch.Tensor | None = None,
                   load: bool = False, batch_size: int = 8,
                   on_batch: Callable[[int, int, int], None] | None = None) -> EnsureResult:
     """Make sure every chunk's K/V is in ``engine.store``: compute the missing ones (distinct chunks,
@@ -78,7 +93,7 @@ def ensure_chunks(engine: "Engine", chunk_ids: list[torch.Tensor], *, prefix_ids
     return _ensure(engine, chunk_ids, prefix_ids, load, batch_size, on_batch)
 
 
-def _ensure(engine: "Engine", chunk_ids: list[torch.Tensor], prefix: torch.Tensor, load: bool, batch_size: int,
+def _ensure(engine: ChunkComputer, chunk_ids: list[torch.Tensor], prefix: torch.Tensor, load: bool, batch_size: int,
             on_batch: Callable[[int, int, int], None] | None) -> EnsureResult:
     store = engine.store
     keys = [engine.chunk_key(prefix, ids) for ids in chunk_ids]
@@ -149,14 +164,14 @@ def progress_bar(progress: bool = True):
     return Progress(*columns, disable=not progress)
 
 
-def directory_chunks(engine: "Engine", docs_dir, chunk_tokens: int = 256,
+def directory_chunks(engine: ChunkComputer, docs_dir, chunk_tokens: int = 256,
                      overlap: int = 0) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
     """``(document, chunk text)`` pairs of a folder and each chunk's token ids (as a request builds them)."""
     chunks = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
     return chunks, [engine.builder.encode_chunk(text) for _, text in chunks]
 
 
-def precompute_directory(engine: "Engine", docs_dir, chunk_tokens: int = 256, overlap: int = 0,
+def precompute_directory(engine: ChunkComputer, docs_dir, chunk_tokens: int = 256, overlap: int = 0,
                          batch_size: int = 8, progress: bool = True) -> tuple[PrecomputeReport, list[tuple[str, str]]]:
     """Chunk every document, precompute the chunks missing from ``engine.store`` (after every canonical
     prefix: `PromptBuilder.canonical_prefixes`), write them back.
@@ -165,7 +180,7 @@ def precompute_directory(engine: "Engine", docs_dir, chunk_tokens: int = 256, ov
     return precompute_ids(engine, ids, batch_size, progress), chunks
 
 
-def precompute_texts(engine: "Engine", texts: list[str], chunk_tokens: int | None = None, overlap: int = 0,
+def precompute_texts(engine: ChunkComputer, texts: list[str], chunk_tokens: int | None = None, overlap: int = 0,
                      batch_size: int = 8, progress: bool = True) -> PrecomputeReport:
     """Cache passages ahead of the questions. ``chunk_tokens`` None: each text is one chunk, exactly as
     ``generate(chunks=texts)`` will use it; else each text is a document split into chunks of about that many
@@ -179,7 +194,7 @@ def precompute_texts(engine: "Engine", texts: list[str], chunk_tokens: int | Non
     return precompute_ids(engine, [engine.builder.encode_chunk(t) for t in texts], batch_size, progress)
 
 
-def precompute_ids(engine: "Engine", ids: list[torch.Tensor], batch_size: int = 8,
+def precompute_ids(engine: ChunkComputer, ids: list[torch.Tensor], batch_size: int = 8,
                    progress: bool = True) -> PrecomputeReport:
     """`ensure_chunks` for every canonical prefix, with the shared progress bar and a report."""
     t0 = time.perf_counter()

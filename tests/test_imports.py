@@ -1,8 +1,8 @@
 """The package's import structure, read with `ast` (nothing is imported): no import cycles, no upward
-imports, no module outside `engine.py` reaching into `Engine`'s private members.
+imports, no module reaching into another's private names (`from .x import _name`, `Engine`'s private members).
 
-Imports count wherever they are written (module level or inside a function: a function-level import is a
-deferred import, not a missing edge); `if TYPE_CHECKING:` blocks are skipped (they never run).
+Imports count wherever they are written (module level, inside a function: a deferred import, and under
+`if TYPE_CHECKING:`: a type-only import is the dependency it is, even though it never runs).
 ``from pkg import name`` is an edge to the submodule ``pkg.name`` when that is a module, else to ``pkg``
 (its ``__init__``)."""
 
@@ -18,6 +18,9 @@ PACKAGE = ROOT / "kvstitch"
 # fails `test_allow_lists_are_not_stale`: delete it then.
 ALLOWED_CYCLE_EDGES: dict[tuple[str, str], str] = {
 }
+
+# `from kvstitch.x import _name` across modules: (importer, imported module, name)
+ALLOWED_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 
 # (importer prefix, imported prefix): a lower layer must not import a higher one
 FORBIDDEN = [
@@ -55,40 +58,39 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+def _from_module(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` statement of module `name` reads from."""
+    if not node.level:
+        return node.module or ""
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    base = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """kvstitch modules `name` imports (anywhere but under `if TYPE_CHECKING:`)."""
-    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    """kvstitch modules `name` imports, wherever the import is written (type-only ones included)."""
     found: set[str] = set()
-
-    def walk(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for stmt in child.orelse:
-                    walk_one(stmt)
-                continue
-            walk_one(child)
-
-    def walk_one(node: ast.AST) -> None:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(name, path, node)
             for a in node.names:
                 found.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod)
-        walk(node)
-
-    walk(ast.parse(path.read_text(encoding="utf-8")))
     return {m for m in found if m in known and m != name}
+
+
+def private_imports(known: dict[str, Path] | None = None) -> set[tuple[str, str, str]]:
+    """(importer, module, name) for every ``from <kvstitch module> import _name`` in another module."""
+    known = known if known is not None else modules()
+    out = set()
+    for name, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                mod = _from_module(name, path, node)
+                out.update((name, mod, a.name) for a in node.names
+                           if mod in known and mod != name and a.name.startswith("_") and not a.name.startswith("__"))
+    return out
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -191,12 +193,28 @@ def test_the_checker_sees_cycles_function_level_imports_and_type_checking(tmp_pa
              "kvstitch.d": pkg / "d.py"}
     graph = {n: imports_of(n, p, known) for n, p in known.items()}
     assert graph["kvstitch.a"] == {"kvstitch.b"}
-    assert graph["kvstitch.b"] == {"kvstitch.sub.c"}        # function-level import counts
-    assert graph["kvstitch.sub.c"] == {"kvstitch.a"}         # TYPE_CHECKING import does not
+    assert graph["kvstitch.b"] == {"kvstitch.sub.c"}                   # function-level import counts
+    assert graph["kvstitch.sub.c"] == {"kvstitch.a", "kvstitch.d"}    # and so does a TYPE_CHECKING one
     assert graph["kvstitch.d"] == {"kvstitch.sub.c"}
-    assert cycles(graph) == [["kvstitch.a", "kvstitch.b", "kvstitch.sub.c"]]
+    assert cycles(graph) == [["kvstitch.a", "kvstitch.b", "kvstitch.d", "kvstitch.sub.c"]]
+    graph["kvstitch.sub.c"] = {"kvstitch.d"}  # c <-> d is a cycle made only by the type-only import
+    assert cycles(graph) == [["kvstitch.d", "kvstitch.sub.c"]]
     graph["kvstitch.sub.c"] = set()
     assert cycles(graph) == []
+
+
+def test_the_checker_sees_upward_imports_and_private_names(tmp_path):
+    pkg = tmp_path / "kvstitch"
+    (pkg / "select").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text("_SECRET = 1\n")
+    (pkg / "select" / "__init__.py").write_text("")
+    (pkg / "select" / "x.py").write_text("def f():\n    from ..engine import _SECRET\n")
+    known = {"kvstitch": pkg / "__init__.py", "kvstitch.engine": pkg / "engine.py",
+             "kvstitch.select": pkg / "select" / "__init__.py", "kvstitch.select.x": pkg / "select" / "x.py"}
+    graph = {n: imports_of(n, p, known) for n, p in known.items()}
+    assert forbidden_edges(graph) == {("kvstitch.select.x", "kvstitch.engine")}  # select must not import engine
+    assert private_imports(known) == {("kvstitch.select.x", "kvstitch.engine", "_SECRET")}
 
 
 # ---- the package ---------------------------------------------------------------------------------------
@@ -247,6 +265,11 @@ def test_no_private_engine_calls_outside_engine():
     assert not bad, f"Engine private members used outside engine.py (module, member): {sorted(bad)}"
 
 
+def test_no_private_names_imported_across_modules():
+    bad = private_imports() - set(ALLOWED_PRIVATE_IMPORTS)
+    assert not bad, f"private names imported from another module (importer, module, name): {sorted(bad)}"
+
+
 def test_allow_lists_are_not_stale():
     """Each allow-list entry names work in progress; once that work lands, the entry must go."""
     graph = import_graph()
@@ -254,4 +277,5 @@ def test_allow_lists_are_not_stale():
     stale = [e for e in [*ALLOWED_CYCLE_EDGES, *ALLOWED_FORBIDDEN] if e not in edges]
     stale += [e for e in ALLOWED_PRIVATE if e not in private_engine_uses()]
     stale += [m for m in ALLOWED_TYPER if m not in typer_importers()]
+    stale += [e for e in ALLOWED_PRIVATE_IMPORTS if e not in private_imports()]
     assert not stale, f"allow-list entries that no longer occur (delete them): {stale}"

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from .report import _method_key, _ratio_key, read_jsonl
+from .report import method_key, ratio_key, read_jsonl
 
 SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")
 IDENTICAL_TOL = 1e-5  # absolute, on the answer NLL and KL: two processes running the same float32 prefill
@@ -75,7 +75,7 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
                 and close(x.get("nll"), y.get("nll")) and close(x.get("kl"), y.get("kl")))
 
     out = []
-    for method, ratio in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+    for method, ratio in sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
         keys = groups[(method, ratio)]
         ra, rb = [a[k] for k in keys], [b[k] for k in keys]
         out.append({

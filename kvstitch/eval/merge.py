@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from .report import _json_default, _norm_ratio, _sample_key, read_jsonl
+from .report import json_default, norm_ratio, sample_key, read_jsonl
 from .runner import RESULTS, combos, row_key
 
 NLL_TOL = 1e-4  # the same row computed twice (another machine, another thread count) may differ this much
@@ -47,7 +47,7 @@ def unfinished_samples(rows: Sequence[dict], meta: dict) -> int:
     want = set(combos(cfg["methods"], cfg.get("ratios") or [], cfg.get("auto_methods") or []))
     got: dict[tuple, set] = defaultdict(set)
     for r in rows:
-        got[_sample_key(r)].add((r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio"))))
+        got[sample_key(r)].add((r.get("method"), norm_ratio(str(r.get("method")), r.get("ratio"))))
     return sum(1 for have in got.values() if not want <= have)
 
 
@@ -95,7 +95,7 @@ def write_run(rows: Sequence[dict], meta: dict, out: Path) -> Path:
     """results.jsonl and run.json into `out`, each written whole to a temporary file and renamed, so a
     failure leaves the old files (and `out` may be one of the merged runs)."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in ((RESULTS, "".join(json.dumps(r, default=_json_default, ensure_ascii=False) + "\n"
+    for name, text in ((RESULTS, "".join(json.dumps(r, default=json_default, ensure_ascii=False) + "\n"
                                          for r in rows)),
                        ("run.json", json.dumps(meta, indent=2, default=str) + "\n")):
         tmp = out / f".{name}.tmp"

@@ -13,14 +13,11 @@ import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .runner import EvalConfig
+from typing import Any
 
 REFERENCE_METHODS = ("full", "naive")
 REFERENCES = REFERENCE_METHODS  # always run, once per sample (they have no ratio)
-_ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
+ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
 _METHOD_ORDER = ("full", "naive", "random", "epic", "cacheblend", "kvshare", "a3", "prophet", "infoflow",
                  "cacheclip", "oracle", "oracle_ideal")
 
@@ -52,11 +49,11 @@ def _median(values: Iterable[Any]) -> float:
     return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
-def _method_key(method: str) -> tuple[int, str]:
+def method_key(method: str) -> tuple[int, str]:
     return (_METHOD_ORDER.index(method) if method in _METHOD_ORDER else len(_METHOD_ORDER), method)
 
 
-def _ratio_key(ratio: Any) -> float:
+def ratio_key(ratio: Any) -> float:
     if ratio == "auto":
         return 2.0  # after every fixed ratio
     x = _num(ratio)
@@ -215,7 +212,7 @@ def summary_table(rows: Sequence[dict]) -> str:
                      f"{fmt_ci(pct(c['score'], ref) / 100, pct_ci, 1, 100)} | {fmt_ci(c['kl'], ci('kl'), 4)} | "
                      f"{fmt_ci(c['rec'], ci('nll_recovery'), 2)} | {_fmt(c['ttft'], 3)} |")
 
-    order = sorted(cells, key=lambda k: (str(k[0]), _method_key(str(k[1])), _ratio_key(k[2])))
+    order = sorted(cells, key=lambda k: (str(k[0]), method_key(str(k[1])), ratio_key(k[2])))
     for task, method, ratio in order:
         c = cells[(task, method, ratio)]
         emit(str(task), str(method), ratio, c, full_score.get(task), [c])
@@ -224,7 +221,7 @@ def summary_table(rows: Sequence[dict]) -> str:
     for task, method, ratio in cells:
         by_combo[(method, ratio)].append(task)
     if len({k[0] for k in cells}) > 1:
-        for method, ratio in sorted(by_combo, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+        for method, ratio in sorted(by_combo, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
             tasks = by_combo[(method, ratio)]
             per = [cells[(t, method, ratio)] for t in tasks]
             avg = {"n": sum(c["n"] for c in per), **{f: _mean(c[f] for c in per) for f in ("score", "kl", "rec")},
@@ -271,7 +268,7 @@ def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Pat
     handles: dict[str, Any] = {}
     for ax, task in zip(axes, tasks):
         by_method = _group((r for r in rows if str(r["task"]) == task), "method")
-        for (method,) in sorted(by_method, key=lambda k: _method_key(str(k[0]))):
+        for (method,) in sorted(by_method, key=lambda k: method_key(str(k[0]))):
             method = str(method)
             color = colors.setdefault(method, "black" if method == "full" else "gray" if method == "naive"
                                       else palette[len([m for m in colors if m not in REFERENCE_METHODS]) % 10])
@@ -280,7 +277,7 @@ def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Pat
                 h = ax.axhline(100 * _mean(r["score"] for r in g), color=color, linestyle="--", linewidth=1.2,
                                label=method)
             else:
-                pts = sorted((_ratio_key(k[0]), 100 * _mean(r["score"] for r in gg))
+                pts = sorted((ratio_key(k[0]), 100 * _mean(r["score"] for r in gg))
                              for k, gg in _group(g, "ratio").items() if _num(k[0]) is not None)
                 if not pts:
                     continue
@@ -293,7 +290,7 @@ def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Pat
         ax.grid(alpha=0.3)
     for ax in axes[len(tasks):]:
         ax.set_visible(False)
-    names = sorted(handles, key=_method_key)
+    names = sorted(handles, key=method_key)
     fig.legend([handles[m] for m in names], names, loc="outside right upper")
     return _save(fig, path)
 
@@ -309,7 +306,7 @@ def plot_niah_heatmap(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequ
         raise ValueError("no rows with task, depth, length and score to plot")
     depths = sorted({round(float(r["depth"]), 3) for r in keep})
     lengths = sorted({int(r["length"]) for r in keep})
-    panels = sorted(_group(keep, "method", "ratio"), key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1])))
+    panels = sorted(_group(keep, "method", "ratio"), key=lambda k: (method_key(str(k[0])), ratio_key(k[1])))
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig = _figure(1.0 + 0.9 * len(lengths) * ncols + 1.0, 0.9 + 0.45 * len(depths) * nrows + 0.4)
@@ -342,7 +339,7 @@ def plot_niah_heatmap(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequ
 # JSON lines (resumable runs)
 # ---------------------------------------------------------------------------------------------------
 
-def _json_default(o: Any) -> Any:
+def json_default(o: Any) -> Any:
     if hasattr(o, "item"):  # numpy / torch scalars
         return o.item()
     if hasattr(o, "tolist"):
@@ -381,7 +378,7 @@ def append_jsonl(path: str | os.PathLike, row: dict) -> None:
     """Append one row as a JSON line (flushed), first dropping a truncated last line if one is there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(row, default=_json_default, ensure_ascii=False) + "\n"
+    line = json.dumps(row, default=json_default, ensure_ascii=False) + "\n"
     if path.exists():
         _drop_partial_tail(path)
     with open(path, "a", encoding="utf-8") as f:
@@ -415,7 +412,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 # Row keys (moved from eval/runner.py)
 # ---------------------------------------------------------------------------------------------------
 
-def _norm_ratio(method: str, ratio: float | str | None) -> float | str | None:
+def norm_ratio(method: str, ratio: float | str | None) -> float | str | None:
     if method in REFERENCES or ratio is None:
         return None
     return "auto" if ratio == "auto" else round(float(ratio), 6)
@@ -429,12 +426,12 @@ def _f(x: float, d: int = 3) -> str:
     return "–" if x is None or math.isnan(x) else f"{x:.{d}f}"
 
 
-def _sample_key(r: dict) -> tuple:
-    return tuple(r.get(k) for k in _ROW_KEY[:5])
+def sample_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in ROW_KEY[:5])
 
 
 def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:
-    return {_sample_key(r): float(r["nll"]) for r in rows if r.get("method") == "naive" and r.get("nll") is not None}
+    return {sample_key(r): float(r["nll"]) for r in rows if r.get("method") == "naive" and r.get("nll") is not None}
 
 
 def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> float:
@@ -442,7 +439,7 @@ def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> floa
     naive NLL from its `naive` row. Robust where the per-sample ratio explodes (a tiny naive-full gap)."""
     num = den = 0.0
     for r in rows:
-        nv = naive_nll.get(_sample_key(r))
+        nv = naive_nll.get(sample_key(r))
         if nv is None or r.get("nll") is None or r.get("nll_full") is None:
             continue
         num += nv - float(r["nll"])
@@ -454,7 +451,7 @@ def pooled_recovery_ci(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> t
     """95% bootstrap interval of `pooled_recovery` (samples resampled with their naive and full NLLs)."""
     num, den = [], []
     for r in rows:
-        nv = naive_nll.get(_sample_key(r))
+        nv = naive_nll.get(sample_key(r))
         if nv is None or r.get("nll") is None or r.get("nll_full") is None:
             continue
         num.append(nv - float(r["nll"]))
@@ -468,7 +465,7 @@ def fidelity_table(rows: Sequence[dict]) -> str:
     answers read off the teacher-forced pass."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+        groups[(r.get("method"), norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
     naive_nll = naive_nll_by_sample(rows)
     lines = ["| method | ratio | n | KL first | KL answer | NLL (nats/tok) | NLL rec. (mean) | NLL rec. (pooled) | "
              "overlap w/ oracle | TTFT med. (s) | load | assemble | select | recompute |",
@@ -477,7 +474,7 @@ def fidelity_table(rows: Sequence[dict]) -> str:
     def ci(g, field, digits):  # mean [95% CI]
         return fmt_ci(_mean(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
 
-    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+    for key in sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
         g = groups[key]
         m, r = key
         lines.append(f"| {m} | {'–' if r is None else _ratio_cell(r)} | {len(g)} | {ci(g, 'kl_first', 4)} | "
@@ -532,7 +529,7 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
     styles: dict[str, tuple] = {}
     handles: dict[str, Any] = {}
     naive_nll = naive_nll_by_sample(rows)
-    for method in sorted({str(r["method"]) for r in rows}, key=_method_key):
+    for method in sorted({str(r["method"]) for r in rows}, key=method_key):
         k = len([m for m in styles if m not in REFERENCES])
         styles[method] = (("black" if method == "full" else "gray", None) if method in REFERENCES
                           else (palette[k % 20], "osD^v<>ph*"[k % 10]))
@@ -548,7 +545,7 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
             def agg(rs, f=field_, scale=scale):
                 return pooled_recovery(rs, naive_nll) if f == "nll_recovery" else scale * _mean(r.get(f) for r in rs)
 
-            for method in sorted(by_method, key=_method_key):
+            for method in sorted(by_method, key=method_key):
                 g = by_method[method]
                 color, marker = styles[method]
                 if method in REFERENCES:
@@ -576,7 +573,7 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
             if ylim:
                 ax.set_ylim(*ylim)
             ax.grid(alpha=0.3)
-    names = sorted(handles, key=_method_key)
+    names = sorted(handles, key=method_key)
     fig.legend([handles[m] for m in names], names, loc="outside right upper")
     return _save(fig, path)
 
@@ -619,13 +616,13 @@ def agreement_table(rows: Sequence[dict]) -> str:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r.get("agree_words") is not None:
-            groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+            groups[(r.get("method"), norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
     lines = ["| method | ratio | n | agrees with full (12 words) | first token | score (% full) | "
              "NLL rec. (pooled) | ratio used | recompute cost | TTFT speed-up vs full | fell back to full |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     full_score = {(r["task"], r["index"]): r.get("score") for r in rows if r.get("method") == "full"}
     naive_nll = naive_nll_by_sample(rows)
-    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+    for key in sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
         g = groups[key]
         m, ratio = key
         agree = [float(bool(x["agree_words"])) for x in g]
@@ -651,18 +648,18 @@ def kept_table(rows: Sequence[dict]) -> str:
     the share of those the method still answers correctly, the task score (QA F1 for real QA), exact match
     where measured, and the TTFT speed-up. Correct = a gold answer in the answer's first line (real QA),
     score 1 (RULER)."""
-    full = {_sample_key(r): r for r in rows if r.get("method") == "full"}
+    full = {sample_key(r): r for r in rows if r.get("method") == "full"}
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        if r.get("agree_words") is not None and r.get("correct") is not None and _sample_key(r) in full:
-            groups[(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+        if r.get("agree_words") is not None and r.get("correct") is not None and sample_key(r) in full:
+            groups[(r.get("method"), norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
     lines = ["| method | ratio | n | agrees with full (all) | full right | correct answers kept | still right | "
              "score x100 | exact match | TTFT speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for key in sorted(groups, key=lambda k: (_method_key(str(k[0])), _ratio_key(k[1]))):
+    for key in sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
         g = groups[key]
         m, ratio = key
         agree = [float(bool(x["agree_words"])) for x in g]
-        right = [x for x in g if full[_sample_key(x)].get("correct")]
+        right = [x for x in g if full[sample_key(x)].get("correct")]
         kept = [float(bool(x["agree_words"])) for x in right]
         still = [float(bool(x["correct"])) for x in right]
         em = [x.get("em") for x in g if x.get("em") is not None]
@@ -689,7 +686,7 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     pts: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r.get("agree_words") is not None and r.get("method") not in REFERENCES:
-            pts[(str(r["method"]), _norm_ratio(str(r["method"]), r.get("ratio")))].append(r)
+            pts[(str(r["method"]), norm_ratio(str(r["method"]), r.get("ratio")))].append(r)
     if not pts:
         raise ValueError("no rows with an agreement to plot")
     fig = _figure(6.4, 4.4)
@@ -700,7 +697,7 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
         return (_ratio_of_means([x.get("ttft_full_s") for x in g], [x.get("ttft_s") for x in g]),
                 _mean(float(bool(x["agree_words"])) for x in g))
 
-    for k, method in enumerate(sorted({m for m, _ in pts}, key=_method_key)):
+    for k, method in enumerate(sorted({m for m, _ in pts}, key=method_key)):
         color = palette[k % len(palette)]
         fixed = sorted((r, xy(g)) for (m, r), g in pts.items() if m == method and r != "auto")
         if fixed:
@@ -719,7 +716,7 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     return _save(fig, path)
 
 
-def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig | None = None) -> dict[str, Path]:
+def write_reports(rows: Sequence[dict], out: str | os.PathLike, depth_bins: int = 5) -> dict[str, Path]:
     """summary.md + accuracy_vs_ratio_<L>.png per length + niah_heatmap.png (when NIAH rows with depths
     exist). -> written paths by name."""
     out = Path(out)
@@ -747,7 +744,7 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, cfg: EvalConfig 
     parts += ["## Full prefill itself (score x100)", "", full_prefill_table(rows), ""]
     niah = [r for r in rows if str(r.get("task", "")).startswith("niah") and r.get("depth") is not None]
     if niah:
-        written["heatmap"] = plot_niah_heatmap(_binned(niah, cfg.depth_bins if cfg else 5), out / "niah_heatmap.png")
+        written["heatmap"] = plot_niah_heatmap(_binned(niah, depth_bins), out / "niah_heatmap.png")
     path = out / "summary.md"
     path.write_text("\n".join(parts))
     written["summary"] = path

@@ -42,7 +42,7 @@ from ..budget import AUTO
 from ..errors import EvalError, InputError
 from .agreement import first_token_agree, first_words_agree
 from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
-from .report import REFERENCES, _ROW_KEY, _norm_ratio, _sample_key, append_jsonl, read_jsonl, write_reports
+from .report import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl, write_reports
 from .scoring import answer_correct, exact_match, qa_f1, scorer_for
 from .haystack import resolve_haystack
 from .selection import oracle_sets, select_tokens, to_original_order
@@ -110,7 +110,7 @@ def ordered_methods(methods: Sequence[str]) -> list[str]:
 
 
 def row_key(row: dict) -> tuple:
-    return tuple(_norm_ratio(row.get("method", ""), row.get(k)) if k == "ratio" else row.get(k) for k in _ROW_KEY)
+    return tuple(norm_ratio(row.get("method", ""), row.get(k)) if k == "ratio" else row.get(k) for k in ROW_KEY)
 
 
 def combos(methods: Sequence[str], ratios: Sequence[float],
@@ -124,7 +124,7 @@ def combos(methods: Sequence[str], ratios: Sequence[float],
         rs = list(ratios) if m in methods else []
         if m in auto_methods and AUTO not in rs:
             rs.append(AUTO)
-        out.extend((m, _norm_ratio(m, r)) for r in sorted(rs, key=lambda r: (r == AUTO, 0 if r == AUTO else r)))
+        out.extend((m, norm_ratio(m, r)) for r in sorted(rs, key=lambda r: (r == AUTO, 0 if r == AUTO else r)))
     return out
 
 
@@ -539,7 +539,7 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     have = {row_key(r) for r in rows}
     by_sample: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     for r in rows:
-        by_sample[_sample_key(r)][(r.get("method"), _norm_ratio(str(r.get("method")), r.get("ratio")))] = r
+        by_sample[sample_key(r)][(r.get("method"), norm_ratio(str(r.get("method")), r.get("ratio")))] = r
 
     todo_combos = combos(cfg.methods, cfg.ratios, cfg.auto_methods)
     count = _token_counter(engine)
@@ -589,7 +589,7 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
                     f.write(msg + "\n" + traceback.format_exc() + "\n")
                 done_now = len([r for r in rows if row_key(r)[:5] == key]) - len(by_sample.get(key, {}))
                 bar.advance(pid, max(0, len(todo) - done_now))
-    write_reports(rows, out, cfg)
+    write_reports(rows, out, cfg.depth_bins)
     _write_meta(out, cfg, model_desc, command, rows_before=None, rows_after=len(rows), errors=errors)
     if plan and len(errors) == len(plan):
         raise EvalError(f"every sample of this run failed ({len(errors)} of {len(plan)}; first: {errors[0]}); "

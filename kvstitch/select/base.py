@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from ..attention import ForwardPlan
     from ..cache import StitchCache
     from ..chunk import ChunkKV
-    from ..engine import Engine
     from ..prompt import PromptLayout
 
 SELECTORS: dict[str, type["Selector"]] = {}
@@ -103,13 +102,33 @@ class FreshPass:
         return self.fresh_values[:, :n].float() - self.stitched_values.float()
 
 
+class EngineView(Protocol):
+    """The engine as a selector's context reaches it (`kvstitch.Engine` is one). Typed against this, not the
+    engine, so selection methods stay below the engine that imports them."""
+
+    adapter: Any
+    tokenizer: Any
+    builder: Any
+    device: torch.device
+    inv_freq: torch.Tensor
+
+    def forward(self, cache, ids: torch.Tensor, slots: torch.Tensor, plan=None, logits_to_keep: int = 1,
+                write: bool = True): ...
+
+    def stitch(self, layout, chunks, extra: int = 0): ...
+
+    def prefix_kv(self, prefix_ids: torch.Tensor): ...
+
+    def chunk_kvs(self, layout, stats: dict | None = None): ...
+
+
 @dataclass
 class SelectionContext:
     """What a selector sees: the request (layout, naively stitched cache, budget), the model's shapes and
     the operations scoring needs. ``engine`` is the seam's other side: selectors use the methods here,
     never the engine itself."""
 
-    engine: "Engine"
+    engine: EngineView
     cache: "StitchCache"  # the naively stitched cache (prefix + re-rotated chunks; suffix slots empty)
     layout: "PromptLayout"
     budget: int
@@ -306,7 +325,7 @@ class Selector:
         """True when `decode_plan` changes decode attention (then a sparse decoder cannot take over)."""
         return type(self).decode_plan is not Selector.decode_plan
 
-    def decode_plan(self, engine: "Engine", cache: "StitchCache", layout: "PromptLayout",
+    def decode_plan(self, engine: EngineView, cache: "StitchCache", layout: "PromptLayout",
                     stats: dict) -> "ForwardPlan | None":
         """Plan for the decode steps after the first token (APE's attention, A3's eviction); None = plain."""
         return None
