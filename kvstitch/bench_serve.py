@@ -114,8 +114,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def _batch_means(metrics, before: dict | None = None) -> dict:
     """{histogram: (sum, count)} of the server's batch-size histograms; with ``before``: the mean over the interval."""
-    now = {k: (metrics.hists[k].sum, metrics.hists[k].count)
-           for k in ("kvstitch_recompute_batch_size", "kvstitch_batch_size") if k in metrics.hists}
+    now = {k: metrics.hist_totals(k) for k in ("kvstitch_recompute_batch_size", "kvstitch_batch_size")}
     if before is None:
         return now
     means = {}

@@ -93,38 +93,9 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-class _Histogram:
-    def __init__(self, buckets):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        self.sum += v
-        self.count += 1
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-
-
-def _labels(labels: dict) -> str:
-    if not labels:
-        return ""
-    esc = (lambda v: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"'))
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items())) + "}"
-
-
-def _num(v: float) -> str:
-    if isinstance(v, float):
-        if math.isinf(v):
-            return "+Inf" if v > 0 else "-Inf"
-        return repr(v)
-    return str(v)
-
-
 class Metrics:
-    """Counters, gauges and histograms, thread-safe; `render()` gives the Prometheus text format."""
+    """The server's counters, gauges and histograms on `prometheus_client` (thread-safe), in a registry of
+    their own; `render()` gives the Prometheus text format."""
 
     HELP = {
         "kvstitch_http_requests_total": ("counter", "HTTP requests by path and status code"),
@@ -165,53 +136,76 @@ class Metrics:
         "kvstitch_store_outages_total": ("counter", "times the chunk store became unreachable"),
     }
 
+    # counters with labels: their label names (every other counter has none)
+    LABELS = {"kvstitch_http_requests_total": ("code", "path"), "kvstitch_chat_requests_total": ("outcome",),
+              "kvstitch_chat_method_total": ("method",), "kvstitch_auto_requests_total": ("outcome",)}
+    BUCKETS = {"kvstitch_ttft_seconds": TTFT_BUCKETS, "kvstitch_queue_wait_seconds": WAIT_BUCKETS,
+               "kvstitch_request_duration_seconds": TTFT_BUCKETS + (60.0, 120.0),
+               "kvstitch_recompute_ratio": RATIO_BUCKETS, "kvstitch_batch_size": BATCH_BUCKETS,
+               "kvstitch_recompute_batch_size": BATCH_BUCKETS}
+
+    # counters whose value is read from the store at each scrape (set in `gauges` as callables)
+    READ_COUNTERS = ("kvstitch_store_degraded_ops_total", "kvstitch_store_outages_total")
+
     def __init__(self):
-        self._lock = threading.Lock()
-        self.counters: dict[tuple[str, tuple], float] = {}
-        self.gauges: dict[str, Any] = {}  # name -> callable or value
-        self.hists = {"kvstitch_ttft_seconds": _Histogram(TTFT_BUCKETS),
-                      "kvstitch_queue_wait_seconds": _Histogram(WAIT_BUCKETS),
-                      "kvstitch_request_duration_seconds": _Histogram(TTFT_BUCKETS + (60.0, 120.0)),
-                      "kvstitch_recompute_ratio": _Histogram(RATIO_BUCKETS),
-                      "kvstitch_batch_size": _Histogram(BATCH_BUCKETS),
-                      "kvstitch_recompute_batch_size": _Histogram(BATCH_BUCKETS)}
+        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+
+        disable_created_metrics()  # no *_created series: /metrics keeps the series it always had
+        self.registry = CollectorRegistry(auto_describe=False)  # one per server: tests run several
+        self.gauges: dict[str, Any] = {}  # name -> callable or value, read at each scrape (`_GaugeCollector`)
+        self.registry.register(_GaugeCollector(self))
+        self._counters = {name: Counter(name, help_, self.LABELS.get(name, ()), registry=self.registry)
+                          for name, (typ, help_) in self.HELP.items() if typ == "counter" and name not in self.READ_COUNTERS}
+        self.hists = {name: Histogram(name, self.HELP[name][1], buckets=b, registry=self.registry)
+                      for name, b in self.BUCKETS.items()}
+
+    def _counter(self, name: str, labels: dict):
+        if name not in self._counters:
+            from prometheus_client import Counter
+
+            self._counters[name] = Counter(name, name, tuple(sorted(labels)), registry=self.registry)
+        c = self._counters[name]
+        return c.labels(**{k: str(v) for k, v in labels.items()}) if labels else c
 
     def inc(self, name: str, value: float = 1, **labels) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self.counters[key] = self.counters.get(key, 0) + value
+        self._counter(name, labels).inc(value)
 
     def observe(self, name: str, value: float) -> None:
-        with self._lock:
-            self.hists[name].observe(value)
+        self.hists[name].observe(value)
+
+    def hist_totals(self, name: str) -> tuple[float, float]:
+        """(sum, count) of a histogram's observations."""
+        reg = self.registry
+        return (reg.get_sample_value(f"{name}_sum") or 0.0, reg.get_sample_value(f"{name}_count") or 0.0)
 
     def get(self, name: str, **labels) -> float:
-        with self._lock:
-            return self.counters.get((name, tuple(sorted(labels.items()))), 0)
+        return self.registry.get_sample_value(name, {k: str(v) for k, v in labels.items()}) or 0
 
     def render(self) -> str:
-        lines: list[str] = []
-        with self._lock:
-            counters = dict(self.counters)
-            hists = {k: (h.buckets, list(h.counts), h.sum, h.count) for k, h in self.hists.items()}
-        gauges = {k: (v() if callable(v) else v) for k, v in self.gauges.items()}
-        names = sorted({k[0] for k in counters} | set(gauges) | set(hists)
-                       | {n for n, (t, _) in self.HELP.items() if t == "counter"})
-        for name in names:
-            typ, help_ = self.HELP.get(name, ("gauge" if name in gauges else "counter", name))
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}"]
-            if name in hists:
-                buckets, counts, s, c = hists[name]
-                for b, n in zip(buckets, counts):
-                    lines.append(f'{name}_bucket{{le="{_num(float(b))}"}} {n}')
-                lines += [f'{name}_bucket{{le="+Inf"}} {c}', f"{name}_sum {_num(float(s))}", f"{name}_count {c}"]
-            elif name in gauges:
-                lines.append(f"{name} {_num(gauges[name])}")
+        """The Prometheus text format (`prometheus_client.generate_latest`)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+
+class _GaugeCollector:
+    """The server's gauges: values or callables in `Metrics.gauges`, read when /metrics is scraped."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        for name, v in sorted(self.metrics.gauges.items()):
+            value = v() if callable(v) else v
+            help_ = Metrics.HELP.get(name, ("gauge", name))[1]
+            if name in Metrics.READ_COUNTERS:
+                from prometheus_client.core import CounterMetricFamily
+
+                yield CounterMetricFamily(name[:-len("_total")], help_, value=float(value))
             else:
-                series = [(lab, v) for (n, lab), v in counters.items() if n == name] or [((), 0)]
-                for lab, v in sorted(series):
-                    lines.append(f"{name}{_labels(dict(lab))} {_num(v)}")
-        return "\n".join(lines) + "\n"
+                yield GaugeMetricFamily(name, help_, value=float(value))
 
 
 # ---- the engine worker -----------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def test_worker_packs_admitted_jobs_and_survives_a_cancel(smollm_tokenizer):
         res = [v for k, v in evs if k == "result"][0]
         assert res.token_ids == refs[i].token_ids and [v for k, v in evs if k == "token"] == refs[i].token_ids, i
     assert metrics.get("kvstitch_cancelled_total") == 1
-    assert metrics.hists["kvstitch_recompute_batch_size"].sum == len(reqs) - 1
+    assert metrics.hist_totals("kvstitch_recompute_batch_size")[0] == len(reqs) - 1
     assert metrics.get("kvstitch_recompute_passes_total") == 1
 
 
