@@ -120,12 +120,26 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
                                                           "prefill; returns full prefill's answer if they differ)"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
         max_new_tokens: int = typer.Option(32, help="answer length cap"),
-        model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
+        model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt,
+        config: Optional[Path] = typer.Option(None, "--config", help="a TOML config (`kvstitch calibrate` writes "
+                                              "one): its method, ratio, auto and model unless given here")) -> None:
     """Answer QUESTION over passage files (--chunk) or the top-k chunks of an indexed collection (--collection).
     With --system or --messages the prompt is a conversation in the model's chat template (passages after the
     system prompt); without passages it is then a plain chat (full prefill)."""
     from .errors import InputError
 
+    auto = None
+    if config is not None:  # the file's settings, under the flags given on the command line
+        import click
+
+        from .server_config import read_answer_settings
+
+        settings, ctx = read_answer_settings(config), click.get_current_context()
+        given = {n for n in ("method", "ratio", "model") if ctx.get_parameter_source(n).name != "DEFAULT"}
+        method = settings["method"] if "method" in settings and "method" not in given else method
+        ratio = str(settings["ratio"]) if "ratio" in settings and "ratio" not in given else ratio
+        model = settings["model"] if "model" in settings and "model" not in given else model
+        auto = settings.get("auto")
     messages = None
     if system is not None or messages_file is not None:
         from .prompt import last_user_text
@@ -171,7 +185,8 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
     eng = _load(model, store)
     runs = [(method, ratio)] + ([(compare, ratio)] if compare else [])
     results = [eng.generate(question if messages is None else None, texts, method=m, recompute_ratio=r,
-                            max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None)
+                            max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None,
+                            auto=auto)
                for m, r in runs]
     for (m, _), res in zip(runs, results):
         console.print(f"[bold]{m}[/] ({_budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): {res.text}",
@@ -518,6 +533,9 @@ def _mount_optional() -> None:
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
     app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))
+    from .calibrate_cli import calibrate_command
+
+    app.command("calibrate")(friendly_errors(calibrate_command))
     from .store.cli import store_app  # part of the package: a failing import is a bug to see, not to hide
 
     app.add_typer(store_app, name="store", help="Inspect, verify and garbage-collect a chunk store.")

@@ -108,6 +108,7 @@ class Engine:
         self.precompute_mode = check_precompute(precompute)
         self.cold_path, self.cold_threshold = check_cold_path(cold_path, cold_threshold)
         self.deferred = DeferredPrecompute()
+        self.default_auto: AutoBudget | dict | None = None  # options of ratio "auto" for requests that give none
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter_for(model)
@@ -538,7 +539,8 @@ class Engine:
             return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
         if ratio == AUTO:
             t0 = time.perf_counter()
-            got = adaptive_prefill(self, layout, selector, AutoBudget.of(auto), max_new_tokens, stats,
+            got = adaptive_prefill(self, layout, selector, AutoBudget.of(self.default_auto if auto is None else auto),
+                                   max_new_tokens, stats,
                                    selector.recompute_plan)
             if got is None:  # no round converged below the ceiling: full prefill answers
                 t1 = time.perf_counter()

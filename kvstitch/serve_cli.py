@@ -65,6 +65,9 @@ def serve_command(
                                         help="chunk store: a directory, redis://host:port/db, or none (memory)"),
     method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
     ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
+    auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "
+                                                            "'{\"schedule\": [0.05, 0.1]}' (a config's [auto] table; "
+                                                            "per-request: 'auto')"),
     guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
                                                                "prefill (disagreements in /metrics)"),
     decode: str = typer.Option("full", "--decode", help="default decode policy (per-request: 'decode')"),
@@ -113,6 +116,7 @@ def serve_command(
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     ratio = parse_ratio(ratio)
+    auto_options = parse_auto_option(auto)
     from .server_security import api_keys_from, check_bind
     from .store.cli import parse_size
 
@@ -128,6 +132,7 @@ def serve_command(
         store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
         eng = Engine.load(model, store=store_obj, cold_path=cold_path)
+    eng.default_auto = auto_options
     if eng.store.compute_dtype is None:
         eng.store.compute_dtype = eng.dtype
     root = collections_root(store if store is not None else eng.store, collections_dir)
@@ -140,6 +145,20 @@ def serve_command(
                   f"{'API key required' if security.api_keys else 'no API key'}"
                   f"{', CORS ' + ','.join(security.cors_origins) if security.cors_origins else ''})", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def parse_auto_option(text: str | None):
+    """``--auto`` (JSON options of ratio "auto") -> `AutoBudget`, None when not given; bad options: InputError."""
+    if not text:
+        return None
+    import json
+
+    from .budget import AutoBudget
+
+    try:
+        return AutoBudget.of(json.loads(text))
+    except ValueError as e:
+        raise InputError(f"--auto: {e}") from None
 
 
 def _model_id(model: str | None) -> str:

@@ -1,0 +1,190 @@
+"""`deltaprop`: kvstitch's own method. A query-driven selection (ProphetKV's by default) recomputes its
+budget, and the *correction* that recompute measured is propagated to the tokens it left stale.
+
+Why: at 20% the attention oracles recover only 0.70-0.76 of the NLL gap (docs/results/eval-13): choosing
+*which* tokens to recompute is at its ceiling, and the limit is the 80% of K/V computed without
+cross-chunk attention. Their error is not independent noise. Every token of chunk j missed the same thing
+in precompute, attention to chunks 0..j-1, and in each layer that missing context moves its value (and
+pre-RoPE key) vector along a direction shared by the chunk. The recompute pass measures that shift exactly,
+on the tokens it recomputes: at layer l, token s in S gets fresh K/V, and Δ_s = fresh_s - stitched_s. So
+before layer l's attention runs, every stale token t of a chunk gets
+
+    V_t <- V_t + α_v · Δ̄V_c(t)          K_t <- R(p_t) (R(-p_t) K_t + α_k · Δ̄K_c(t))
+
+with Δ̄ the mean of its chunk's measured shifts (``tau`` > 0: weighted by exp(-|t - s| / tau), the shifts of
+nearby recomputed tokens counting more), keys un-rotated to pre-RoPE space for the mean and rotated back
+to each token's own position. The queries of the same pass (the recomputed tokens and the suffix) then
+attend to corrected K/V in every layer, and decoding reads them too.
+
+Cost: no extra forward. Per layer, a scatter of the shifts over the stale tokens: O(n_context · d) beside
+the pass's O(|S| · d_model²) projections and MLPs. The chunk's first chunk (already exact in shared-prefix
+precompute) measures a zero shift and is left as it is.
+
+Properties the tests check: a stale token whose chunk-mates' K/V are shifted by a common vector is
+corrected exactly (the mechanism), 100% recompute leaves nothing stale (= full prefill), 0% = naive.
+
+Implementation: ``prepare`` wraps the stitched cache in a `DeltaCache` (a `StitchCache` over the same
+buffers) that keeps the stitched context K/V and applies the correction in ``update`` whenever a pass
+writes context slots. Corrections are applied to the stitched values (not on top of earlier ones), so
+``recompute_ratio="auto"``'s rounds each start from the stitched cache like a fixed-ratio pass. Packed
+recompute passes (the batching server) route through the same ``update``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..cache import StitchCache
+from ..errors import BadMethodOption, UnknownMethod
+from ..rope import rerotate
+from .base import SelectionContext, Selector, make_selector, register, top_k_indices
+
+
+class DeltaCache(StitchCache):
+    """A `StitchCache` sharing ``cache``'s buffers; a pass that writes context slots S also moves the stale
+    context tokens by their chunk's measured shift (module doc)."""
+
+    def __init__(self, cache: StitchCache, layout, inv_freq: torch.Tensor, alpha_v: float, alpha_k: float,
+                 tau: float, skip_first: int):
+        super().__init__(cache.layers)
+        self.slots, self.write, self.capture, self.captured, self.decoder = (
+            cache.slots, cache.write, cache.capture, cache.captured, cache.decoder)
+        self.c0, self.c1 = layout.context_start, layout.context_end
+        self.chunk = layout.chunk_index().to(self.layers[0].keys.device)  # [n_context]
+        starts = torch.tensor(layout.chunk_starts, device=self.chunk.device) - self.c0
+        self.offset = torch.arange(self.c1 - self.c0, device=self.chunk.device) - starts[self.chunk]  # in-chunk pos
+        self.n_chunks = len(layout.chunk_ids)
+        self.inv_freq = inv_freq
+        self.alpha_v, self.alpha_k, self.tau, self.skip_first = alpha_v, alpha_k, tau, skip_first
+        # the stitched context K/V: each correcting pass starts from them (idempotent across auto's rounds)
+        self.stitched = [(l.keys[0, :, self.c0:self.c1].clone(), l.values[0, :, self.c0:self.c1].clone())
+                         for l in self.layers]
+        self.estimate_from: torch.Tensor | None = None  # bool [n_context]: tokens whose shifts are measured
+        self.corrected_layers = 0  # layers corrected by the last correcting pass (tests, stats)
+        # context tokens some pass recomputed: never corrected again (auto's incremental rounds keep them fresh;
+        # refresh rounds recompute them again anyway)
+        self.fresh = torch.zeros(self.c1 - self.c0, dtype=torch.bool, device=self.chunk.device)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        slots = self.slots
+        if slots is None or not self.write or self.decoder is not None:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        ctx = (slots >= self.c0) & (slots < self.c1)
+        if not bool(ctx.any()):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        sel = (slots[ctx] - self.c0).to(self.chunk.device)  # context indices recomputed by this pass
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self._correct(layer_idx, sel, key_states[0][:, ctx], value_states[0][:, ctx])
+        self.corrected_layers = layer_idx + 1
+        if layer_idx == len(self.layers) - 1:
+            self.fresh[sel] = True
+        return out
+
+    @torch.no_grad()
+    def _correct(self, li: int, sel: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
+        n = self.c1 - self.c0
+        stale = ~self.fresh.clone()
+        stale[sel] = False
+        tgt = stale.nonzero().flatten()
+        if tgt.numel() == 0:
+            return
+        sk, sv = self.stitched[li]
+        layer = self.layers[li]
+        use = self.offset[sel] >= self.skip_first  # the measured shifts that enter the estimate
+        if self.estimate_from is not None:
+            use &= self.estimate_from[sel]
+        src = sel[use]
+        dv = fresh_v[:, use].float() - sv[:, src].float()  # [H, m, d]
+        new_v = sv[:, tgt].float()
+        if self.alpha_v:
+            new_v = new_v + self.alpha_v * self._spread(dv, src, tgt)
+        layer.values[0, :, self.c0 + tgt] = new_v.to(layer.values.dtype)
+        new_k = sk[:, tgt]
+        if self.alpha_k:
+            slots = (src + self.c0).to(torch.float64)
+            dk = rerotate(fresh_k[:, use].float() - sk[:, src].float(), -slots, self.inv_freq[li])  # pre-RoPE
+            shift = self._spread(dk, src, tgt)
+            new_k = new_k.float() + self.alpha_k * rerotate(shift, (tgt + self.c0).to(torch.float64), self.inv_freq[li])
+        layer.keys[0, :, self.c0 + tgt] = new_k.to(layer.keys.dtype)
+
+    def _spread(self, delta: torch.Tensor, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Shifts measured at ``src`` [H, m, d] -> estimated shifts at ``tgt`` [H, t, d]: the mean over the
+        target's chunk (``tau`` 0), or weighted by exp(-distance / tau) within it."""
+        H, m, d = delta.shape
+        out = torch.zeros(H, tgt.numel(), d, dtype=delta.dtype, device=delta.device)
+        if m == 0:
+            return out
+        cs, ct = self.chunk[src], self.chunk[tgt]
+        if not self.tau:
+            total = torch.zeros(self.n_chunks, H, d, dtype=delta.dtype, device=delta.device)
+            total.index_add_(0, cs, delta.permute(1, 0, 2))
+            count = torch.zeros(self.n_chunks, dtype=delta.dtype, device=delta.device)
+            count.index_add_(0, cs, torch.ones(m, dtype=delta.dtype, device=delta.device))
+            mean = total / count.clamp(min=1)[:, None, None]
+            return mean[ct].permute(1, 0, 2)
+        w = torch.exp(-(tgt[:, None] - src[None, :]).abs().to(delta.dtype) / self.tau) * (ct[:, None] == cs[None, :])
+        w = w / w.sum(1, keepdim=True).clamp(min=1e-12)  # [t, m]; a chunk with no measured shift: zero
+        return torch.einsum("tm,hmd->htd", w, delta)
+
+
+@register
+@dataclass
+class DeltaProp(Selector):
+    name: ClassVar[str] = "deltaprop"
+    base: str = "prophet"  # the selection (a registered method that recomputes a budget)
+    base_options: dict = field(default_factory=dict)
+    alpha_v: float = 1.0  # how much of the measured value shift stale tokens take
+    alpha_k: float = 0.0  # ... and of the key shift (pre-RoPE); see the ablation (docs/results/own-method)
+    tau: float = 0.0  # 0: chunk mean; > 0: shifts weighted by exp(-distance / tau) within the chunk
+    skip_first: int = 0  # leave each chunk's first tokens' shifts out of the estimate
+    # > 0: every probe_stride-th token of each chunk is recomputed too (out of the budget) and only these
+    # evenly spread tokens measure the shift (the top-scored ones are needles, not typical of their chunk)
+    probe_stride: int = 0
+
+    _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.base == self.name:
+            raise TypeError("deltaprop cannot wrap itself")  # make_selector reports it as BadMethodOption
+        try:
+            self._base_selector = make_selector(self.base, **self.base_options)
+        except UnknownMethod as e:
+            raise TypeError(f"base: {e}") from None  # make_selector reports it as BadMethodOption
+        if self._base_selector.full_prefill or self._base_selector.zero_budget:
+            raise TypeError(f"deltaprop needs a base that recomputes a budget, got {self.base!r}")
+        for k in ("alpha_v", "alpha_k", "tau"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise BadMethodOption(f"deltaprop: {k} must be a number >= 0, got {v!r}")
+        for k in ("skip_first", "probe_stride"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise BadMethodOption(f"deltaprop: {k} must be an integer >= 0, got {v!r}")
+
+    @property
+    def needs_full_prefill(self) -> bool:  # deltaprop(oracle): analysis only
+        return self._base_selector.needs_full_prefill
+
+    def prepare(self, ctx: SelectionContext) -> None:
+        self._base_selector.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
+        ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.engine.inv_freq, float(self.alpha_v),
+                               float(self.alpha_k), float(self.tau), self.skip_first)
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        return self._base_selector.score(ctx)
+
+    def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
+        if not self.probe_stride or not isinstance(ctx.cache, DeltaCache):
+            return self._base_selector.pick(scores, ctx)
+        dc = ctx.cache
+        probes = (dc.offset.cpu() % self.probe_stride == self.probe_stride // 2).nonzero().flatten()
+        probes = probes[:ctx.budget]
+        boosted = scores.clone()
+        boosted[probes] = float("inf")  # the probes first, then the base's ranking fills the budget
+        idx = top_k_indices(boosted, ctx.budget)
+        dc.estimate_from = torch.zeros_like(dc.fresh)
+        dc.estimate_from[probes.to(dc.fresh.device)] = True
+        return idx

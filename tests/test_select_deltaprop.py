@@ -1,0 +1,114 @@
+"""`deltaprop` (kvstitch's own method): the correction measured on the recomputed tokens, spread to the stale ones."""
+
+import pytest
+import torch
+
+from kvstitch.errors import BadMethodOption
+from kvstitch.rope import rerotate
+from kvstitch.select import SelectionContext, make_selector
+from kvstitch.select.deltaprop import DeltaCache
+
+from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
+
+
+def _setup(eng, **opts):
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    cache = eng.stitch(layout, eng.chunk_kvs(layout))
+    return layout, cache
+
+
+def test_a_common_shift_of_a_chunk_is_carried_to_its_stale_tokens_exactly(smollm_tokenizer):
+    """The mechanism: when every token of a chunk moved by the same vector (values; keys before RoPE), the
+    shift measured on the recomputed tokens is what the stale ones get, keys rotated to their own positions."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout, cache = _setup(eng)
+    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0)
+    c0, c1 = layout.context_start, layout.context_end
+    chunk = layout.chunk_index()
+    torch.manual_seed(1)
+    H, d = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
+    shift_v = torch.randn(len(layout.chunk_ids), H, d)
+    shift_k = torch.randn(len(layout.chunk_ids), H, d)
+    slots = torch.arange(c0, c1)
+    stitched_k, stitched_v = (x.clone() for x in dc.stitched[0])
+    # the "fresh" K/V every context token would get: stitched + its chunk's shift (keys: in pre-RoPE space)
+    want_v = stitched_v + shift_v[chunk].permute(1, 0, 2)
+    want_k = stitched_k + rerotate(shift_k[chunk].permute(1, 0, 2).contiguous(), slots.double(), eng.inv_freq[0])
+    sel = torch.tensor([i for i in range(c1 - c0) if i % 3 == 0])  # every chunk has recomputed tokens
+    with dc.mode(slots=sel + c0):
+        dc.update(want_k[None][:, :, sel], want_v[None][:, :, sel], 0)
+    layer = cache.layers[0]  # the buffers are shared with the cache DeltaCache wraps
+    assert torch.allclose(layer.values[0, :, c0:c1], want_v, atol=1e-5)
+    assert torch.allclose(layer.keys[0, :, c0:c1], want_k, atol=1e-4)
+    # and without the correction (alpha 0) the stale tokens keep their stitched K/V
+    layout, cache = _setup(eng)
+    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=0.0, alpha_k=0.0, tau=0.0, skip_first=0)
+    with dc.mode(slots=sel + c0):
+        dc.update(want_k[None][:, :, sel], want_v[None][:, :, sel], 0)
+    stale = torch.tensor([i for i in range(c1 - c0) if i % 3])
+    assert torch.equal(cache.layers[0].values[0, :, c0 + stale], stitched_v[:, stale])
+
+
+def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_tokenizer):
+    """The property the method relies on, on a tiny model: the stale tokens' values after a deltaprop pass are
+    closer to full prefill's than the stitched ones a plain recompute (prophet, same selection) leaves."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    full, _ = eng.full_prefill(layout)
+    c0, c1 = layout.context_start, layout.context_end
+    pre_d = eng.prefill(layout, "deltaprop", 0.3)
+    pre_p = eng.prefill(layout, "prophet", 0.3)
+    assert torch.equal(pre_d.indices, pre_p.indices)
+    stale = torch.ones(c1 - c0, dtype=torch.bool)
+    stale[pre_d.indices] = False
+    stale[:layout.chunk_ids[0].numel()] = False  # the first chunk is exact (shared-prefix precompute)
+    idx = stale.nonzero().flatten() + c0
+    err_d = err_p = 0.0
+    for li in range(1, eng.adapter.num_layers):  # layer 0's K/V depend on the token alone
+        ref = full.layers[li].values[0, :, idx]
+        err_d += float((pre_d.cache.layers[li].values[0, :, idx] - ref).pow(2).sum())
+        err_p += float((pre_p.cache.layers[li].values[0, :, idx] - ref).pow(2).sum())
+    assert err_d < 0.9 * err_p, (err_d, err_p)
+
+
+def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer):
+    eng = make_tiny_engine("qwen2", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    _, full = eng.full_prefill(layout)
+    got = eng.prefill(layout, "deltaprop", 1.0).logits[-1]
+    assert torch.allclose(got, full[-1], atol=1e-3)
+    naive = eng.prefill(layout, "naive", 0.0).logits[-1]
+    assert torch.equal(eng.prefill(layout, "deltaprop", 0.0).logits[-1], naive)
+    # and at 20% the correction changes the answer's logits (it is not a no-op)
+    assert not torch.allclose(eng.prefill(layout, "deltaprop", 0.2).logits[-1],
+                              eng.prefill(layout, "prophet", 0.2).logits[-1])
+
+
+def test_auto_rounds_start_from_the_stitched_cache(smollm_tokenizer):
+    """In ratio="auto" (refresh rounds) each round's cache is the fixed-ratio deltaprop cache at its budget."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    auto = {"schedule": [0.1, 0.3], "max_ratio": 0.3, "tol": 0.0, "min_context": 0, "probe_tokens": 1}
+    got = eng.prefill(layout, "deltaprop", "auto", 1, auto=auto)
+    fixed = eng.prefill(layout, "deltaprop", 0.3, 1)
+    assert torch.equal(got.indices, fixed.indices)
+    assert torch.allclose(got.logits[-1], fixed.logits[-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("opts", [{"base": "full"}, {"base": "ape"}, {"base": "nope"}, {"alpha_v": -1},
+                                  {"tau": "x"}, {"skip_first": -2}, {"base": "deltaprop"}])
+def test_bad_options_are_typed_errors(opts):
+    with pytest.raises(BadMethodOption):
+        make_selector("deltaprop", **opts)
+
+
+def test_options_reach_the_base_and_the_cache(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout, cache = _setup(eng)
+    sel = make_selector("deltaprop", base="infoflow", tau=16.0)
+    ctx = SelectionContext(eng, cache, layout, 10)
+    idx, _ = sel.select(ctx)
+    assert isinstance(ctx.cache, DeltaCache) and ctx.cache.tau == 16.0
+    ref, _ = make_selector("infoflow").select(SelectionContext(eng, eng.stitch(layout, eng.chunk_kvs(layout)),
+                                                               layout, 10))
+    assert torch.equal(idx, ref)
