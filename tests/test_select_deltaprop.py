@@ -56,7 +56,7 @@ def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_toke
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     full, _ = eng.full_prefill(layout)
     c0, c1 = layout.context_start, layout.context_end
-    pre_d = eng.prefill(layout, "deltaprop", 0.3)
+    pre_d = eng.prefill(layout, "deltaprop", 0.3, method_options={"probe_stride": 0})  # same selection
     pre_p = eng.prefill(layout, "prophet", 0.3)
     assert torch.equal(pre_d.indices, pre_p.indices)
     stale = torch.ones(c1 - c0, dtype=torch.bool)
@@ -105,10 +105,24 @@ def test_bad_options_are_typed_errors(opts):
 def test_options_reach_the_base_and_the_cache(smollm_tokenizer):
     eng = make_tiny_engine("llama", smollm_tokenizer)
     layout, cache = _setup(eng)
-    sel = make_selector("deltaprop", base="infoflow", tau=16.0)
+    sel = make_selector("deltaprop", base="infoflow", tau=16.0, probe_stride=0)
     ctx = SelectionContext(eng, cache, layout, 10)
     idx, _ = sel.select(ctx)
     assert isinstance(ctx.cache, DeltaCache) and ctx.cache.tau == 16.0
     ref, _ = make_selector("infoflow").select(SelectionContext(eng, eng.stitch(layout, eng.chunk_kvs(layout)),
                                                                layout, 10))
     assert torch.equal(idx, ref)
+
+
+def test_probes_are_recomputed_and_alone_measure_the_shift(smollm_tokenizer):
+    """probe_stride: every k-th token of each chunk is in the selection (within the budget) and is the only
+    source of the estimate; the rest of the budget is the base's ranking."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout, cache = _setup(eng)
+    sel = make_selector("deltaprop", probe_stride=8)
+    ctx = SelectionContext(eng, cache, layout, 20)
+    idx, _ = sel.select(ctx)
+    dc = ctx.cache
+    probes = (dc.offset % 8 == 4).nonzero().flatten()
+    assert idx.numel() == 20 and set(probes.tolist()) <= set(idx.tolist())
+    assert torch.equal(dc.estimate_from.nonzero().flatten(), probes)

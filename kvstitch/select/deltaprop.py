@@ -137,12 +137,12 @@ class DeltaProp(Selector):
     base: str = "prophet"  # the selection (a registered method that recomputes a budget)
     base_options: dict = field(default_factory=dict)
     alpha_v: float = 1.0  # how much of the measured value shift stale tokens take
-    alpha_k: float = 0.0  # ... and of the key shift (pre-RoPE); see the ablation (docs/results/own-method)
+    alpha_k: float = 0.25  # ... and of the key shift (pre-RoPE); see the ablation (docs/results/own-method)
     tau: float = 0.0  # 0: chunk mean; > 0: shifts weighted by exp(-distance / tau) within the chunk
     skip_first: int = 0  # leave each chunk's first tokens' shifts out of the estimate
     # > 0: every probe_stride-th token of each chunk is recomputed too (out of the budget) and only these
     # evenly spread tokens measure the shift (the top-scored ones are needles, not typical of their chunk)
-    probe_stride: int = 0
+    probe_stride: int = 25
 
     _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
 
