@@ -106,24 +106,25 @@ def measure(engine, samples, cfgs: list[Config], out: Path, progress=None) -> li
             budget = answer_budget(engine, s, ecfg)
             engine.chunk_kvs(layout)  # the store is warm, as it is for RAG reuse (untimed)
             ref = run_method(engine, layout, "full", None, budget)
-            todo_rows = []
+
+            def emit(row: dict) -> None:  # each row as it is measured: a stopped run resumes at the next one
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                rows.append(row)
+
             if (key, "full") not in have:
-                todo_rows.append({"sample": key, "config": "full", "method": "full", "ratio": 1.0, "ttft_s": ref.ttft_s,
-                                  "ttft_full_s": ref.ttft_s, "agree": True, "pred": ref.text[:200],
-                                  "context_tokens": layout.n_context})
+                emit({"sample": key, "config": "full", "method": "full", "ratio": 1.0, "ttft_s": ref.ttft_s,
+                      "ttft_full_s": ref.ttft_s, "agree": True, "pred": ref.text[:200],
+                      "context_tokens": layout.n_context})
             for c in todo:
                 run = run_method(engine, layout, c.method, c.ratio, budget, ref.tokens, auto=c.auto)
-                todo_rows.append({"sample": key, "config": c.label, "method": c.method,
-                                  "ratio": c.ratio, "auto": c.auto, "ttft_s": run.ttft_s, "ttft_full_s": ref.ttft_s,
-                                  "agree": first_words_agree(run.text, ref.text, WORDS), "pred": run.text[:200],
-                                  "ratio_used": run.stats.get("ratio_used"), "rounds": run.stats.get("rounds"),
-                                  "converged": run.stats.get("converged")})
+                emit({"sample": key, "config": c.label, "method": c.method, "ratio": c.ratio, "auto": c.auto,
+                      "ttft_s": run.ttft_s, "ttft_full_s": ref.ttft_s,
+                      "agree": first_words_agree(run.text, ref.text, WORDS), "pred": run.text[:200],
+                      "ratio_used": run.stats.get("ratio_used"), "rounds": run.stats.get("rounds"),
+                      "converged": run.stats.get("converged")})
                 if progress:
                     progress(key, c.label)
-            for r in todo_rows:
-                f.write(json.dumps(r) + "\n")
-            f.flush()
-            rows += todo_rows
     return rows
 
 

@@ -34,6 +34,7 @@ VARIANTS = {  # name -> (method, options)
     "deltaprop v+k, probes/25": ("deltaprop", {"alpha_k": 1.0, "probe_stride": 25}),
     "deltaprop(infoflow) v": ("deltaprop", {"base": "infoflow"}),
     "oracle": ("oracle", {}),
+    "deltaprop": ("deltaprop", {}),  # the defaults: v + k/4, probes/25
 }
 
 
