@@ -45,6 +45,9 @@ class DecodeStep:
 
     cache: StitchCache
     token: int
+    # a sparse decoder (`kvstitch.decode`) that owns this request's K/V: the row's new K/V are appended to it
+    # and its attention runs over the tokens its policy selects (None: dense over ``cache``)
+    decoder: object | None = None
 
 
 class BatchCache(Cache):
@@ -64,9 +67,16 @@ class BatchCache(Cache):
         return max(c.get_seq_length(layer_idx) for c in self.caches)
 
     def attend(self, module, query, **kwargs):
-        """Per-row attention: row i's query over row i's keys, as a lone decode step computes it."""
+        """Per-row attention: row i's query over row i's keys (or, for a row with a sparse decoder, over the
+        tokens its policy selects), as a lone decode step computes it."""
         outs = []
         for i, (k, v) in enumerate(self.row_kv):
+            dec = self.caches[i].decoder
+            if dec is not None:  # the lone path: `kvstitch_attention` with ForwardPlan(decoder=dec)
+                scaling = kwargs.get("scaling")
+                scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+                outs.append(dec.attend(module.layer_idx, query[i], scaling)[None].transpose(1, 2))
+                continue
             n = k.shape[2]
             plan = ForwardPlan(q_slots=torch.tensor([n - 1], device=query.device))
             out, _ = kvstitch_attention(module, query[i:i + 1], k, v, kvstitch_plan=plan, **kwargs)
@@ -76,8 +86,15 @@ class BatchCache(Cache):
 
 @torch.no_grad()
 def decode_batch(engine, steps: list[DecodeStep]) -> list[torch.Tensor]:
-    """Run B pending decode steps in one forward -> each step's next-token logits ``[1, V]`` (float32)."""
-    if len(steps) == 1:
+    """Run B pending decode steps in one forward -> each step's next-token logits ``[1, V]`` (float32).
+    Steps with a sparse decoder (``step.decoder``) append to it and attend through it; the caller ends the
+    decoder's step (``decoder.end_step()``), as after a lone step."""
+    for s in steps:
+        if s.cache.decoder is not s.decoder:
+            raise InputError("a decode step's decoder must be the one its cache hands its K/V to (cache.decoder)")
+        if s.cache.slots is not None:
+            raise InputError("a decode step's cache must be in append mode (slots=None)")
+    if len(steps) == 1 and steps[0].decoder is None:
         s = steps[0]
         return [engine.forward(s.cache, torch.tensor([s.token]), torch.tensor([s.cache.length]))]
     dev = engine.device

@@ -613,14 +613,15 @@ class Engine:
             return
         custom = plan or pre.selector.decode_plan(self, cache, pre.layout, stats)
         plan = custom or ForwardPlan()
-        batchable = batch_steps and custom is None and decode == "full"
+        batchable = batch_steps and custom is None  # dense, or through a sparse decoder (`decode_batch`)
         stats["batched_decode"] = batchable
         stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
         if decode != "full":
             options = dict(decode_options or {})
             diagnostic = options.pop("diagnostic", False)
             plan.decoder = self.make_decoder(cache, decode, kv_budget, prompt_ids=pre.layout.ids,
-                                             diagnostic=diagnostic, **options)
+                                             diagnostic=diagnostic, reserve_tokens=max_new_tokens,
+                                             release=batch_steps, **options)
             stats["kv_budget"] = plan.decoder.kv_budget
             cache.decoder = plan.decoder
         try:
@@ -628,9 +629,11 @@ class Engine:
             while not self.finished(tokens) and len(tokens) < max_new_tokens:
                 step += 1
                 if batchable:
-                    logits = yield DecodeStep(cache, tokens[-1])
+                    logits = yield DecodeStep(cache, tokens[-1], plan.decoder)
                     if logits is None:
                         raise InputError("a batched decode step needs its logits sent back (Engine.decode_batch)")
+                    if plan.decoder is not None:
+                        plan.decoder.end_step()
                 elif plan.decoder is None:
                     logits = self.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([cache.length]), plan)
                 else:
@@ -711,13 +714,19 @@ class Engine:
     @torch.no_grad()
     def make_decoder(self, cache: StitchCache, policy: str, kv_budget: int | None = None, *,
                      prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None,
-                     diagnostic: bool = False, **options):
+                     diagnostic: bool = False, reserve_tokens: int | None = None, release: bool = False,
+                     **options):
         """Hand the prefilled ``cache`` to a sparse decoder (PRKV & co.): every layer's K/V are copied to its
         host pool, so the cache itself is not modified and can seed several decoders. Static policies
         score with the observation window: ``obs_queries`` (from `observation_queries`), else computed
         from ``prompt_ids`` (the prompt's token ids). ``diagnostic``: record the attention recall of every
-        step (``decoder.recall``); ``options``: see `stream`'s ``decode_options``."""
+        step (``decoder.recall``); ``options``: see `stream`'s ``decode_options``. ``reserve_tokens``: room
+        for that many decoded tokens in the decoder's pools (a server's memory accounting counts them).
+        ``release``: the cache gives up its K/V layer by layer as the decoder takes them (it then only
+        counts the length; the K/V of a request are never held twice: the batching server)."""
         dec = self._new_decoder(policy, kv_budget, {**options, "diagnostic": diagnostic})
+        if reserve_tokens is not None:
+            dec.reserve_tokens = reserve_tokens
         if obs_queries is None:
             if prompt_ids is None:
                 raise InputError("make_decoder needs the prompt's token ids (prompt_ids) or obs_queries")
@@ -729,5 +738,7 @@ class Engine:
             dec.load_prefill(i, layer.keys[0, :, :n], layer.values[0, :, :n], obs_queries[i],
                              sliding_window=ad.sliding_window(i), scaling=layers[i].self_attn.scaling,
                              inv_freq=ad.inv_freq(i))
+            if release:
+                layer.keys, layer.values = layer.keys[:, :, :0].clone(), layer.values[:, :, :0].clone()
         dec.diagnostic = diagnostic
         return dec

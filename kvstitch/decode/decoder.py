@@ -106,6 +106,8 @@ class SparseDecoder:
         self._heads = torch.arange(num_kv_heads, device=self.device).unsqueeze(1)  # [Hkv, 1]
         self._ranges: dict[tuple[int, int], torch.Tensor] = {}
         self._gather_buf: torch.Tensor | None = None
+        self.reserve_tokens = 256  # room for decoded tokens in the host pools (a server sets max_new_tokens)
+        self._context_tokens = 0  # tokens a dense step would attend, summed over attends (selected fraction)
 
     # ----------------------------------------------------------------------------------- prefill
     def check_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int]:
@@ -128,12 +130,13 @@ class SparseDecoder:
             self.scaling = scaling
         Hkv, n, D = self.check_prefill(layer, keys, values)
         keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
-        host = HostPool(Hkv, self.page_size, D, self.dtype, capacity_tokens=n + 256)
+        host = HostPool(Hkv, self.page_size, D, self.dtype, capacity_tokens=n + self.reserve_tokens)
         slots = pages_for(sliding_window, self.page_size) + 1 if sliding_window else self.device_pages
         pool = None if self.direct else DevicePool(Hkv, self.page_size, D, self.dtype, self.device, slots)
         st = _LayerState(host, pool, PageBounds(Hkv, self.page_size, D, self.device), sliding_window,
                          front=pages_for(self.sinks, self.page_size))
         host.load(keys, values)
+        st.bounds.reserve(pages_for(n + self.reserve_tokens, self.page_size))
         st.bounds.rebuild(keys)
         if self.direct and sliding_window is None and self.working_set:
             st.ws = WorkingSet(host, self.device)
@@ -232,8 +235,7 @@ class SparseDecoder:
             ws.update(st.selected)
             self._pages_read += ws.slot_page.numel()
             out = biased_attention(q, ws.keys, ws.values, scaling, ws.bias)
-            self._attends += 1
-            self._selected_tokens += plan.selected_tokens
+            self._count(plan)
             if self.diagnostic:
                 self._record_recall(layer, st, plan, q, scaling, out, ws.tokens(), ws.bias == 0)
             return out
@@ -245,14 +247,18 @@ class SparseDecoder:
             tokens = self._tokens(st.selected)
             valid = (tokens >= plan.lo) & (tokens < plan.n_tokens)
         out, _ = grouped_attention(q, keys, values, scaling, valid)
-        self._attends += 1
-        self._selected_tokens += plan.selected_tokens
+        self._count(plan)
         if self.diagnostic:
             tokens = self._tokens(st.selected)[:, : keys.shape[1]]
             if valid is None:
                 valid = torch.ones_like(tokens, dtype=torch.bool)
             self._record_recall(layer, st, plan, q, scaling, out, tokens, valid)
         return out
+
+    def _count(self, plan: PagePlan) -> None:
+        self._attends += 1
+        self._selected_tokens += plan.selected_tokens
+        self._context_tokens += plan.n_tokens - plan.lo
 
     def _tokens(self, pages: torch.Tensor) -> torch.Tensor:
         """Storage index of every row of a gathered page table ``[Hkv, M]`` -> ``[Hkv, M*P]``."""
@@ -339,6 +345,34 @@ class SparseDecoder:
         if self.window_in_budget:
             return "sinks and the local window inside k"
         return f"sinks inside k, the {self.window}-token local window on top"
+
+    def selection_totals(self) -> tuple[int, int]:
+        """(tokens attended, tokens a dense step would have attended), summed over every attend so far."""
+        return self._selected_tokens, self._context_tokens
+
+    def kv_bytes(self) -> dict:
+        """Bytes this decoder holds: ``host`` (every K/V, the offload tier: pinned host memory with an
+        accelerator, the one memory on a CPU) and ``device`` (page bounds, device pool / working set)."""
+        host = device = 0
+        for st in self.layers:
+            if st is None:
+                continue
+            for t in self._host_tensors(st):
+                host += t.numel() * t.element_size()
+            for t in self._device_tensors(st):
+                device += t.numel() * t.element_size()
+        return {"host": host, "device": device}
+
+    def _host_tensors(self, st) -> list[torch.Tensor]:
+        return [st.host.data, st.host.token_pos]
+
+    def _device_tensors(self, st) -> list[torch.Tensor]:
+        out = [st.bounds.box] + ([st.obs_q] if st.obs_q is not None else [])
+        if st.device is not None:
+            out.append(st.device.data)
+        if st.ws is not None:
+            out += [st.ws.keys, st.ws.values]
+        return out
 
     def static_ratios(self) -> list[float | None]:
         return [st.static_ratio if st else None for st in self.layers]

@@ -232,6 +232,10 @@ class PageBounds:
     def _reserve(self, pages: int) -> None:
         self.box = _grown(self.box, pages, dim=1)
 
+    def reserve(self, pages: int) -> None:
+        """Room for ``pages`` boxes (appends within it never reallocate)."""
+        self._reserve(pages)
+
     def rebuild(self, keys: torch.Tensor) -> None:
         """Recompute the pages covering ``keys`` (``[kv_heads, n, head_dim]``, storage ``[0, n)``)."""
         H, n, D = keys.shape

@@ -132,11 +132,11 @@ class ShadowKVDecoder(SparseDecoder):
         local_start = (max(0, n - self.window) // C) * C
         nc = local_start // C
         O = min(self.outlier_chunks, nc)
-        cap = n + 256
+        cap = n + self.reserve_tokens
         values_host = torch.zeros(Hkv, cap, D, dtype=self.dtype)
         keys_host = torch.zeros(Hkv, cap, D, dtype=self.dtype)
         values_host[:, :n], keys_host[:, :n] = values.to("cpu", self.dtype), keys.to("cpu", self.dtype)
-        recent_k = torch.zeros(Hkv, n - local_start + 256, D, dtype=self.dtype, device=dev)
+        recent_k = torch.zeros(Hkv, n - local_start + self.reserve_tokens, D, dtype=self.dtype, device=dev)
         recent_v = torch.zeros_like(recent_k)
         recent_k[:, : n - local_start] = keys_f[:, local_start:].to(self.dtype)
         recent_v[:, : n - local_start] = values_f[:, local_start:].to(self.dtype)
@@ -229,6 +229,7 @@ class ShadowKVDecoder(SparseDecoder):
         out, _ = grouped_attention(q, keys, values, scaling)
         self._attends += 1
         self._selected_tokens += keys.shape[1]
+        self._context_tokens += st.n
         if self.diagnostic:
             tokens = torch.cat([st.outlier_tok, sel_tok,
                                 torch.arange(st.local_start, st.n, device=self.device).expand(H, -1)], dim=1)
@@ -240,6 +241,16 @@ class ShadowKVDecoder(SparseDecoder):
         return out
 
     # ----------------------------------------------------------------------------------- report
+    def _host_tensors(self, st):
+        if not isinstance(st, _ShadowLayer):
+            return super()._host_tensors(st)
+        return [st.values_host, st.keys_host]
+
+    def _device_tensors(self, st):
+        if not isinstance(st, _ShadowLayer):
+            return super()._device_tensors(st)
+        return [st.recent_k, st.recent_v, st.A, st.B, st.landmarks, st.outlier_k, st.outlier_v, st.rope]
+
     def budget_counts(self) -> str:
         where = "inside k" if self.window_in_budget else "on top"
         return (f"outlier chunks, selected chunks and generated tokens past the window inside k, the "
