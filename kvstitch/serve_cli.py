@@ -76,6 +76,12 @@ def serve_command(
     max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
     max_batch: int = typer.Option(8, "--max-batch", help="requests served at once (their recompute passes and "
                                                          "decode steps batched; 1 = serial)"),
+    kv_pool_bytes: Optional[str] = typer.Option(None, "--kv-pool-bytes",
+                                                help="K/V memory of the requests in flight, e.g. 2GiB: a request "
+                                                     "waits until its prompt + max_tokens fit (default: no limit)"),
+    recall_sample: float = typer.Option(0.01, "--recall-sample",
+                                        help="share of sparse decode passes whose attention recall is measured "
+                                             "(/metrics kvstitch_decode_recall; 0 = never)"),
     cold_path: str = typer.Option("auto", "--cold-path", help="requests whose chunks are not stored: auto (full prefill "
                                                               "when most miss, chunks computed while idle), "
                                                               "full_prefill or stitched"),
@@ -124,6 +130,9 @@ def serve_command(
                               max_documents=max_documents, max_request_tokens=max_request_tokens,
                               cors_origins=tuple(cors_origin or ()))
     check_bind(host, security)  # before the (slow) model load
+    pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
+    if not 0.0 <= recall_sample <= 1.0:
+        raise InputError(f"--recall-sample must be in [0, 1], got {recall_sample}")
     store_obj = store
     if max_bytes is not None:
         from .store import open_store
@@ -139,7 +148,8 @@ def serve_command(
     app = server.create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue,
                             collections_dir=root, default_decode=decode, max_tokens=max_tokens,
                             model_name=_model_id(model), warmup=True, max_body_bytes=security.max_body_bytes,
-                            security=security, guard_rate=guard_rate, max_batch=max_batch)
+                            security=security, guard_rate=guard_rate, max_batch=max_batch,
+                            kv_pool_bytes=pool_bytes, recall_sample=recall_sample)
     console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} (method {method}, ratio {ratio}, "
                   f"store {eng.store!r}, collections {root}; "
                   f"{'API key required' if security.api_keys else 'no API key'}"

@@ -45,6 +45,7 @@ import asyncio
 import json
 import math
 import queue
+import random
 import socket
 import threading
 import time
@@ -56,8 +57,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands other than serve stay light
     from fastapi import FastAPI
 
+import torch
+
 from .budget import AutoBudget, parse_ratio
 from .batch import DecodeStep, RecomputeStep
+from .decode.kvpool import KVPool, KVShape
 from .engine import STOP, GenerationResult
 from .errors import InputError, KVStitchError
 from .prompt import normalize_messages
@@ -91,6 +95,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+RECALL_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 
 
 class Metrics:
@@ -134,6 +139,24 @@ class Metrics:
         "kvstitch_store_up": ("gauge", "1 while the chunk store answers, 0 while requests are served without it"),
         "kvstitch_store_degraded_ops_total": ("counter", "store reads/writes skipped because the store was down"),
         "kvstitch_store_outages_total": ("counter", "times the chunk store became unreachable"),
+        "kvstitch_kv_pool_reserved_bytes": ("gauge", "K/V bytes reserved by the requests in flight (prompt + "
+                                                     "max_tokens each, reserved at admission)"),
+        "kvstitch_kv_pool_limit_bytes": ("gauge", "the KV pool limit (--kv-pool-bytes; 0 = none)"),
+        "kvstitch_kv_pool_occupancy": ("gauge", "reserved / limit (0 without a limit)"),
+        "kvstitch_kv_pool_peak_bytes": ("gauge", "the most K/V bytes ever reserved at once"),
+        "kvstitch_kv_pool_waits_total": ("counter", "admissions deferred because the KV pool was full (the "
+                                                    "request waited, nothing failed)"),
+        "kvstitch_kv_offloaded_bytes": ("gauge", "K/V bytes in the host (offload) tier of the sparse decoders "
+                                                 "in flight"),
+        "kvstitch_kv_device_bytes": ("gauge", "bytes the sparse decoders in flight keep on the compute device "
+                                              "(page bounds, working sets)"),
+        "kvstitch_decode_selected_tokens_total": ("counter", "tokens attended by sparse decode steps (sum over "
+                                                             "layers and steps)"),
+        "kvstitch_decode_context_tokens_total": ("counter", "tokens dense attention would have read in the same "
+                                                            "sparse decode steps"),
+        "kvstitch_decode_selected_fraction": ("gauge", "selected / context tokens of sparse decode so far"),
+        "kvstitch_decode_recall": ("histogram", "attention recall of sparse decode steps (PRKV Eq. 3, mean over "
+                                                "layers and heads), on a sampled fraction of steps"),
     }
 
     # counters with labels: their label names (every other counter has none)
@@ -142,10 +165,11 @@ class Metrics:
     BUCKETS = {"kvstitch_ttft_seconds": TTFT_BUCKETS, "kvstitch_queue_wait_seconds": WAIT_BUCKETS,
                "kvstitch_request_duration_seconds": TTFT_BUCKETS + (60.0, 120.0),
                "kvstitch_recompute_ratio": RATIO_BUCKETS, "kvstitch_batch_size": BATCH_BUCKETS,
-               "kvstitch_recompute_batch_size": BATCH_BUCKETS}
+               "kvstitch_recompute_batch_size": BATCH_BUCKETS, "kvstitch_decode_recall": RECALL_BUCKETS}
 
     # counters whose value is read from the store at each scrape (set in `gauges` as callables)
-    READ_COUNTERS = ("kvstitch_store_degraded_ops_total", "kvstitch_store_outages_total")
+    READ_COUNTERS = ("kvstitch_store_degraded_ops_total", "kvstitch_store_outages_total",
+                     "kvstitch_kv_pool_waits_total")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -224,6 +248,7 @@ class _Live:
         self.rstep = None  # a `RecomputeStep` (its prefill's recompute pass) waiting for the next packed pass
         self.send = None  # what to send the generator next (None, or STOP after a stop string)
         self.batched = False  # its decode steps come as `DecodeStep`s
+        self.decoder = None  # its sparse decoder, once decoding through one (pool and selection metrics)
 
 
 class EngineWorker:
@@ -238,13 +263,23 @@ class EngineWorker:
     leaves it when it finishes, is cancelled (checked after each of its tokens) or fails. ``max_batch=1`` is
     the serial server. While idle, the worker computes the chunks cold requests deferred (`kvstitch.cold`)."""
 
-    def __init__(self, engine, max_queue: int, metrics: Metrics, warmup: bool = False, max_batch: int = 1):
+    def __init__(self, engine, max_queue: int, metrics: Metrics, warmup: bool = False, max_batch: int = 1,
+                 kv_pool_bytes: int | None = None, recall_sample: float = 0.0):
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if not 0.0 <= recall_sample <= 1.0:
+            raise InputError(f"the recall sample rate must be in [0, 1], got {recall_sample}")
         self.engine, self.max_queue, self.metrics, self.warmup = engine, max_queue, metrics, warmup
         self.max_batch = max_batch
+        # the K/V of the jobs in flight share one byte budget: a job is admitted when its prompt + max_tokens fit
+        self.pool = KVPool(kv_pool_bytes)
+        self.kv_shape = _kv_shape(engine)
+        self._held: Job | None = None  # the queue's head, waiting for room in the KV pool (nothing overtakes it)
+        self.recall_sample = recall_sample  # share of sparse decode passes whose attention recall is measured
+        self.selection = (0, 0)  # tokens sparse decode attended / dense decode would have, over every pass
+        self._recall_rng = random.Random(0)
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0
@@ -295,6 +330,11 @@ class EngineWorker:
             self._stopping = True
         for live in list(self.active):
             live.job.cancel()
+        held, self._held = self._held, None
+        if held is not None:
+            held.cancel()
+            held.emit("error", ApiError(503, "the server is shutting down", "server_error", "shutting_down"))
+            held.emit("done")
         # cancel everything still queued, then the sentinel
         while True:
             try:
@@ -332,9 +372,18 @@ class EngineWorker:
                 self._finish(live)
 
     def _next_job(self, block: bool):
-        """The next queued job (None: none waiting, or the batch is full); while idle, deferred chunks."""
+        """The next queued job (None: none waiting, the batch is full, or the head of the queue waits for room
+        in the KV pool); while idle, deferred chunks."""
         if len(self.active) >= self.max_batch:
             return None
+        if self._held is not None:
+            job = self._held
+            if not self._admit(job):
+                return None  # still no room: it waits (first in, first out) until a job in flight ends
+            self._held = None
+            with self._lock:
+                self.waiting -= 1
+            return job
         while True:
             try:
                 job = self._q.get_nowait()
@@ -347,9 +396,43 @@ class EngineWorker:
                     continue
             if job is None:
                 return _QUIT
+            try:
+                admitted = self._admit(job)
+            except InputError as e:  # it cannot fit even alone: refused before anything is computed
+                with self._lock:
+                    self.waiting -= 1
+                job.emit("error", _input_error(e))
+                job.emit("done")
+                continue
+            if not admitted:
+                self._held = job
+                self.pool.waits += 1
+                return None
             with self._lock:
                 self.waiting -= 1
             return job
+
+    def _admit(self, job: Job) -> bool:
+        """Reserve the job's K/V (prompt + max_tokens) in the pool -> False when it must wait for room."""
+        if job.fn is not None or job.cancelled.is_set() or self.kv_shape is None:
+            return True
+        need = job.kv_bytes
+        if need is None:
+            need = job.kv_bytes = self._kv_bytes(job)
+        return self.pool.reserve(job, need)
+
+    def _kv_bytes(self, job: Job) -> int:
+        """The most K/V bytes ``job`` can hold. Its prompt is tokenized here (the layout is handed to the engine,
+        so it is not tokenized twice); a prompt that cannot be laid out counts 0 (the engine reports why)."""
+        kw = job.kwargs
+        try:
+            layout = kw.get("layout") or self.engine.layout(kw.get("question"), kw.get("chunks"), kw.get("messages"))
+        except Exception:  # noqa: BLE001 - the engine raises the same error, as a 400, when the job starts
+            return 0
+        kw["layout"] = layout
+        return self.kv_shape.request_bytes(layout.n_total, int(kw.get("max_new_tokens") or 0),
+                                           sparse=kw.get("decode", "full") != "full",
+                                           copies=2 if kw.get("guard") else 1)  # guard: a full prefill beside it
 
     def _idle_precompute(self) -> bool:
         """Compute a slice of the chunks cold requests deferred -> False when there is nothing to do."""
@@ -366,6 +449,7 @@ class EngineWorker:
         job.started_at = time.perf_counter()
         wait = job.started_at - job.enqueued_at
         if job.cancelled.is_set():
+            self.pool.release(job)
             self.metrics.inc("kvstitch_cancelled_total")
             job.emit("done")
             return
@@ -444,8 +528,44 @@ class EngineWorker:
                 self._pump(live)
         pending = self._pending("step")
         if pending:
+            decoders = [live.step.decoder for live in pending if getattr(live.step, "decoder", None) is not None]
+            sampled = self._recall_begin(decoders)
+            before = [d.selection_totals() for d in decoders]
             self._run_pass(pending, "step", self.engine.decode_batch, "kvstitch_batch_size",
                            "kvstitch_decode_passes_total")
+            total_sel, total_ctx = self.selection
+            for d, (sel0, ctx0) in zip(decoders, before):
+                sel, ctx = d.selection_totals()
+                self.metrics.inc("kvstitch_decode_selected_tokens_total", sel - sel0)
+                self.metrics.inc("kvstitch_decode_context_tokens_total", ctx - ctx0)
+                total_sel, total_ctx = total_sel + sel - sel0, total_ctx + ctx - ctx0
+            self.selection = (total_sel, total_ctx)
+            self._recall_end(sampled)
+
+    def _recall_begin(self, decoders: list) -> list:
+        """On a sampled pass (``recall_sample`` of them), the sparse decoders record this step's attention recall
+        (their diagnostic mode: dense attention beside the sparse one; the answer is unchanged) ->
+        [(decoder, history lengths before)]. Decoders whose request asked for diagnostics are left alone."""
+        if not decoders or self.recall_sample <= 0 or self._recall_rng.random() >= self.recall_sample:
+            return []
+        marks = []
+        for d in decoders:
+            if not d.diagnostic:
+                d.diagnostic = True
+                marks.append((d, [len(h) for h in d.recall.history]))
+        return marks
+
+    def _recall_end(self, marks: list) -> None:
+        """The sampled step's recall of each decoder into the histogram; its diagnostic state as it was."""
+        for d, lengths in marks:
+            d.diagnostic = False
+            got = [h[n:] for h, n in zip(d.recall.history, lengths)]
+            values = [v for layer in got for v in layer]
+            if values:
+                self.metrics.observe("kvstitch_decode_recall", float(torch.cat(values).mean()))
+            for hist in (d.recall.history, d.recall.oracle):  # the request keeps no diagnostics it did not ask for
+                for layer, n in zip(hist, lengths):
+                    del layer[n:]
 
     def _pump(self, live: "_Live", value=None) -> None:
         """Send ``value`` (a step's logits, STOP or None) and handle events until the job needs a model step,
@@ -458,6 +578,7 @@ class EngineWorker:
             while True:
                 if isinstance(ev, DecodeStep):
                     live.step, live.batched = ev, True
+                    live.decoder = getattr(ev, "decoder", None)
                     return
                 if isinstance(ev, RecomputeStep):
                     live.rstep = ev
@@ -500,12 +621,23 @@ class EngineWorker:
     def _finish(self, live: "_Live") -> None:
         if live in self.active:
             self.active.remove(live)
+        self.pool.release(live.job)
+        live.decoder = None
         if live.gen is not None:
             try:
                 live.gen.close()  # stops the engine's generator (no more model steps)
             except Exception:  # noqa: BLE001
                 pass
         live.job.emit("done")
+
+
+def _kv_shape(engine) -> "KVShape | None":
+    """The engine's per-token K/V size (None for an engine without a model adapter: no pool accounting)."""
+    ad = getattr(engine, "adapter", None)
+    dtype = getattr(engine, "dtype", None)
+    if ad is None or dtype is None:
+        return None
+    return KVShape(ad.num_layers, ad.num_kv_heads, ad.head_dim, torch.empty(0, dtype=dtype).element_size())
 
 
 # ---- request parsing -------------------------------------------------------------------------------
@@ -836,7 +968,7 @@ class ChatService:
                  collections_dir: str | Path | None = None, default_decode: str = "full",
                  max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                  disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20, guard_rate: float = 0.0,
-                 max_batch: int = 8):
+                 max_batch: int = 8, kv_pool_bytes: int | None = None, recall_sample: float = 0.0):
         import random
 
         check_method(default_method)
@@ -854,7 +986,8 @@ class ChatService:
         self.default_method, self.default_ratio, self.default_decode = default_method, default_ratio, default_decode
         self.max_queue, self.max_batch, self.max_tokens = max_queue, max_batch, max_tokens
         self.max_body_bytes, self.guard_rate, self.disconnect_poll_s = max_body_bytes, guard_rate, disconnect_poll_s
-        self.worker = EngineWorker(engine, max_queue, self.metrics, warmup=warmup, max_batch=max_batch)
+        self.worker = EngineWorker(engine, max_queue, self.metrics, warmup=warmup, max_batch=max_batch,
+                                   kv_pool_bytes=kv_pool_bytes, recall_sample=recall_sample)
         self.collections = CollectionCache(collections_dir)
         self.model_id = model_name or getattr(engine, "model_name", None) or "kvstitch"
         self.created = int(time.time())
@@ -875,6 +1008,24 @@ class ChatService:
             "kvstitch_store_up": lambda: int(getattr(store, "up", True)),
             "kvstitch_store_degraded_ops_total": lambda: getattr(store, "degraded_ops", 0),
             "kvstitch_store_outages_total": lambda: getattr(store, "outages", 0)})
+        pool, m = worker.pool, self.metrics
+
+        def decoder_bytes(kind: str) -> int:
+            return sum(live.decoder.kv_bytes()[kind] for live in list(worker.active) if live.decoder is not None)
+
+        def selected_fraction() -> float:
+            sel, ctx = worker.selection
+            return sel / ctx if ctx else 0.0
+
+        m.gauges.update({
+            "kvstitch_kv_pool_reserved_bytes": lambda: pool.reserved,
+            "kvstitch_kv_pool_limit_bytes": pool.limit or 0,
+            "kvstitch_kv_pool_occupancy": pool.occupancy,
+            "kvstitch_kv_pool_peak_bytes": lambda: pool.peak,
+            "kvstitch_kv_pool_waits_total": lambda: pool.waits,
+            "kvstitch_kv_offloaded_bytes": lambda: decoder_bytes("host"),
+            "kvstitch_kv_device_bytes": lambda: decoder_bytes("device"),
+            "kvstitch_decode_selected_fraction": selected_fraction})
 
     # -- simple endpoints ----------------------------------------------------------------------
     def health(self) -> tuple[dict, int]:
@@ -1161,20 +1312,25 @@ def create_app(engine, default_method: str = "prophet", default_ratio: float = 0
                collections_dir: str | Path | None = None, default_decode: str = "full",
                max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
-               guard_rate: float = 0.0, security: "SecurityConfig | None" = None, max_batch: int = 8) -> "FastAPI":
+               guard_rate: float = 0.0, security: "SecurityConfig | None" = None, max_batch: int = 8,
+               kv_pool_bytes: int | None = None, recall_sample: float = 0.0) -> "FastAPI":
     """The FastAPI app serving `engine`. `collections_dir`: where `kvstitch index` put collections (None:
     requests naming a collection get 404). The engine worker starts with the app (lifespan).
     ``guard_rate``: the fraction of greedy requests checked against full prefill (``guard="full"``, chosen
     at random); /metrics counts the checks and the disagreements, so the rate of stitched answers that
     differ from full prefill is measured on live traffic. ``max_batch``: requests served at once (their recompute
-    passes and decode steps share forward passes; 1 = one request at a time). The routes' logic is `ChatService`'s."""
+    passes and decode steps share forward passes; 1 = one request at a time; sparse decode policies batch too).
+    ``kv_pool_bytes``: the K/V budget of the requests in flight (a request waits until its prompt + max_tokens
+    fit; None = no limit). ``recall_sample``: the share of sparse decode passes whose attention recall is
+    measured for /metrics. The routes' logic is `ChatService`'s."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse
 
     service = ChatService(engine, default_method, default_ratio, max_queue, collections_dir, default_decode,
-                          max_tokens, model_name, warmup, disconnect_poll_s, max_body_bytes, guard_rate, max_batch)
+                          max_tokens, model_name, warmup, disconnect_poll_s, max_body_bytes, guard_rate, max_batch,
+                          kv_pool_bytes, recall_sample)
     worker = service.worker
 
     @asynccontextmanager

@@ -43,6 +43,7 @@ class Job:
     checked_at: float = field(default_factory=time.monotonic)  # last client-disconnect check
     stop: list[str] = field(default_factory=list)  # stop sequences (handled here, not by the engine)
     fn: Any = None  # instead of a generation: fn(engine) -> result, run on the engine thread (documents API)
+    kv_bytes: int | None = None  # the K/V it may hold (prompt + max_tokens), reserved in the worker's KV pool
 
     def emit(self, kind: str, value=None) -> None:
         try:
