@@ -22,19 +22,19 @@ from kvstitch.eval import generate
 from kvstitch.eval.metrics import answer_nll
 from kvstitch.eval.runner import EvalConfig, answer_budget, sample_layout
 
-VARIANTS = {  # name -> (method, options)
+VARIANTS = {  # name -> (method, options); deltaprop's options spelled out (its defaults: alpha_k 0.25, probes/25)
     "prophet": ("prophet", {}),
     "infoflow": ("infoflow", {}),
-    "deltaprop v": ("deltaprop", {}),
-    "deltaprop v, tau=32": ("deltaprop", {"tau": 32.0}),
-    "deltaprop v+k/4": ("deltaprop", {"alpha_k": 0.25}),
-    "deltaprop v+k/2": ("deltaprop", {"alpha_k": 0.5}),
-    "deltaprop v, probes/25": ("deltaprop", {"probe_stride": 25}),
+    "oracle": ("oracle", {}),
+    "deltaprop v, chunk mean": ("deltaprop", {"alpha_k": 0.0, "probe_stride": 0}),
+    "deltaprop v, tau=32": ("deltaprop", {"alpha_k": 0.0, "probe_stride": 0, "tau": 32.0}),
+    "deltaprop v+k/4": ("deltaprop", {"alpha_k": 0.25, "probe_stride": 0}),
+    "deltaprop v+k/2": ("deltaprop", {"alpha_k": 0.5, "probe_stride": 0}),
+    "deltaprop v, probes/25": ("deltaprop", {"alpha_k": 0.0, "probe_stride": 25}),
+    "deltaprop": ("deltaprop", {}),  # the defaults: v + k/4, probes/25
     "deltaprop v+k/2, probes/25": ("deltaprop", {"alpha_k": 0.5, "probe_stride": 25}),
     "deltaprop v+k, probes/25": ("deltaprop", {"alpha_k": 1.0, "probe_stride": 25}),
-    "deltaprop(infoflow) v": ("deltaprop", {"base": "infoflow"}),
-    "oracle": ("oracle", {}),
-    "deltaprop": ("deltaprop", {}),  # the defaults: v + k/4, probes/25
+    "deltaprop(infoflow)": ("deltaprop", {"base": "infoflow"}),
 }
 
 
