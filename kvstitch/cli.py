@@ -328,22 +328,41 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
                     methods: str = typer.Option("prophet,random", help="methods the requests cycle through"),
                     ratio: float = typer.Option(0.2), max_batch: int = typer.Option(16, help="the server's max_batch"),
                     serial: bool = typer.Option(True, help="also run the serial server (max_batch=1) at the "
-                                                           "highest concurrency"),
+                                                           "highest concurrency (dense decode)"),
+                    decode: str = typer.Option("full", help="comma-separated decode policies, each a sweep of its own "
+                                                            "(full or dense = dense decode; prkv, quest, ...)"),
+                    context: Optional[int] = typer.Option(None, help="long-context mode: every request has documents "
+                                                                     "of its own, about this many tokens, and wants "
+                                                                     "max_tokens of answer"),
+                    kv_budget: Optional[int] = typer.Option(None, help="sparse decode's kv_budget (default: the server's)"),
+                    kv_pool_bytes: Optional[int] = typer.Option(None, help="the server's KV pool limit in bytes"),
+                    recall_sample: float = typer.Option(0.05, help="share of sparse decode passes whose recall is measured "
+                                                                   "(those passes also attend densely: keep it small)"),
+                    threads: Optional[int] = ThreadsOpt,
                     out: Path = typer.Option(Path("docs/results"), help="output directory"),
                     model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
-    """Load test of a real server on loopback: requests/s, tokens/s, TTFT p50/p95, 429 rate, answers vs alone."""
-    from .bench import write_results
-    from .bench_serve import bench_serve, serve_table
+    """Load test of a real server on loopback: requests/s, tokens/s, TTFT and TPOT p50/p95, 429 rate, answers vs
+    alone; with --decode, sparse decode policies against dense, recall and memory."""
+    import torch
 
+    from .bench import write_results
+    from .bench_serve import DENSE, bench_serve, serve_table
+
+    _set_threads(threads)
+    policies = tuple(DENSE if p == "dense" else p for p in _csv(decode))
     eng = _load(model, store)
     rows = bench_serve(eng, _csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
-                       tuple(_csv(methods)), ratio, max_batch, serial=serial, log=console.print)
+                       tuple(_csv(methods)), ratio, max_batch, serial=serial, log=console.print, decode=policies,
+                       context=context, kv_budget=kv_budget, kv_pool_bytes=kv_pool_bytes, recall_sample=recall_sample)
     table = serve_table(rows)
     write_results(rows, out, "bench_serve", table, {"model": eng.adapter.describe(), "device": str(eng.device),
                                                     "store": repr(eng.store), "requests": requests, "docs": docs,
                                                     "doc_tokens": doc_tokens, "docs_per_request": docs_per_request,
                                                     "max_tokens": max_tokens, "methods": methods, "ratio": ratio,
-                                                    "max_batch": max_batch})
+                                                    "max_batch": max_batch, "decode": list(policies),
+                                                    "context": context, "kv_budget": kv_budget,
+                                                    "kv_pool_bytes": kv_pool_bytes, "recall_sample": recall_sample,
+                                                    "threads": torch.get_num_threads()})
     console.print(table, highlight=False)
     console.print(f"written: {out / 'bench_serve.json'}, {out / 'bench_serve.md'}")
 

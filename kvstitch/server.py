@@ -96,6 +96,7 @@ WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RECALL_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Metrics:
@@ -157,6 +158,11 @@ class Metrics:
         "kvstitch_decode_selected_fraction": ("gauge", "selected / context tokens of sparse decode so far"),
         "kvstitch_decode_recall": ("histogram", "attention recall of sparse decode steps (PRKV Eq. 3, mean over "
                                                 "layers and heads), on a sampled fraction of steps"),
+        "kvstitch_decode_pass_seconds": ("histogram", "wall time of one batched decode pass (every request's next "
+                                                      "token), the passes that measured recall left out"),
+        "kvstitch_decode_timed_tokens_total": ("counter", "tokens decoded by the passes in "
+                                                          "kvstitch_decode_pass_seconds (decode throughput = "
+                                                          "this / the histogram's sum)"),
     }
 
     # counters with labels: their label names (every other counter has none)
@@ -165,7 +171,8 @@ class Metrics:
     BUCKETS = {"kvstitch_ttft_seconds": TTFT_BUCKETS, "kvstitch_queue_wait_seconds": WAIT_BUCKETS,
                "kvstitch_request_duration_seconds": TTFT_BUCKETS + (60.0, 120.0),
                "kvstitch_recompute_ratio": RATIO_BUCKETS, "kvstitch_batch_size": BATCH_BUCKETS,
-               "kvstitch_recompute_batch_size": BATCH_BUCKETS, "kvstitch_decode_recall": RECALL_BUCKETS}
+               "kvstitch_recompute_batch_size": BATCH_BUCKETS, "kvstitch_decode_recall": RECALL_BUCKETS,
+               "kvstitch_decode_pass_seconds": PASS_BUCKETS}
 
     # counters whose value is read from the store at each scrape (set in `gauges` as callables)
     READ_COUNTERS = ("kvstitch_store_degraded_ops_total", "kvstitch_store_outages_total",
@@ -531,8 +538,12 @@ class EngineWorker:
             decoders = [live.step.decoder for live in pending if getattr(live.step, "decoder", None) is not None]
             sampled = self._recall_begin(decoders)
             before = [d.selection_totals() for d in decoders]
+            t0 = time.perf_counter()
             self._run_pass(pending, "step", self.engine.decode_batch, "kvstitch_batch_size",
                            "kvstitch_decode_passes_total")
+            if not sampled:  # a recall pass also attends densely: its time is not the policy's
+                self.metrics.observe("kvstitch_decode_pass_seconds", time.perf_counter() - t0)
+                self.metrics.inc("kvstitch_decode_timed_tokens_total", len(pending))
             total_sel, total_ctx = self.selection
             for d, (sel0, ctx0) in zip(decoders, before):
                 sel, ctx = d.selection_totals()

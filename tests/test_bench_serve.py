@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from kvstitch.bench import write_results
@@ -38,3 +40,41 @@ def test_bench_serve_cli_help():
 
     r = CliRunner().invoke(app, ["bench", "serve", "--help"])
     assert r.exit_code == 0 and "--concurrency" in r.output and "--max-batch" in r.output
+    assert "--decode" in r.output and "--context" in r.output and "--kv-pool-bytes" in r.output
+
+
+def test_bench_serve_long_context_sparse_vs_dense(smollm_tokenizer, tmp_path):
+    """Long-context mode: documents of each request's own, a sweep per decode policy, each policy's answers
+    compared with its own concurrency-1 answers, recall / selected fraction / memory on the sparse rows."""
+    from kvstitch.bench_serve import DENSE, long_context_mix
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    bodies = long_context_mix(eng, 3, context=600, doc_tokens=100, max_tokens=6)
+    chunk_sets = [set(b["documents"]) for b in bodies]
+    assert all(not (chunk_sets[i] & chunk_sets[j]) for i in range(3) for j in range(i + 1, 3))  # nothing shared
+    assert all(b["max_tokens"] == 6 and sum(len(d) for d in b["documents"]) > 1000 for b in bodies)
+    rows = bench_serve(eng, [1, 3], n_requests=3, doc_tokens=100, max_tokens=6, methods=("random",),
+                       max_batch=4, decode=(DENSE, "prkv"), context=600, kv_budget=128, recall_sample=0.5,
+                       kv_pool_bytes=1 << 30)
+    assert [(r["decode"], r["server"].split()[0], r["concurrency"]) for r in rows] == [
+        (DENSE, "batched", 1), (DENSE, "batched", 3), (DENSE, "serial", 3), ("prkv", "batched", 1), ("prkv", "batched", 3)]
+    for r in rows:
+        assert r["answered"] == 3 and r["lost"] == 0 and r["answers_equal_alone"] is True
+        assert r["tpot_p50_s"] > 0 and r["tpot_p50_s"] <= r["tpot_p95_s"]
+        assert r["peak_rss_bytes"] > 0 and 0 < r["kv_pool_peak_bytes"] <= r["kv_pool_limit_bytes"] == 1 << 30
+        assert r["vs_dense"] > 0 and r["decode_vs_dense"] > 0 and r["decode_tok_per_s"] > 0, r
+    dense, sparse = rows[0], rows[3]
+    assert dense["recall"] != dense["recall"] and dense["selected_fraction"] != dense["selected_fraction"]  # NaN
+    assert 0.0 < sparse["recall"] <= 1.0 + 1e-6 and 0.0 < sparse["selected_fraction"] < 1.0
+    assert rows[0]["vs_dense"] == 1.0 and rows[4]["decode_batch"] >= 1.0
+    table = serve_table(rows)
+    assert table.count("\n") == 1 + len(rows) and "prkv" in table and "recall" in table.splitlines()[0]
+
+
+def test_bench_serve_refuses_bad_sweeps(smollm_tokenizer):
+    from kvstitch.errors import InputError
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    for kw in ({"concurrency": [0]}, {"concurrency": [1], "decode": ()}):
+        with pytest.raises(InputError):
+            bench_serve(eng, **{"n_requests": 1, **kw})

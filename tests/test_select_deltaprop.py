@@ -11,6 +11,11 @@ from kvstitch.select.deltaprop import DeltaCache
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 
 
+def _rotate(eng):
+    """What `SelectionContext.rotate` does: keys under layer ``layer``'s RoPE at ``positions``."""
+    return lambda keys, positions, layer: rerotate(keys, positions, eng.inv_freq[layer])
+
+
 def _setup(eng, **opts):
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     cache = eng.stitch(layout, eng.chunk_kvs(layout))
@@ -22,7 +27,7 @@ def test_a_common_shift_of_a_chunk_is_carried_to_its_stale_tokens_exactly(smollm
     shift measured on the recomputed tokens is what the stale ones get, keys rotated to their own positions."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
     layout, cache = _setup(eng)
-    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0)
+    dc = DeltaCache(cache, layout, _rotate(eng), alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0)
     c0, c1 = layout.context_start, layout.context_end
     chunk = layout.chunk_index()
     torch.manual_seed(1)
@@ -42,7 +47,7 @@ def test_a_common_shift_of_a_chunk_is_carried_to_its_stale_tokens_exactly(smollm
     assert torch.allclose(layer.keys[0, :, c0:c1], want_k, atol=1e-4)
     # and without the correction (alpha 0) the stale tokens keep their stitched K/V
     layout, cache = _setup(eng)
-    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=0.0, alpha_k=0.0, tau=0.0, skip_first=0)
+    dc = DeltaCache(cache, layout, _rotate(eng), alpha_v=0.0, alpha_k=0.0, tau=0.0, skip_first=0)
     with dc.mode(slots=sel + c0):
         dc.update(want_k[None][:, :, sel], want_v[None][:, :, sel], 0)
     stale = torch.tensor([i for i in range(c1 - c0) if i % 3])

@@ -251,6 +251,12 @@ class SelectionContext:
 
         return rerotate(keys, delta, self.engine.inv_freq)
 
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """``keys [H, m, d]`` rotated by ``positions [m]`` (float64; negative un-rotates) with layer ``layer``'s RoPE."""
+        from ..rope import rerotate
+
+        return rerotate(keys, positions, self.engine.inv_freq[layer])
+
     def exact_context_cache(self) -> "StitchCache":
         """Prefix + context prefilled jointly (what a full prefill holds there), suffix slots empty (oracle)."""
         from ..cache import StitchCache

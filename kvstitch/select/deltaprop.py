@@ -33,13 +33,12 @@ recompute passes (the batching server) route through the same ``update``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from ..cache import StitchCache
 from ..errors import BadMethodOption, UnknownMethod
-from ..rope import rerotate
 from .base import SelectionContext, Selector, make_selector, register, top_k_indices
 
 
@@ -47,7 +46,7 @@ class DeltaCache(StitchCache):
     """A `StitchCache` sharing ``cache``'s buffers; a pass that writes context slots S also moves the stale
     context tokens by their chunk's measured shift (module doc)."""
 
-    def __init__(self, cache: StitchCache, layout, inv_freq: torch.Tensor, alpha_v: float, alpha_k: float,
+    def __init__(self, cache: StitchCache, layout, rotate: Callable, alpha_v: float, alpha_k: float,
                  tau: float, skip_first: int):
         super().__init__(cache.layers)
         self.slots, self.write, self.capture, self.captured, self.decoder = (
@@ -57,7 +56,7 @@ class DeltaCache(StitchCache):
         starts = torch.tensor(layout.chunk_starts, device=self.chunk.device) - self.c0
         self.offset = torch.arange(self.c1 - self.c0, device=self.chunk.device) - starts[self.chunk]  # in-chunk pos
         self.n_chunks = len(layout.chunk_ids)
-        self.inv_freq = inv_freq
+        self.rotate = rotate  # SelectionContext.rotate: (keys, positions, layer) -> keys under RoPE
         self.alpha_v, self.alpha_k, self.tau, self.skip_first = alpha_v, alpha_k, tau, skip_first
         # the stitched context K/V: each correcting pass starts from them (idempotent across auto's rounds)
         self.stitched = [(l.keys[0, :, self.c0:self.c1].clone(), l.values[0, :, self.c0:self.c1].clone())
@@ -105,9 +104,9 @@ class DeltaCache(StitchCache):
         new_k = sk[:, tgt]
         if self.alpha_k:
             slots = (src + self.c0).to(torch.float64)
-            dk = rerotate(fresh_k[:, use].float() - sk[:, src].float(), -slots, self.inv_freq[li])  # pre-RoPE
+            dk = self.rotate(fresh_k[:, use].float() - sk[:, src].float(), -slots, li)  # pre-RoPE
             shift = self._spread(dk, src, tgt)
-            new_k = new_k.float() + self.alpha_k * rerotate(shift, (tgt + self.c0).to(torch.float64), self.inv_freq[li])
+            new_k = new_k.float() + self.alpha_k * self.rotate(shift, (tgt + self.c0).to(torch.float64), li)
         layer.keys[0, :, self.c0 + tgt] = new_k.to(layer.keys.dtype)
 
     def _spread(self, delta: torch.Tensor, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -170,7 +169,7 @@ class DeltaProp(Selector):
 
     def prepare(self, ctx: SelectionContext) -> None:
         self._base_selector.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
-        ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.engine.inv_freq, float(self.alpha_v),
+        ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.rotate, float(self.alpha_v),
                                float(self.alpha_k), float(self.tau), self.skip_first)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
