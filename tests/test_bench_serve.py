@@ -4,8 +4,8 @@ import json
 
 from typer.testing import CliRunner
 
-from kvstitch.bench import write_results
-from kvstitch.bench_serve import bench_serve, request_mix, serve_table
+from kvstitch.bench.ttft import write_results
+from kvstitch.bench.serve import bench_serve, request_mix, serve_table
 
 from .conftest import make_tiny_engine
 
@@ -34,7 +34,7 @@ def test_bench_serve_rows_tiny(smollm_tokenizer, tmp_path):
 
 
 def test_bench_serve_cli_help():
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     r = CliRunner().invoke(app, ["bench", "serve", "--help"])
     assert r.exit_code == 0 and "--concurrency" in r.output and "--max-batch" in r.output

@@ -37,9 +37,9 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import StitchCache
-from ..errors import BadMethodOption, UnknownMethod
-from ..rope import rerotate
+from kvstitch.core.cache import StitchCache
+from kvstitch.core.errors import BadMethodOption, UnknownMethod
+from kvstitch.core.rope import rerotate
 from .base import SelectionContext, Selector, make_selector, register, top_k_indices
 
 
