@@ -1,8 +1,9 @@
 """kvstitch: stitched KV-cache reuse with selective recompute for long-context RAG."""
 
 from .engine import Engine, GenerationResult
-from .errors import (BadDecodeOption, BadMethodOption, BadRatio, EvalError, InputError, KVStitchError, ModelLoadError,
-                     PositionRecoveryError, PromptTooLong, StoreError, UnknownDecodePolicy, UnknownMethod)
+from .core.errors import (BadDecodeOption, BadMethodOption, BadRatio, EvalError, InputError, KVStitchError,
+                          ModelLoadError, PositionRecoveryError, PromptTooLong, StoreError, UnknownDecodePolicy,
+                          UnknownMethod)
 from .select import methods
 
 __version__ = "0.1.0"

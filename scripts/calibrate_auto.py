@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from kvstitch import Engine
-from kvstitch.budget import DEFAULT_SCHEDULE
-from kvstitch.eval import generate, scorer_for
+from kvstitch.engine.budget import DEFAULT_SCHEDULE
+from kvstitch.tasks import generate, scorer_for
 from kvstitch.eval.agreement import first_words_agree
 from kvstitch.eval.runner import answer_budget, sample_layout, EvalConfig
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from kvstitch import Engine
-from kvstitch.eval.metrics import answer_nll, kl_full_vs_method
-from kvstitch.eval.tasks import generate
-from kvstitch.prompt import PromptLayout
+from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method
+from kvstitch.tasks.tasks import generate
+from kvstitch.core.prompt import PromptLayout
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from kvstitch import Engine
-from kvstitch.eval import generate
-from kvstitch.eval.metrics import answer_nll
+from kvstitch.tasks import generate
+from kvstitch.tasks.metrics import answer_nll
 from kvstitch.eval.runner import EvalConfig, answer_budget, sample_layout
 
 VARIANTS = {  # name -> (method, options); deltaprop's options spelled out (its defaults: alpha_k 0.25, probes/25)

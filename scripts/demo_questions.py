@@ -19,7 +19,7 @@ from importlib import resources
 import torch
 
 from kvstitch import Engine
-from kvstitch.budget import parse_ratio
+from kvstitch.engine.budget import parse_ratio
 from kvstitch.eval.agreement import first_words_agree
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from kvstitch import Engine
-from kvstitch.decode.model_bench import _Sample, _selecting_recall
-from kvstitch.eval.tasks import generate
+from kvstitch.bench.decode import _Sample, _selecting_recall
+from kvstitch.tasks.tasks import generate
 
 DEFAULT_PAGE_SIZE = 16
 

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from kvstitch import Engine  # noqa: E402
-from kvstitch.attention import ATTN_IMPL, register  # noqa: E402
+from kvstitch.core.attention import ATTN_IMPL, register  # noqa: E402
 from kvstitch.models.loader import resolve_model  # noqa: E402
 from kvstitch.store import MemoryStore  # noqa: E402
 

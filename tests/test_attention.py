@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstitch import attention
-from kvstitch.attention import ForwardPlan, kvstitch_attention
+from kvstitch.core import attention
+from kvstitch.core.attention import ForwardPlan, kvstitch_attention
 
 
 def _reference(q, k, v, slots, scaling, window=None, softcap=None):

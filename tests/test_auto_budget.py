@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvstitch import InputError
-from kvstitch.budget import AutoBudget, parse_ratio
+from kvstitch.engine.budget import AutoBudget, parse_ratio
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, TINY, make_tiny_engine
 

@@ -1,5 +1,5 @@
 """Batched recompute passes (#14 item 2): several requests' recompute passes packed on the sequence axis as one
-forward (`Engine.recompute_batch`, `kvstitch.batch.PackedCache`), each request's logits, cache and answer equal
+forward (`Engine.recompute_batch`, `kvstitch.engine.batch.PackedCache`), each request's logits, cache and answer equal
 to the ones it gets alone; the server's worker packs the passes of the jobs it admits in one round."""
 
 import asyncio
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvstitch import Engine
-from kvstitch.attention import ForwardPlan
-from kvstitch.batch import DecodeStep, RecomputeStep, can_batch, plain_plan
-from kvstitch.errors import InputError
-from kvstitch.server import EngineWorker, Job, Metrics, ServerThread, create_app
+from kvstitch.core.attention import ForwardPlan
+from kvstitch.engine.batch import DecodeStep, RecomputeStep, can_batch, plain_plan
+from kvstitch.core.errors import InputError
+from kvstitch.serve.server import EngineWorker, Job, Metrics, ServerThread, create_app
 from kvstitch.store import MemoryStore
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

@@ -4,7 +4,7 @@ one forward (`Engine.decode_batch`); every batched answer equals the same reques
 import pytest
 import torch
 
-from kvstitch.batch import DecodeStep
+from kvstitch.engine.batch import DecodeStep
 from kvstitch.engine import GenerationRequest, GenerationResult
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
@@ -98,7 +98,7 @@ def test_mixed_policies_dense_and_cancellation_in_one_batch(engine):
 
 
 def test_decode_batch_refuses_a_step_whose_cache_does_not_hand_its_kv_to_the_decoder(engine):
-    from kvstitch.errors import InputError
+    from kvstitch.core.errors import InputError
 
     pre = engine.prefill(engine.layout(SAMPLE_QUESTION, _context(0)), "random", 0.3, 4)
     dec = engine.make_decoder(pre.cache, "quest", 48, prompt_ids=pre.layout.ids, **SMALL)

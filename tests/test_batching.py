@@ -8,8 +8,8 @@ import httpx
 import time
 
 from kvstitch import Engine
-from kvstitch.batch import DecodeStep
-from kvstitch.server import ServerThread, create_app
+from kvstitch.engine.batch import DecodeStep
+from kvstitch.serve.server import ServerThread, create_app
 from kvstitch.store import MemoryStore
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

@@ -6,8 +6,8 @@ import pytest
 
 from typer.testing import CliRunner
 
-from kvstitch.bench import write_results
-from kvstitch.bench_serve import bench_serve, request_mix, serve_table
+from kvstitch.bench.ttft import write_results
+from kvstitch.bench.serve import bench_serve, request_mix, serve_table
 
 from .conftest import make_tiny_engine
 
@@ -36,7 +36,7 @@ def test_bench_serve_rows_tiny(smollm_tokenizer, tmp_path):
 
 
 def test_bench_serve_cli_help():
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     r = CliRunner().invoke(app, ["bench", "serve", "--help"])
     assert r.exit_code == 0 and "--concurrency" in r.output and "--max-batch" in r.output
@@ -46,7 +46,7 @@ def test_bench_serve_cli_help():
 def test_bench_serve_long_context_sparse_vs_dense(smollm_tokenizer, tmp_path):
     """Long-context mode: documents of each request's own, a sweep per decode policy, each policy's answers
     compared with its own concurrency-1 answers, recall / selected fraction / memory on the sparse rows."""
-    from kvstitch.bench_serve import DENSE, long_context_mix
+    from kvstitch.bench.serve import DENSE, long_context_mix
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     bodies = long_context_mix(eng, 3, context=600, doc_tokens=100, max_tokens=6)
@@ -72,7 +72,7 @@ def test_bench_serve_long_context_sparse_vs_dense(smollm_tokenizer, tmp_path):
 
 
 def test_bench_serve_refuses_bad_sweeps(smollm_tokenizer):
-    from kvstitch.errors import InputError
+    from kvstitch.core.errors import InputError
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     for kw in ({"concurrency": [0]}, {"concurrency": [1], "decode": ()}):

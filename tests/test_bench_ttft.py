@@ -2,7 +2,7 @@
 
 import json
 
-from kvstitch.bench import COLD, HALF, bench_ttft, ttft_table, write_results
+from kvstitch.bench.ttft import COLD, HALF, bench_ttft, ttft_table, write_results
 
 from .conftest import make_tiny_engine
 
@@ -34,8 +34,8 @@ def test_bench_ttft_breakdown_attention_mlp_and_causal_work(smollm_tokenizer):
     removed afterwards, and the causal-work model is exact for full prefill (1.0) and counts positions."""
     from transformers import AttentionInterface
 
-    from kvstitch.attention import ATTN_IMPL, kvstitch_attention
-    from kvstitch.bench import causal_work
+    from kvstitch.core.attention import ATTN_IMPL, kvstitch_attention
+    from kvstitch.bench.ttft import causal_work
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     rows = bench_ttft(eng, [300], ["random"], ratio=0.2, repeats=1, chunk_tokens=64, progress=False)

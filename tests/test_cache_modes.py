@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstitch.cache import StitchCache
+from kvstitch.core.cache import StitchCache
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
 

@@ -6,11 +6,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvstitch.calibrate import Config, calibrate, configs, frontier_at, parse_auto, perfect_frontier, write_config
-from kvstitch.cli import app
-from kvstitch.errors import InputError
-from kvstitch.eval.datasets import load_dataset
-from kvstitch.server_config import load_toml, read_answer_settings, read_config
+from kvstitch.eval.calibrate import Config, calibrate, configs, frontier_at, parse_auto, perfect_frontier, write_config
+from kvstitch.cli.main import app
+from kvstitch.core.errors import InputError
+from kvstitch.tasks.datasets import load_dataset
+from kvstitch.serve.config import load_toml, read_answer_settings, read_config
 
 from .conftest import SAMPLE_CHUNKS, make_tiny_engine
 
@@ -66,7 +66,7 @@ def test_an_auto_table_reaches_serve_as_its_auto_option(tmp_path):
                  {"agreement": 0.9, "n": 3})
     params = _serve_params(conf)
     assert params["ratio"] == "auto" and json.loads(params["auto"]) == {"schedule": [0.05, 0.1], "tol": 0.02}
-    from kvstitch.serve_cli import parse_auto_option
+    from kvstitch.cli.serve import parse_auto_option
 
     assert parse_auto_option(params["auto"]).schedule == (0.05, 0.1)
     # choosing a fixed ratio later drops the stale auto table

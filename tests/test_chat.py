@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvstitch.engine import STOP
-from kvstitch.errors import InputError
-from kvstitch.prompt import DOCS_HEADER, PromptBuilder
-from kvstitch.server import DEFAULT_MAX_TOKENS, TextStream, _decode_policies, parse_chat_request
+from kvstitch.core.errors import InputError
+from kvstitch.core.prompt import DOCS_HEADER, PromptBuilder
+from kvstitch.serve.server import DEFAULT_MAX_TOKENS, TextStream, _decode_policies, parse_chat_request
 
 from .conftest import SAMPLE_CHUNKS, TINY, make_tiny_engine
 from .test_server import collections_dir, engine, read_sse, server  # noqa: F401 - fixtures reused

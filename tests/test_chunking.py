@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstitch.chunking import chunk_directory, chunk_text
-from kvstitch.errors import InputError
+from kvstitch.core.chunking import chunk_directory, chunk_text
+from kvstitch.core.errors import InputError
 
 
 class WhitespaceTokenizer:

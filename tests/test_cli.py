@@ -3,7 +3,7 @@
 import pytest
 from typer.testing import CliRunner
 
-from kvstitch.cli import app
+from kvstitch.cli.main import app
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
 

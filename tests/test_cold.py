@@ -1,11 +1,11 @@
-"""The cold path (`kvstitch.cold`): a request on a cold store is answered by full prefill (never slower than
+"""The cold path (`kvstitch.engine.cold`): a request on a cold store is answered by full prefill (never slower than
 it), its chunks are precomputed off the request path, and the next request is warm and stitched."""
 
 import pytest
 
 from kvstitch import Engine
-from kvstitch.bench import COLD, HALF, bench_ttft
-from kvstitch.errors import InputError
+from kvstitch.bench.ttft import COLD, HALF, bench_ttft
+from kvstitch.core.errors import InputError
 from kvstitch.store import MemoryStore
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

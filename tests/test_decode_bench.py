@@ -1,8 +1,8 @@
-"""The synthetic decode bench (kvstitch.decode.bench), at toy size."""
+"""The synthetic decode bench (kvstitch.bench.decode_synthetic), at toy size."""
 
 import torch
 
-from kvstitch.decode.bench import POLICIES, bench_policies_synthetic, format_table, synthetic_stream
+from kvstitch.bench.decode_synthetic import POLICIES, bench_policies_synthetic, format_table, synthetic_stream
 
 SMALL = dict(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, obs_window=8)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvstitch.decode import make_decoder
-from kvstitch.decode.bench import synthetic_stream
+from kvstitch.bench.decode_synthetic import synthetic_stream
 
 GOLDEN = Path(__file__).parent / "data" / "decode_golden.json"
 POLICIES = ("prkv", "quest", "arkvale", "snapkv")

@@ -1,4 +1,4 @@
-"""`kvstitch bench decode` (kvstitch.decode.model_bench) on tiny random models: rows, recall, CLI, errors."""
+"""`kvstitch bench decode` (kvstitch.bench.decode) on tiny random models: rows, recall, CLI, errors."""
 
 import json
 
@@ -7,8 +7,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvstitch import InputError
-from kvstitch.cli import app
-from kvstitch.decode.model_bench import bench_decode_model, decode_table
+from kvstitch.cli.main import app
+from kvstitch.bench.decode import bench_decode_model, decode_table
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 
@@ -138,8 +138,8 @@ def test_cli_bad_input_is_one_clear_line(args, message, tiny_model_dir, tmp_path
 
 def test_floor_cache_holds_the_prompts_last_tokens(smollm_tokenizer):
     """The floor runner's cache is the prompt's last n tokens, and dense decode over it attends n + 1 keys."""
-    from kvstitch.decode.model_bench import _Sample
-    from kvstitch.eval.tasks import generate
+    from kvstitch.bench.decode import _Sample
+    from kvstitch.tasks.tasks import generate
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvstitch.decode import make_decoder
-from kvstitch.decode.model_bench import DEFAULT_NEW_TOKENS
-from kvstitch.errors import InputError
+from kvstitch.bench.decode import DEFAULT_NEW_TOKENS
+from kvstitch.core.errors import InputError
 
 HQ, HKV, D = 4, 2, 8
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvstitch.decode import DECODE_POLICIES, make_decoder
-from kvstitch.errors import InputError
-from kvstitch.rope import rerotate
+from kvstitch.core.errors import InputError
+from kvstitch.core.rope import rerotate
 
 HQ, HKV, D = 4, 2, 16
 SCALE = D ** -0.5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstitch.models import cache_kwargs
-from kvstitch.rope import inv_freq_table, rerotate
+from kvstitch.core.rope import inv_freq_table, rerotate
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, TINY, make_tiny_engine
 

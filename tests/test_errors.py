@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import kvstitch
-from kvstitch.errors import (BadDecodeOption, BadMethodOption, BadRatio, InputError, PromptTooLong,
-                             UnknownDecodePolicy, UnknownMethod)
+from kvstitch.core.errors import (BadDecodeOption, BadMethodOption, BadRatio, InputError, PromptTooLong,
+                                  UnknownDecodePolicy, UnknownMethod)
 from kvstitch.select import check_method, check_methods, make_selector
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
@@ -67,7 +67,7 @@ def test_engine_raises_typed_errors(tiny_engine, kwargs, cls):
 
 
 def test_server_maps_errors_by_type_not_message():
-    from kvstitch.server import _input_error
+    from kvstitch.serve.server import _input_error
 
     for cls, (code, param) in TYPED.items():
         api = _input_error(cls("a message without any keyword"))

@@ -8,7 +8,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from kvstitch.errors import InputError
+from kvstitch.core.errors import InputError
 from kvstitch.eval.compare import compare_runs, compare_table, write_comparison
 from kvstitch.eval.report import append_jsonl
 
@@ -64,7 +64,7 @@ def test_identical_rows_tolerate_float_rounding_only():
 
 
 def test_eval_compare_command(tmp_path):
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     base, other = _runs()
     for name, rows in (("a", base), ("b", other)):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvstitch.errors import InputError
-from kvstitch.eval.datasets import (SHORT_ANSWER, load_dataset, parse_range, split_passages, to_sample)
+from kvstitch.core.errors import InputError
+from kvstitch.tasks.datasets import (SHORT_ANSWER, load_dataset, parse_range, split_passages, to_sample)
 from kvstitch.eval.report import read_jsonl
 from kvstitch.eval.runner import RESULTS, EvalConfig, run_eval
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvstitch.eval.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
+from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 
 
 def test_kl_of_identical_logits_is_zero():

@@ -14,7 +14,7 @@ import kvstitch
 from kvstitch.eval.report import read_jsonl
 from kvstitch.eval.runner import (RESULTS, EvalConfig, combos, run_eval, run_method, sample_layout,
                                   to_original_order)
-from kvstitch.eval.tasks import generate
+from kvstitch.tasks.tasks import generate
 
 from .conftest import make_tiny_engine
 
@@ -163,12 +163,12 @@ def test_to_original_order_maps_reordered_chunks():
 def test_eval_command_wiring(engine, tmp_path, monkeypatch):
     """`kvstitch eval` as the CLI will mount it (the model load is replaced by the tiny engine)."""
     from kvstitch.engine import Engine
-    from kvstitch.eval.cli import eval_command
+    from kvstitch.cli.eval import eval_command
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
     app = typer.Typer()
     app.command("eval")(eval_command)
-    app.command("noop")(lambda: None)  # a second command keeps `eval` a sub-command, as in kvstitch.cli
+    app.command("noop")(lambda: None)  # a second command keeps `eval` a sub-command, as in kvstitch.cli.main
     out = tmp_path / "o"
     r = CliRunner().invoke(app, ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64",
                                  "--methods", "random", "--ratios", "0.2", "--n", "1", "--max-new-tokens", "4",
@@ -184,7 +184,7 @@ def test_precompute_mode_flag_reaches_the_engine_rows_and_protocol(engine, tmp_p
     """`--precompute-mode isolated` loads an isolated-precompute engine; its rows say so, and its protocol
     keeps them out of a shared-prefix log."""
     from kvstitch.engine import Engine
-    from kvstitch.eval.cli import eval_command
+    from kvstitch.cli.eval import eval_command
     from kvstitch.store import MemoryStore
 
     seen = {}
@@ -254,7 +254,7 @@ def test_eval_exit_code_when_samples_fail(engine, tmp_path, monkeypatch, failing
     """`kvstitch eval` exits 1 when every sample of the run failed; one failed sample of two is logged
     and the run still succeeds (a long run must not stop for one broken sample)."""
     import kvstitch.eval.runner as runner
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
     from kvstitch.engine import Engine
 
     real = runner.eval_sample
@@ -310,7 +310,7 @@ def test_auto_rows_report_agreement_cost_and_resume(engine, tmp_path):
 
 def test_eval_report_pools_several_runs(engine, tmp_path):
     """`kvstitch eval-report A B --out C`: one summary over the union of the runs' rows, naming their commands."""
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     a, b = tmp_path / "a", tmp_path / "b"
     run_eval(engine, _cfg(tasks=["niah_single_essay"], n=1, methods=["random"]), a, progress=False, command="cmd-a")
@@ -327,7 +327,7 @@ def test_eval_report_pools_several_runs(engine, tmp_path):
 def test_shards_split_a_run_and_merge_into_the_whole(engine, tmp_path):
     """`--shard k/n` runs disjoint samples whose union is the unsharded run, row for row; a resumed shard
     keeps its own samples; `kvstitch eval-merge` joins the shards (shared rows once) into a resumable run."""
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
     from kvstitch.eval.runner import row_key
 
     cfg = _cfg(n=3, methods=["random"])
@@ -372,7 +372,7 @@ def test_shards_split_a_run_and_merge_into_the_whole(engine, tmp_path):
 def test_merge_refuses_conflicting_rows_and_other_protocols(engine, tmp_path):
     """Two runs with different answers for one row, or of different protocols, are not merged, and the
     target keeps what it had."""
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     cfg = _cfg(n=1, tasks=["two_hop"], methods=["random"])
     run_eval(engine, cfg, tmp_path / "a", progress=False)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from kvstitch.eval.scoring import (SCORERS, aggregate, score, scorer_for, string_match_all,
-                                   string_match_part)
-from kvstitch.eval.tasks import TASKS, generate
+from kvstitch.tasks.scoring import (SCORERS, aggregate, score, scorer_for, string_match_all,
+                                    string_match_part)
+from kvstitch.tasks.tasks import TASKS, generate
 
 
 def test_string_match_all_is_fraction_of_refs_found():
@@ -55,7 +55,7 @@ def test_gold_answers_score_full_marks_and_empty_scores_zero(task):
 
 # ---- real QA: LongBench's qa_f1_score / SQuAD normalisation, on fixed examples computed by hand ----------
 
-from kvstitch.eval.scoring import answer_correct, exact_match, normalize_answer, qa_f1  # noqa: E402
+from kvstitch.tasks.scoring import answer_correct, exact_match, normalize_answer, qa_f1  # noqa: E402
 
 
 def test_normalize_answer_is_longbench_s():

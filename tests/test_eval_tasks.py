@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from kvstitch.eval.haystack import chunk_budgets, locate, other_chunks
-from kvstitch.eval.tasks import TASKS, Sample, default_depths, generate
-from kvstitch.eval.words import REPEAT_NOISE
+from kvstitch.tasks.haystack import chunk_budgets, locate, other_chunks
+from kvstitch.tasks.tasks import TASKS, Sample, default_depths, generate
+from kvstitch.tasks.words import REPEAT_NOISE
 
 ALL_TASKS = sorted(TASKS)
 RULER_TASKS = {"niah_single_repeat", "niah_single_essay", "niah_single_uuid", "niah_multikey", "niah_multivalue",
@@ -239,7 +239,7 @@ NIAH_ESSAY = ["niah_single_essay", "niah_single_uuid", "niah_multikey", "niah_mu
 
 @pytest.mark.parametrize("task", NIAH_ESSAY)
 def test_essays_haystack_is_the_installed_paul_graham_essays(task):
-    from kvstitch.eval.haystack import essay_dir, pg_essay_corpus
+    from kvstitch.tasks.haystack import essay_dir, pg_essay_corpus
 
     d = essay_dir()
     assert d is not None and d.name == "PaulGrahamEssays" and "site-packages" in str(d)  # read from the package

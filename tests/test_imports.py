@@ -1,5 +1,6 @@
-"""The package's import structure, read with `ast` (nothing is imported): no import cycles, no upward
-imports, no module reaching into another's private names (`from .x import _name`, `Engine`'s private members).
+"""The package's import structure, read with `ast` (nothing is imported): every module in one layer
+folder (`LAYERS`), no import cycles, no upward imports, no module reaching into another's private names
+(`from .x import _name`, `Engine`'s private members).
 
 Imports count wherever they are written (module level, inside a function: a deferred import, and under
 `if TYPE_CHECKING:`: a type-only import is the dependency it is, even though it never runs).
@@ -22,23 +23,40 @@ ALLOWED_CYCLE_EDGES: dict[tuple[str, str], str] = {
 # `from kvstitch.x import _name` across modules: (importer, imported module, name)
 ALLOWED_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 
-# (importer prefix, imported prefix): a lower layer must not import a higher one
+# The layers, lowest first, each a list of folders (docs/design.md "Layers"). Every module under kvstitch/
+# belongs to exactly one (the package root, `kvstitch/__init__.py`, is the public facade over all of them);
+# a module may import its own layer and the layers below, never one above.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("foundations", ["kvstitch.core", "kvstitch.models", "kvstitch.store", "kvstitch.tasks"]),
+    ("methods", ["kvstitch.select", "kvstitch.decode"]),
+    ("engine", ["kvstitch.engine"]),
+    ("applications", ["kvstitch.eval", "kvstitch.corpus", "kvstitch.serve", "kvstitch.bench"]),
+    ("command line", ["kvstitch.cli"]),
+]
+FACADE = "kvstitch"
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+# Folders of one layer that import each other: only these directions (a new one, e.g. corpus -> serve,
+# fails `test_no_new_dependencies_between_sibling_folders`; the methods select and decode do not import
+# each other at all). (importer folder, imported folder): why.
+SIBLING_DEPENDENCIES: dict[tuple[str, str], str] = {
+    ("kvstitch.core", "kvstitch.models"): "rope's self-check runs the model (cache_kwargs)",
+    ("kvstitch.models", "kvstitch.core"): "the loader registers kvstitch's attention; errors",
+    ("kvstitch.store", "kvstitch.core"): "stores hold ChunkKV and raise StoreError",
+    ("kvstitch.tasks", "kvstitch.core"): "datasets raise InputError",
+    ("kvstitch.serve", "kvstitch.corpus"): "the server retrieves from indexed collections",
+    ("kvstitch.eval", "kvstitch.serve"): "calibrate updates the server's TOML config (load_toml)",
+    ("kvstitch.bench", "kvstitch.serve"): "the load test runs a real server",
+    ("kvstitch.bench", "kvstitch.corpus"): "the precompute bench times the Ray path",
+}
+
+# (importer prefix, imported prefix) inside one layer that must not import each other
 FORBIDDEN = [
-    ("kvstitch.decode", "kvstitch.eval.runner"),   # the sparse-decode library must not depend on the harness
-    ("kvstitch.decode", "kvstitch.eval.report"),
-    ("kvstitch.decode", "kvstitch.eval.cli"),
-    ("kvstitch.viz", "kvstitch.eval.runner"),      # pictures use eval.selection, not the runner's internals
-    ("kvstitch.select", "kvstitch.engine"),        # selectors get a context, they do not import the engine
-    ("kvstitch.select", "kvstitch.eval"),
-    ("kvstitch.store", "kvstitch.engine"),
-    ("kvstitch.cache", "kvstitch.engine"),
-    ("kvstitch.rope", "kvstitch.engine"),
-    ("kvstitch.prompt", "kvstitch.engine"),
-    ("kvstitch.attention", "kvstitch.engine"),
+    ("kvstitch.eval.viz", "kvstitch.eval.runner"),  # pictures use eval.selection, not the runner's internals
 ]
 ALLOWED_FORBIDDEN: dict[tuple[str, str], str] = {}
 
-# Library modules that still define a typer command (move it into kvstitch/cli.py or a `cli` module)
+# Library modules that still define a typer command (move it into kvstitch/cli/)
 ALLOWED_TYPER: dict[str, str] = {
 }
 
@@ -147,6 +165,33 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def layer_of(name: str) -> list[tuple[int, str]]:
+    """(layer index, folder) of every layer folder `name` lies under (exactly one for a placed module)."""
+    return [(i, folder) for i, (_, folders) in enumerate(LAYERS) for folder in folders if _under(name, folder)]
+
+
+def upward_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) where the imported module sits in a higher layer than the importer."""
+    out = set()
+    for a, targets in graph.items():
+        for b in targets:
+            la, lb = layer_of(a), layer_of(b)
+            if la and lb and lb[0][0] > la[0][0]:
+                out.add((a, b))
+    return out
+
+
+def sibling_dependencies(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer folder, imported folder) for imports between different folders of one layer."""
+    out = set()
+    for a, targets in graph.items():
+        for b in targets:
+            la, lb = layer_of(a), layer_of(b)
+            if la and lb and la[0][0] == lb[0][0] and la[0][1] != lb[0][1]:
+                out.add((la[0][1], lb[0][1]))
+    return out
+
+
 def forbidden_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return {(a, b) for a, targets in graph.items() for b in targets
             for lo, hi in FORBIDDEN if _under(a, lo) and _under(b, hi)}
@@ -154,7 +199,7 @@ def forbidden_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 def engine_private_members() -> set[str]:
     """Engine's private methods and the private attributes it sets on itself."""
-    tree = ast.parse((PACKAGE / "engine.py").read_text(encoding="utf-8"))
+    tree = ast.parse((PACKAGE / "engine" / "engine.py").read_text(encoding="utf-8"))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
     names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
@@ -163,12 +208,12 @@ def engine_private_members() -> set[str]:
 
 
 def private_engine_uses() -> set[tuple[str, str]]:
-    """(module, member) for every `x._member` outside engine.py with `_member` one of Engine's private
+    """(module, member) for every `x._member` outside engine/engine.py with `_member` one of Engine's private
     members and `x` not `self`/`cls` (another class's own private member of the same name is not a use)."""
     private = engine_private_members()
     uses = set()
     for name, path in modules().items():
-        if name == "kvstitch.engine":
+        if name == "kvstitch.engine.engine":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr in private and \
@@ -205,31 +250,58 @@ def test_the_checker_sees_cycles_function_level_imports_and_type_checking(tmp_pa
 
 def test_the_checker_sees_upward_imports_and_private_names(tmp_path):
     pkg = tmp_path / "kvstitch"
-    (pkg / "select").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "engine.py").write_text("_SECRET = 1\n")
-    (pkg / "select" / "__init__.py").write_text("")
-    (pkg / "select" / "x.py").write_text("def f():\n    from ..engine import _SECRET\n")
-    known = {"kvstitch": pkg / "__init__.py", "kvstitch.engine": pkg / "engine.py",
-             "kvstitch.select": pkg / "select" / "__init__.py", "kvstitch.select.x": pkg / "select" / "x.py"}
+    for d in ("core", "engine", "select", "eval", "serve"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from .engine.engine import Engine\n")  # the facade imports anything
+    (pkg / "engine" / "engine.py").write_text("from ..core import rope\n_SECRET = 1\nclass Engine: ...\n")
+    (pkg / "core" / "rope.py").write_text("def f():\n    from kvstitch.engine.engine import Engine\n")
+    (pkg / "select" / "x.py").write_text("def f():\n    from ..engine.engine import _SECRET\n")
+    (pkg / "eval" / "viz.py").write_text("from . import runner\nfrom kvstitch.serve import app\n")
+    (pkg / "eval" / "runner.py").write_text("")
+    (pkg / "serve" / "app.py").write_text("from kvstitch.engine.engine import Engine\n")
+    known = {"kvstitch": pkg / "__init__.py"}
+    for p in sorted(pkg.rglob("*.py")):
+        if p.parent != pkg:
+            name = ".".join(["kvstitch", *p.relative_to(pkg).with_suffix("").parts])
+            known[name.removesuffix(".__init__")] = p
     graph = {n: imports_of(n, p, known) for n, p in known.items()}
-    assert forbidden_edges(graph) == {("kvstitch.select.x", "kvstitch.engine")}  # select must not import engine
-    assert private_imports(known) == {("kvstitch.select.x", "kvstitch.engine", "_SECRET")}
+    assert upward_edges(graph) == {("kvstitch.core.rope", "kvstitch.engine.engine"),  # foundations -> engine
+                                   ("kvstitch.select.x", "kvstitch.engine.engine")}  # methods -> engine
+    assert sibling_dependencies(graph) == {("kvstitch.eval", "kvstitch.serve")}
+    assert forbidden_edges(graph) == {("kvstitch.eval.viz", "kvstitch.eval.runner")}
+    assert private_imports(known) == {("kvstitch.select.x", "kvstitch.engine.engine", "_SECRET")}
 
 
 # ---- the package ---------------------------------------------------------------------------------------
 def test_no_import_cycles():
     graph = import_graph()
-    assert len(graph) > 50 and "kvstitch.engine" in graph["kvstitch.cli"] | graph["kvstitch"]  # really walked
+    assert len(graph) > 50 and "kvstitch.engine.engine" in graph["kvstitch.engine"]  # really walked
     for a, b in ALLOWED_CYCLE_EDGES:
         graph[a].discard(b)
     found = cycles(graph)
     assert not found, f"import cycles: {found}"
 
 
+def test_every_module_is_in_exactly_one_layer():
+    folders = [f for _, fs in LAYERS for f in fs]
+    assert len(folders) == len(set(folders)) and not any(_under(a, b) for a in folders for b in folders if a != b)
+    placed = {name: layer_of(name) for name in modules() if name != FACADE}
+    assert placed and "kvstitch.engine.engine" in placed  # really walked
+    bad = {name: where for name, where in placed.items() if len(where) != 1}
+    assert not bad, f"modules in no layer or in several (add the folder to LAYERS): {bad}"
+
+
 def test_no_upward_imports():
-    bad = forbidden_edges(import_graph()) - set(ALLOWED_FORBIDDEN)
+    bad = upward_edges(import_graph()) - set(ALLOWED_UPWARD)
     assert not bad, f"upward imports (importer, imported): {sorted(bad)}"
+    bad = forbidden_edges(import_graph()) - set(ALLOWED_FORBIDDEN)
+    assert not bad, f"forbidden imports inside a layer (importer, imported): {sorted(bad)}"
+
+
+def test_no_new_dependencies_between_sibling_folders():
+    bad = sibling_dependencies(import_graph()) - set(SIBLING_DEPENDENCIES)
+    assert not bad, f"folders of one layer importing each other (importer, imported): {sorted(bad)}"
 
 
 def typer_importers() -> set[str]:
@@ -243,26 +315,24 @@ def typer_importers() -> set[str]:
 
 
 def is_cli_module(name: str) -> bool:
-    """A command-line module: ``cli`` (``kvstitch.cli``, ``kvstitch.eval.cli``) or ``<topic>_cli``
-    (``kvstitch.serve_cli`` next to ``kvstitch.server``)."""
-    last = name.rsplit(".", 1)[-1]
-    return last == "cli" or last.endswith("_cli")
+    """A command-line module: one under ``kvstitch/cli/`` (``kvstitch.cli.main``, ``kvstitch.cli.eval``)."""
+    return _under(name, "kvstitch.cli")
 
 
 def test_no_library_module_imports_typer():
-    """Command-line code lives in the `cli` modules; library modules stay free of typer."""
-    assert is_cli_module("kvstitch.eval.cli") and is_cli_module("kvstitch.serve_cli")
-    assert not is_cli_module("kvstitch.server") and not is_cli_module("kvstitch.public")
+    """Command-line code lives in kvstitch/cli/; library modules stay free of typer."""
+    assert is_cli_module("kvstitch.cli.eval") and is_cli_module("kvstitch.cli.serve")
+    assert not is_cli_module("kvstitch.serve.server") and not is_cli_module("kvstitch.eval.runner")
     bad = {m for m in typer_importers() if not is_cli_module(m)} - set(ALLOWED_TYPER)
-    assert "kvstitch.cli" in typer_importers()  # the scan sees typer imports
-    assert not bad, f"library modules importing typer (move the command into a cli module): {sorted(bad)}"
+    assert "kvstitch.cli.main" in typer_importers()  # the scan sees typer imports
+    assert not bad, f"library modules importing typer (move the command into kvstitch/cli/): {sorted(bad)}"
 
 
 def test_no_private_engine_calls_outside_engine():
     private = engine_private_members()
     assert {"_prefill", "_check_request"} <= private  # the scan sees Engine's private members
     bad = private_engine_uses() - set(ALLOWED_PRIVATE)
-    assert not bad, f"Engine private members used outside engine.py (module, member): {sorted(bad)}"
+    assert not bad, f"Engine private members used outside engine/engine.py (module, member): {sorted(bad)}"
 
 
 def test_no_private_names_imported_across_modules():
@@ -274,7 +344,8 @@ def test_allow_lists_are_not_stale():
     """Each allow-list entry names work in progress; once that work lands, the entry must go."""
     graph = import_graph()
     edges = {(a, b) for a, targets in graph.items() for b in targets}
-    stale = [e for e in [*ALLOWED_CYCLE_EDGES, *ALLOWED_FORBIDDEN] if e not in edges]
+    stale = [e for e in [*ALLOWED_CYCLE_EDGES, *ALLOWED_FORBIDDEN, *ALLOWED_UPWARD] if e not in edges]
+    stale += [e for e in SIBLING_DEPENDENCIES if e not in sibling_dependencies(graph)]
     stale += [e for e in ALLOWED_PRIVATE if e not in private_engine_uses()]
     stale += [m for m in ALLOWED_TYPER if m not in typer_importers()]
     stale += [e for e in ALLOWED_PRIVATE_IMPORTS if e not in private_imports()]

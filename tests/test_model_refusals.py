@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvstitch import ModelLoadError, PositionRecoveryError
-from kvstitch.attention import ATTN_IMPL, register
+from kvstitch.core.attention import ATTN_IMPL, register
 from kvstitch.engine import Engine
 from kvstitch.models.adapter import ModelAdapter, adapter_for
-from kvstitch.rope import SELF_CHECK_RTOL, self_check
+from kvstitch.core.rope import SELF_CHECK_RTOL, self_check
 
 from .conftest import _COMMON, make_tiny_engine
 
@@ -105,7 +105,7 @@ def test_position_recovery_error_above_tolerance(smollm_tokenizer):
 
 def test_engine_refuses_to_stitch_when_self_check_fails(smollm_tokenizer, monkeypatch):
     """At load (Engine construction) the self-check runs on the model itself and its failure propagates."""
-    import kvstitch.engine as engine_mod
+    import kvstitch.engine.engine as engine_mod
 
     model = _tiny_model(_llama({"rope_type": "default", "rope_theta": 10000.0}), smollm_tokenizer)
     real = engine_mod.adapter_for
@@ -126,7 +126,7 @@ def test_engine_refuses_to_stitch_when_self_check_fails(smollm_tokenizer, monkey
 def test_self_check_tolerance_follows_the_model_dtype(smollm_tokenizer):
     """A bfloat16 model (CUDA's default dtype) rounds its own RoPE: the exact re-rotation must still pass,
     and a wrong base must still fail."""
-    from kvstitch.rope import self_check_rtol
+    from kvstitch.core.rope import self_check_rtol
 
     assert self_check_rtol(torch.float32) == SELF_CHECK_RTOL
     assert self_check_rtol(torch.bfloat16) == pytest.approx(0.0625)
@@ -142,7 +142,7 @@ def test_self_check_tolerance_follows_the_model_dtype(smollm_tokenizer):
 
 
 def test_unknown_dtype_is_an_input_error():
-    from kvstitch.errors import InputError
+    from kvstitch.core.errors import InputError
 
     with pytest.raises(InputError, match="unknown dtype 'float8'"):
         Engine.load(dtype="float8")

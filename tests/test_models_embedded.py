@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-from kvstitch.errors import ModelLoadError
+from kvstitch.core.errors import ModelLoadError
 from kvstitch.models.loader import _SPLIT, SplitGGUF, _package_dir, assemble_split
 
 PARTS = [b"GGUF" + bytes(range(50)), bytes(range(200, 256)) * 3, b"tail"]

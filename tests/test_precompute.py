@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstitch.precompute import ensure_chunks, precompute_directory
+from kvstitch.engine.precompute import ensure_chunks, precompute_directory
 from kvstitch.store import MemoryStore
 
 from .conftest import SAMPLE_CHUNKS, make_tiny_engine
@@ -87,7 +87,7 @@ def test_precompute_directory_is_resumable(eng, tmp_path):
 
 
 def test_engine_precompute_warms_the_store_for_the_first_question(eng):
-    from kvstitch.errors import InputError
+    from kvstitch.core.errors import InputError
 
     rep = eng.precompute(SAMPLE_CHUNKS, progress=False)
     n_prefixes = len(eng.builder.canonical_prefixes())  # a question's layout and a conversation's

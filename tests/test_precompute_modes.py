@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kvstitch import Engine
-from kvstitch.attention import ForwardPlan
-from kvstitch.cache import StitchCache
-from kvstitch.errors import InputError
+from kvstitch.core.attention import ForwardPlan
+from kvstitch.core.cache import StitchCache
+from kvstitch.core.errors import InputError
 from kvstitch.store import MemoryStore, chunk_key
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

@@ -15,8 +15,8 @@ import torch
 
 import ray  # noqa: E402 - required, not skipped
 from kvstitch import Engine
-from kvstitch.precompute import directory_chunks, precompute_directory
-from kvstitch.ray_precompute import RayPrecompute
+from kvstitch.engine.precompute import directory_chunks, precompute_directory
+from kvstitch.corpus.ray_precompute import RayPrecompute
 from kvstitch.store import RedisStore
 
 from .conftest import make_tiny_engine
@@ -163,7 +163,7 @@ def test_ray_flag_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
 
     from typer.testing import CliRunner
 
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     (tmp_path / "a.txt").write_text("A short document.")
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
@@ -179,7 +179,7 @@ def test_bench_precompute_single_vs_ray(ray_cluster, tiny_dir, tmp_path):
 
     from typer.testing import CliRunner
 
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     out = CliRunner().invoke(app, ["bench", "precompute", "--ray-workers", "0,1", "--docs", "2", "--words", "80",
                                    "--chunk-tokens", "32", "--batch-size", "2", "--model", str(tiny_dir),
@@ -199,7 +199,7 @@ def test_store_lost_mid_run_fails_the_job_with_a_clear_message(ray_cluster, tiny
     import subprocess
     import time
 
-    from kvstitch.errors import KVStitchError
+    from kvstitch.core.errors import KVStitchError
 
     from .test_store_redis import free_port
 

@@ -8,10 +8,10 @@ import uuid
 import pytest
 import torch
 
-from kvstitch import retrieval
-from kvstitch.errors import InputError, KVStitchError
-from kvstitch.retrieval import (BM25, CollectionCache, CollectionNotFound, ask_collection, build_index,
-                                collections_root, embedder_dir, get_embedder, list_collections, load_collection)
+from kvstitch.corpus import retrieval
+from kvstitch.core.errors import InputError, KVStitchError
+from kvstitch.corpus.retrieval import (BM25, CollectionCache, CollectionNotFound, ask_collection, build_index,
+                                       collections_root, embedder_dir, get_embedder, list_collections, load_collection)
 
 from .conftest import make_tiny_engine
 
@@ -166,7 +166,7 @@ def test_index_and_ask_commands(engine, docs_dir, tmp_path, monkeypatch, offline
     import typer
     from typer.testing import CliRunner
 
-    from kvstitch import retrieval_cli
+    from kvstitch.cli import retrieval as retrieval_cli
 
     monkeypatch.setattr(retrieval_cli, "_load_engine", lambda model, store: engine)
     app = typer.Typer()

@@ -6,7 +6,7 @@ masked keys are really gone for the decode steps."""
 import pytest
 import torch
 
-from kvstitch.attention import ForwardPlan
+from kvstitch.core.attention import ForwardPlan
 from kvstitch.select import make_selector
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

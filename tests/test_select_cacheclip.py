@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kvstitch.attention import ForwardPlan
+from kvstitch.core.attention import ForwardPlan
 from kvstitch.models.loader import resolve_model
-from kvstitch.prompt import PromptLayout
+from kvstitch.core.prompt import PromptLayout
 from kvstitch.select import SelectionContext, make_selector
 from kvstitch.select import base as select_base
-from kvstitch.errors import InputError
+from kvstitch.core.errors import InputError
 from kvstitch.select.cacheclip import align_scores, decode_spans, encode_with_spans, spans_of_ids
 from kvstitch.select.grouping import grouped_top_k
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvstitch.errors import BadMethodOption
-from kvstitch.rope import rerotate
+from kvstitch.core.errors import BadMethodOption
+from kvstitch.core.rope import rerotate
 from kvstitch.select import SelectionContext, make_selector
 from kvstitch.select.deltaprop import DeltaCache
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvstitch.attention import ForwardPlan
+from kvstitch.core.attention import ForwardPlan
 from kvstitch.select import SelectionContext, make_selector
 from kvstitch.select import deviation
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvstitch.prompt import PromptLayout
+from kvstitch.core.prompt import PromptLayout
 from kvstitch.select import SelectionContext, make_selector
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvstitch.errors import InputError
-from kvstitch.prompt import PromptLayout
+from kvstitch.core.errors import InputError
+from kvstitch.core.prompt import PromptLayout
 from kvstitch.select import SelectionContext, make_selector, top_k_indices
 from kvstitch.select.grouping import grouped_top_k, kept_windows, window_thresholds
 

@@ -37,7 +37,7 @@ def test_infoflow_reports_its_layers(smollm_tokenizer):
 
 
 def test_chunk_importance_rules():
-    from kvstitch.errors import InputError
+    from kvstitch.core.errors import InputError
     from kvstitch.select.infoflow import chunk_importance
 
     local = [torch.tensor([0.5, 0.5, 0.5, 0.4]), torch.tensor([0.9, 0.0, 0.0, 0.0]), torch.tensor([0.1, 0.2])]

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from kvstitch.attention import ATTN_IMPL, _ape_attention
+from kvstitch.core.attention import ATTN_IMPL, _ape_attention
 from kvstitch.select import make_selector
-from kvstitch.eval.metrics import overlap_ratio  # the one definition (empty reference set: NaN)
+from kvstitch.tasks.metrics import overlap_ratio  # the one definition (empty reference set: NaN)
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 from .test_select_prophet import eager_suffix_attention, make_ctx, stitched_kv

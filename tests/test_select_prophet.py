@@ -4,7 +4,7 @@ Stage II, and a behavioural multi-key needle on SmolLM2 where naive reuse fails 
 import pytest
 import torch
 
-from kvstitch.attention import ATTN_IMPL
+from kvstitch.core.attention import ATTN_IMPL
 from kvstitch.models import cache_kwargs
 from kvstitch.select import SelectionContext, make_selector, top_k_indices
 from kvstitch.select.scoring import group_mean, head_mean

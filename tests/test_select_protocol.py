@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvstitch
-from kvstitch.errors import InputError
+from kvstitch.core.errors import InputError
 from kvstitch.select import SELECTORS, SelectionContext, Selector, make_selector, register
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

@@ -14,8 +14,8 @@ import uuid
 import httpx
 import pytest
 
-from kvstitch.retrieval import build_index
-from kvstitch.server import ServerThread, TextStream, create_app
+from kvstitch.corpus.retrieval import build_index
+from kvstitch.serve.server import ServerThread, TextStream, create_app
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 
@@ -355,12 +355,12 @@ def test_bounded_load_all_answered_or_429(client, server):
     assert client.post("/v1/chat/completions", json=chat_body(method="naive", max_tokens=2)).status_code == 200
 
 
-# ---- the serve command (the lead wires it into kvstitch.cli) -----------------------------------------
+# ---- the serve command (the lead wires it into kvstitch.cli.main) -----------------------------------------
 def test_serve_command_rejects_unknown_method_before_loading():
     import typer
     from typer.testing import CliRunner
 
-    from kvstitch.serve_cli import serve_command
+    from kvstitch.cli.serve import serve_command
 
     app = typer.Typer()
     app.command("serve")(serve_command)
@@ -412,7 +412,7 @@ def test_engine_failure_is_reported_and_the_worker_survives(engine):
 
 
 def test_queue_admission_counts_the_running_job():
-    from kvstitch.server import EngineWorker, Job, Metrics, QueueFull
+    from kvstitch.serve.server import EngineWorker, Job, Metrics, QueueFull
 
     loop = asyncio.new_event_loop()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvstitch.server import ServerThread, create_app
+from kvstitch.serve.server import ServerThread, create_app
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 

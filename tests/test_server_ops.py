@@ -8,9 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from kvstitch import Engine
-from kvstitch.chunk import ChunkKV
-from kvstitch.server import ServerThread, create_app
-from kvstitch.server_security import SecurityConfig, api_keys_from, check_bind
+from kvstitch.core.chunk import ChunkKV
+from kvstitch.serve.server import ServerThread, create_app
+from kvstitch.serve.security import SecurityConfig, api_keys_from, check_bind
 from kvstitch.store import DiskStore, MemoryStore, chunk_key
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
@@ -95,7 +95,7 @@ def test_cors_off_by_default_on_when_configured(tiny):
 
 
 def test_refuses_to_bind_a_public_address_without_a_key(monkeypatch):
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     def no_load(*a, **k):
         raise AssertionError("the model must not be loaded before the bind check")
@@ -155,7 +155,7 @@ def test_document_ids_round_trip(disk_engine):
 
 
 def test_pinned_document_survives_gc_that_evicts_unpinned(disk_engine, tmp_path):
-    from kvstitch.cli import app as cli_app
+    from kvstitch.cli.main import app as cli_app
 
     app = create_app(disk_engine)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
@@ -262,8 +262,8 @@ def test_redis_stopped_and_restarted_mid_stream_loses_no_request(tiny):
 def test_serve_config_flags_over_env_over_file(monkeypatch, tmp_path):
     import uvicorn
 
-    from kvstitch import server
-    from kvstitch.cli import app
+    from kvstitch.serve import server
+    from kvstitch.cli.main import app
 
     seen = {}
 

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from kvstitch.server import ServerThread, create_app
+from kvstitch.serve.server import ServerThread, create_app
 
 from .conftest import SAMPLE_CHUNKS, make_tiny_engine
 from .test_batching import _alone, _messages, _send_all

@@ -16,8 +16,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvstitch.chunk import ChunkKV
-from kvstitch.errors import CorruptEntryError, StoreError
+from kvstitch.core.chunk import ChunkKV
+from kvstitch.core.errors import CorruptEntryError, StoreError
 from kvstitch.store import (LAYOUT_VERSION, ChunkStore, DiskStore, InvalidKeyError, MemoryStore, TieredStore,
                             chunk_key, open_store)
 from kvstitch.store import codec, disk
@@ -240,7 +240,7 @@ def test_partial_write_leaves_nothing_readable(tmp_path):
 _SLOW_WRITER = textwrap.dedent("""
     import sys, time, torch
     import kvstitch.store.disk as d
-    from kvstitch.chunk import ChunkKV
+    from kvstitch.core.chunk import ChunkKV
     orig = d._write_all
     def slow(fd, buf):  # write slowly in 4 KiB pieces so the kill lands mid-write
         mv = memoryview(buf).cast("B")

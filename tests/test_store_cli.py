@@ -7,10 +7,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from kvstitch.chunk import ChunkKV
+from kvstitch.core.chunk import ChunkKV
 from kvstitch.store import DiskStore, chunk_key
-from kvstitch.store.bench import bench_checksums, bench_store, format_rows
-from kvstitch.store.cli import parse_size, store_app
+from kvstitch.bench.store import bench_checksums, bench_store, format_rows
+from kvstitch.cli.store import parse_size, store_app
 
 runner = CliRunner()
 

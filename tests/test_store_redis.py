@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvstitch.errors import StoreError
+from kvstitch.core.errors import StoreError
 from kvstitch.store import DiskStore, MemoryStore, RedisStore, TieredStore, chunk_key, open_store
 from kvstitch.store import codec
 
@@ -23,7 +23,7 @@ FP = "model-A"
 
 
 def make_kv(seed=0, n=16, fingerprint=FP):
-    from kvstitch.chunk import ChunkKV
+    from kvstitch.core.chunk import ChunkKV
 
     g = torch.Generator().manual_seed(seed)
     return ChunkKV(torch.randn(3, 2, n, 8, generator=g) * 8, torch.randn(3, 2, n, 8, generator=g),
@@ -200,7 +200,7 @@ def test_tiered_promotes_from_redis_into_disk_and_memory(redis_url, tmp_path):
 def test_cli_against_redis(redis_url):
     from typer.testing import CliRunner
 
-    from kvstitch.store.cli import store_app
+    from kvstitch.cli.store import store_app
 
     s = RedisStore(redis_url)  # the CLI looks at the default prefix
     s.put(key_of(7), make_kv())
@@ -215,7 +215,7 @@ def test_cli_against_redis(redis_url):
 
 
 def test_bench_includes_redis(redis_url, tmp_path):
-    from kvstitch.store.bench import bench_store
+    from kvstitch.bench.store import bench_store
 
     rows = bench_store([redis_url], n_layers=2, n_kv_heads=1, head_dim=16, n_tokens=8, dtypes=["float16"],
                        n_entries=2, repeats=1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvstitch.identity import tokenizer_fingerprint
+from kvstitch.core.identity import tokenizer_fingerprint
 from kvstitch.store import MemoryStore, RedisStore, chunk_key
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
@@ -76,7 +76,7 @@ def test_two_models_share_one_redis_without_reading_each_other(redis_url, smollm
     by_model = RedisStore(url).stats()["by_model"]
     assert {fp: d["entries"] for fp, d in by_model.items()} == {big.fingerprint: 3, tiny.fingerprint: 3}
     assert by_model[big.fingerprint]["name"].lower().startswith("smollm2")
-    from kvstitch.cli import app
+    from kvstitch.cli.main import app
 
     out = CliRunner().invoke(app, ["store", "stats", url])
     assert out.exit_code == 0, out.output
@@ -86,7 +86,7 @@ def test_two_models_share_one_redis_without_reading_each_other(redis_url, smollm
 def test_redis_budget_evicts_unpinned_lru_and_keeps_pins(redis_url):  # noqa: F811
     import time
 
-    from kvstitch.chunk import ChunkKV
+    from kvstitch.core.chunk import ChunkKV
 
     def kv(i):
         g = torch.Generator().manual_seed(i)

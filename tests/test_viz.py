@@ -12,8 +12,8 @@ import typer
 from typer.testing import CliRunner
 
 import kvstitch
-from kvstitch.eval.tasks import generate
-from kvstitch.viz import render_html, selection_picture, write_picture
+from kvstitch.tasks.tasks import generate
+from kvstitch.eval.viz import render_html, selection_picture, write_picture
 
 from .conftest import make_tiny_engine
 
@@ -149,7 +149,7 @@ def test_html_renders_in_headless_chromium(picture, tmp_path):
 def test_viz_command_wiring(smollm_tokenizer, tmp_path, monkeypatch):
     """`kvstitch viz` as the CLI will mount it (the model load is replaced by the tiny engine)."""
     from kvstitch.engine import Engine
-    from kvstitch.viz_cli import viz_command
+    from kvstitch.cli.viz import viz_command
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: eng))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
+from kvstitch.core.errors import InputError
 from .attention import biased_attention, grouped_attention
 from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
 from .policies import DecodePolicy, get_policy

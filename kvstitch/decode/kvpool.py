@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ..errors import InputError
+from kvstitch.core.errors import InputError
 
 
 class PoolTooSmall(InputError):

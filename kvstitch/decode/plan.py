@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InputError
+from kvstitch.core.errors import InputError
 
 
 def pages_for(n_tokens: int, page_size: int) -> int:

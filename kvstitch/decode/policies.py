@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import BadDecodeOption, UnknownDecodePolicy
+from kvstitch.core.errors import BadDecodeOption, UnknownDecodePolicy
 from .scoring import bound_scores, box_scores, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}

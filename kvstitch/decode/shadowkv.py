@@ -5,7 +5,7 @@ What ShadowKV keeps where, per layer (its Sec. 4 and its reference implementatio
 - **device**: a low-rank factorisation of the *pre-RoPE* prefill keys. The keys of all KV heads are
   concatenated per token (``[n, Hkv*D]``) and truncated by SVD: ``K_pre ≈ A @ B`` with ``A = U_r S_r``
   ``[n, r]`` and ``B = V_r^T`` ``[r, Hkv*D]``. The cache holds post-RoPE keys; they are un-rotated exactly
-  with `kvstitch.rope.rerotate` by minus their positions.
+  with `kvstitch.core.rope.rerotate` by minus their positions.
 - **device**: chunk landmarks, the mean of the post-RoPE keys of each chunk of ``chunk_size`` tokens, and
   the static *outlier chunks*, the chunks whose keys are least similar to their landmark (lowest minimum
   cosine similarity, per KV head), kept exact (K and V) and attended at every step.
@@ -41,8 +41,8 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import InputError
-from ..rope import rerotate
+from kvstitch.core.errors import InputError
+from kvstitch.core.rope import rerotate
 from .attention import grouped_attention
 from .decoder import SparseDecoder
 from .policies import DecodePolicy, register
@@ -189,7 +189,7 @@ class ShadowKVDecoder(SparseDecoder):
         rows = st.A.float().index_select(0, tokens.flatten()).view(Hkv, m, -1)
         pre = torch.bmm(rows, st.B.float())  # [Hkv, m, D] pre-RoPE
         cos, sin = st.rope.index_select(0, tokens.flatten()).view(Hkv, m, -1).chunk(2, dim=-1)
-        x1, x2 = pre.chunk(2, dim=-1)  # rotate-half RoPE, as `kvstitch.rope.rerotate` applies it
+        x1, x2 = pre.chunk(2, dim=-1)  # rotate-half RoPE, as `kvstitch.core.rope.rerotate` applies it
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def _attend(self, layer, q, scaling):

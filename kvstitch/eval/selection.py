@@ -29,7 +29,7 @@ def _reordered_positions(order: Sequence[int], lens: Sequence[int]) -> torch.Ten
 def oracle_sets(engine, layout, ratios: Sequence[float]) -> dict[float, torch.Tensor]:
     """G per ratio: the `oracle` selection (top-k of full-prefill query attention) at each budget,
     from one scoring pass."""
-    from ..select import make_selector, top_k_indices
+    from kvstitch.select import make_selector, top_k_indices
 
     indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, selector=make_selector("oracle"))
     out = {}
@@ -46,7 +46,7 @@ def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool =
     stats). For pictures and the oracle reference set; scores are mapped back to the original order too.
     With ``keep_scores`` and ratio 1, the selector's scores are computed even though the budget covers
     everything (the base class would skip scoring)."""
-    from ..select import SelectionContext, make_selector
+    from kvstitch.select import SelectionContext, make_selector
 
     selector = selector or make_selector(method, **(method_options or {}))
     stats: dict = {}

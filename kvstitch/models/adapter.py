@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelLoadError
+from kvstitch.core.errors import ModelLoadError
 
 # RoPE variants whose angle is a fixed linear function of position (rotation by a delta is exact).
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelLoadError
+from kvstitch.core.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def load_model(spec: str | None, device: str | torch.device, dtype: torch.dtype)
     """-> (model, tokenizer, weights_id). The model uses kvstitch's attention function."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..attention import ATTN_IMPL, register
+    from kvstitch.core.attention import ATTN_IMPL, register
 
     register()
     path, weights_id = resolve_model(spec)

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 import time
 
-from ..attention import ForwardPlan, attention_probs
-from ..errors import BadMethodOption
+from kvstitch.core.attention import ForwardPlan, attention_probs
+from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import group_mean, head_mean
 

@@ -3,7 +3,7 @@
 
 - Shared prefix: every chunk is precomputed after the same prefix (the engine always does this).
 - Attention temperature T and scaling factor S on the attention of the query (and of every generated
-  token) to the parallel-encoded context: `kvstitch.attention._ape_attention` (softmax(s/T) inside
+  token) to the parallel-encoded context: `kvstitch.core.attention._ape_attention` (softmax(s/T) inside
   the context, the context block's LogSumExp scaled by S). Defaults T = S = 0.9 (APE's defaults).
 - Nothing is recomputed (``zero_budget``): the suffix pass and the decode steps use the APE plan.
 """
@@ -15,8 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import ForwardPlan
-from ..errors import BadMethodOption
+from kvstitch.core.attention import ForwardPlan
+from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 
 

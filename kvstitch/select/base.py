@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from ..errors import BadMethodOption, UnknownMethod
+from kvstitch.core.errors import BadMethodOption, UnknownMethod
 
 if TYPE_CHECKING:
-    from ..attention import ForwardPlan
-    from ..cache import StitchCache
-    from ..chunk import ChunkKV
-    from ..prompt import PromptLayout
+    from kvstitch.core.attention import ForwardPlan
+    from kvstitch.core.cache import StitchCache
+    from kvstitch.core.chunk import ChunkKV
+    from kvstitch.core.prompt import PromptLayout
 
 SELECTORS: dict[str, type["Selector"]] = {}
 
@@ -187,7 +187,7 @@ class SelectionContext:
                         key_keep: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """{layer: [Hq, n_context]}: the suffix's attention over the context, averaged over the suffix tokens,
         at ``layers`` (None = all) over ``cache`` (default: the stitched cache); see `scoring.query_attention`."""
-        from ..attention import ForwardPlan
+        from kvstitch.core.attention import ForwardPlan
 
         cache = self.cache if cache is None else cache
         layout = self.layout if layout is None else layout
@@ -213,7 +213,7 @@ class SelectionContext:
         """The low-layer pass: every context token (+ the suffix) through blocks 0..layer-1 out of place (the
         stitched cache is untouched), stopped as soon as ``layer``'s attention is entered (its O(q N)
         attention is never computed); captures that layer's fresh K/V and the last ``queries`` queries."""
-        from ..attention import ForwardPlan
+        from kvstitch.core.attention import ForwardPlan
 
         cache, lay = self.cache, self.layout
         layer = min(max(0, int(layer)), self.num_layers - 1)
@@ -247,19 +247,19 @@ class SelectionContext:
 
     def rerotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Post-RoPE keys moved by ``delta`` positions (the model's own RoPE)."""
-        from ..rope import rerotate
+        from kvstitch.core.rope import rerotate
 
         return rerotate(keys, delta, self.engine.inv_freq)
 
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
         """``keys [H, m, d]`` rotated by ``positions [m]`` (float64; negative un-rotates) with layer ``layer``'s RoPE."""
-        from ..rope import rerotate
+        from kvstitch.core.rope import rerotate
 
         return rerotate(keys, positions, self.engine.inv_freq[layer])
 
     def exact_context_cache(self) -> "StitchCache":
         """Prefix + context prefilled jointly (what a full prefill holds there), suffix slots empty (oracle)."""
-        from ..cache import StitchCache
+        from kvstitch.core.cache import StitchCache
 
         eng, lay = self.engine, self.layout
         cache = StitchCache.empty(eng.adapter, lay.n_total, eng.device, eng.dtype)
@@ -282,7 +282,7 @@ class SelectionContext:
     def auxiliary_engine(self, model, device=None, dtype=None):
         """Another model (`kvstitch.models.load_model` spec) behind the same interface as the primary one
         (CacheClip's auxiliary model), loaded once per process."""
-        from ..models import load_model
+        from kvstitch.models import load_model
 
         dev = torch.device(device) if device is not None else self.device
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -359,7 +359,7 @@ class Selector:
         ``k -> sorted indices`` (this method's own `pick` at budget k)."""
         import dataclasses
 
-        from ..errors import InputError
+        from kvstitch.core.errors import InputError
 
         n = ctx.n_context
         self.prepare(ctx)

@@ -52,8 +52,8 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import InputError
-from ..prompt import PromptLayout
+from kvstitch.core.errors import InputError
+from kvstitch.core.prompt import PromptLayout
 from .base import SelectionContext, Selector, register
 from .grouping import grouped_top_k
 from .scoring import head_mean

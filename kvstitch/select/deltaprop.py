@@ -37,8 +37,8 @@ from typing import Callable, ClassVar
 
 import torch
 
-from ..cache import StitchCache
-from ..errors import BadMethodOption, UnknownMethod
+from kvstitch.core.cache import StitchCache
+from kvstitch.core.errors import BadMethodOption, UnknownMethod
 from .base import SelectionContext, Selector, make_selector, register, top_k_indices
 
 

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import attention_probs
+from kvstitch.core.attention import attention_probs
 from .base import FreshPass, SelectionContext, Selector, register
 
 SCORE_LAYER = 1  # "the second layer" of CacheBlend: the first whose V depends on cross-chunk attention

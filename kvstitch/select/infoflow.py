@@ -43,8 +43,8 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import StitchCache
-from ..errors import BadMethodOption
+from kvstitch.core.cache import StitchCache
+from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import band_layers, layer_mean
 

@@ -3,7 +3,7 @@
 ``mode="attention"`` (default): G of ProphetKV Fig. 3 - the query-to-context attention under full
 prefill, Φ̂_{Q,t}: the suffix (query) tokens attend over the *exact* context K/V, averaged over query
 tokens, heads (per query head, mean within KV groups, then over groups) and all layers. The top-k of
-these scores is the reference set G of the overlap ratio |S ∩ G| / |G| (`kvstitch.eval.metrics.overlap_ratio`).
+these scores is the reference set G of the overlap ratio |S ∩ G| / |G| (`kvstitch.tasks.metrics.overlap_ratio`).
 
 ``mode="ideal"``: α_ideal(t) = ||Φ̂_{Q,t} V_t - Φ̂'_{Q,t} V'_t||_2 (Eq. 5), following App. F: Φ̂ and V from
 the full prefill, Φ̂' and V' from the stitched (reuse) cache; attention averaged over heads and query
@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import BadMethodOption
+from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext, Selector, register
 from .scoring import layer_mean
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..errors import StoreError
+from kvstitch.core.errors import StoreError
 from .base import LAYOUT_VERSION, PRECOMPUTE_MODES, ChunkStore, InvalidKeyError, check_key, check_precompute, chunk_key
 from .codec import STORAGE_DTYPES, check_storage_dtype
 from .disk import DiskStore

@@ -21,8 +21,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..chunk import ChunkKV
-from ..errors import InputError, StoreError
+from kvstitch.core.chunk import ChunkKV
+from kvstitch.core.errors import InputError, StoreError
 
 LAYOUT_VERSION = 1
 
@@ -59,7 +59,7 @@ def check_precompute(mode) -> str:
 def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "float16", *,
               precompute: str = "shared_prefix", tokenizer: str = "") -> str:
     """`fingerprint` names the weights (+ RoPE, shapes, compute dtype); `tokenizer` the tokenizer
-    (`kvstitch.identity.tokenizer_fingerprint`: vocabulary, merges, configuration; "" = not named, the
+    (`kvstitch.core.identity.tokenizer_fingerprint`: vocabulary, merges, configuration; "" = not named, the
     key of older stores); the ids are the chunk's text under that tokenizer; `precompute` how it was
     computed (after the shared prefix, or isolated from position 0)."""
     parts = [f"kvstitch-layout-{LAYOUT_VERSION}".encode(), fingerprint.encode(), _ids_bytes(prefix_ids),

@@ -41,8 +41,8 @@ import zlib
 import torch
 import xxhash
 
-from ..chunk import ChunkKV
-from ..errors import CorruptEntryError, StoreError
+from kvstitch.core.chunk import ChunkKV
+from kvstitch.core.errors import CorruptEntryError, StoreError
 from .base import LAYOUT_VERSION
 from .quant import dequantize, quantize_keys, quantize_values
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..chunk import ChunkKV
-from ..errors import CorruptEntryError, StoreError
+from kvstitch.core.chunk import ChunkKV
+from kvstitch.core.errors import CorruptEntryError, StoreError
 from .base import LAYOUT_VERSION, ChunkStore, check_key, check_meta, group_by_model
 from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..chunk import ChunkKV
+from kvstitch.core.chunk import ChunkKV
 from .base import ChunkStore, check_key, check_meta, group_by_model
 from .codec import check_storage_dtype, roundtrip, stored_nbytes
 

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from ..chunk import ChunkKV
-from ..errors import StoreError
+from kvstitch.core.chunk import ChunkKV
+from kvstitch.core.errors import StoreError
 from .base import ChunkStore
 
 log = logging.getLogger("kvstitch.store")

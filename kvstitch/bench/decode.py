@@ -1,0 +1,463 @@
+"""Decode bench on a real model: attention recall, TPOT and NIAH accuracy of sparse decode policies.
+
+`bench_decode_model` measures, in one run and on RULER needle-in-a-haystack samples of one context
+length (``kvstitch bench decode``):
+
+- **recall** (PRKV Eq. 3): the share of the dense attention mass that each policy's selection covers, with
+  the decoder in diagnostic mode, and **oracle** recall: the best any selection of as many tokens could
+  cover. Both are averaged over the layers that select (Gemma 3's sliding-window layers attend densely
+  over their window, recall 1 by construction; `recall_per_layer` keeps every layer). Every policy is
+  teacher-forced with the tokens that dense (`full`) decode produces, so all see the same steps;
+  **top1** is the share of those steps where the policy's greedy token equals dense decode's.
+- **TPOT**: the median time of one decode step (the whole model), in a separate pass without
+  diagnostics. Per budget, `full` (dense decode over the contiguous cache, what ``decode="full"`` does)
+  and every policy run in lockstep, alternating step by step (the order rotates), so machine noise hits
+  all alike; ``tpot_vs_full`` is the ratio to `full` from that same pass.
+- **NIAH accuracy**: free greedy decode of ``n_niah`` samples with `full` and every (policy, budget),
+  prompted and capped as ``kvstitch eval`` does (RULER's answer prefix; answer tokens + 8), scored with
+  the task's RULER scorer (``kvstitch.tasks.scoring``).
+
+Each sample is prefilled once (``method``, default full prefill); every decoder starts from that cache
+(`Engine.make_decoder` copies it to its host pool; `StitchCache.for_decoder` gives it a length-only cache)
+and dense decode rolls the shared cache back after each run. A budget that covers the whole decode
+(prompt + new tokens) makes every policy dense: such rows measure recall only (1.0, a check) and say so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from rich.progress import Progress
+
+from kvstitch.core.cache import StitchCache
+from kvstitch.core.errors import InputError
+from kvstitch.decode.policies import DECODE_POLICIES
+
+DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale", "shadowkv")
+DEFAULT_BUDGETS = (256, 512, 1024)
+DEFAULT_NEW_TOKENS = 160  # > T = 128: the static set is refreshed within the measured decode
+OBS_WINDOW = 64           # the local window (PRKV Sec. 5.1), also the observation window
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _positive_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task, policy_options,
+                  page_size) -> tuple[list[int], list[str]]:
+    from kvstitch.tasks.tasks import TASKS
+    from kvstitch.select import check_method, make_selector
+
+    _positive_int("context", context)
+    _positive_int("new_tokens", new_tokens)
+    _positive_int("n_niah", n_niah, 0)
+    budgets = list(dict.fromkeys(budgets))
+    if not budgets:
+        raise InputError("give at least one kv budget")
+    for b in budgets:
+        _positive_int("every kv budget", b)
+    policies = [p for p in dict.fromkeys(policies) if p != "full"]  # full (dense) is always the reference
+    unknown = [p for p in policies if p not in DECODE_POLICIES]
+    if unknown:
+        raise InputError(f"unknown decode policy {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(sorted(DECODE_POLICIES))}")
+    if not policies:
+        raise InputError("give at least one sparse decode policy (full, the dense reference, always runs)")
+    extra = set(policy_options or {}) - set(policies)
+    if extra:
+        raise InputError(f"policy options for {sorted(extra)}, which are not benchmarked")
+    if task not in TASKS:
+        raise InputError(f"unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
+    check_method(method)
+    if make_selector(method).adjusts_decode():
+        raise InputError(f"method {method!r} changes decode attention; sparse decoders cannot run after it")
+    for p in policies:
+        for b in budgets:  # bad policy options or a budget below the sink + window pages: fail before any work
+            _probe(engine, p, b, _options(p, policy_options, page_size))
+    return budgets, policies
+
+
+def _probe(engine, policy: str, budget: int, options: dict):
+    """An empty decoder sized for the engine's model (checks the options and budget; tells the window)."""
+    from kvstitch.decode import make_decoder
+
+    ad = engine.adapter
+    return make_decoder(policy, budget, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+                        num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device,
+                        dtype=engine.dtype, **options)
+
+
+def _options(policy: str, policy_options: dict | None, page_size: int | None) -> dict:
+    opts = dict((policy_options or {}).get(policy, {}))
+    if page_size is not None:
+        opts["page_size"] = page_size
+    return opts
+
+
+def _selecting_recall(dec) -> dict:
+    """Recall / oracle recall / min over the layers that select (not sliding-window layers)."""
+    layers = [i for i, st in enumerate(dec.layers) if st is not None and st.sliding_window is None]
+    layers = [i for i in layers if dec.recall.history[i]] or [i for i, h in enumerate(dec.recall.history) if h]
+    if not layers:
+        return {"recall": math.nan, "oracle_recall": math.nan, "recall_min": math.nan}
+    rec = torch.cat([torch.stack(dec.recall.history[i]).flatten() for i in layers])
+    ora = torch.cat([torch.stack(dec.recall.oracle[i]).flatten() for i in layers])
+    return {"recall": rec.mean().item(), "oracle_recall": ora.mean().item(), "recall_min": rec.min().item()}
+
+
+class _Sample:
+    """One prefilled NIAH sample: the shared dense cache, its length and the observation queries."""
+
+    def __init__(self, engine, sample, method: str, ratio: float, max_tokens: int, method_options: dict | None):
+        from kvstitch.core.prompt import with_answer_prefix
+
+        self.engine, self.sample = engine, sample
+        # with RULER's answer prefix, as `kvstitch eval` prompts (`eval.runner.sample_layout`)
+        layout = with_answer_prefix(engine.layout(sample.question, sample.chunks), engine.tokenizer,
+                                    sample.meta.get("answer_prefix"))
+        pre = engine.prefill(layout, method, ratio, max_tokens, method_options)
+        self.cache, self.layout, logits = pre.cache, pre.layout, pre.logits
+        self.n = self.cache.length
+        self.first = int(torch.argmax(logits[-1]))
+        self._obs = None
+        self.obs_window = OBS_WINDOW
+
+    @property
+    def obs(self) -> dict:
+        """Observation queries of the last `OBS_WINDOW` prompt tokens (each decoder keeps its local window's
+        worth: the observation window is the local window, PRKV Sec. 4.1)."""
+        if self._obs is None:
+            self._obs = self.engine.observation_queries(self.cache, self.layout.ids, window=self.obs_window)
+        return self._obs
+
+    def runner(self, policy: str | None, budget: int | None, options: dict, diagnostic: bool = False):
+        """(cache, decoder) for one decode run; ``policy=None``: dense over the shared cache."""
+        eng = self.engine
+        self.cache.truncate(self.n)  # drop what an earlier dense run appended
+        if policy is None:
+            return self.cache, None
+        dec = eng.make_decoder(self.cache, policy, budget, obs_queries=self.obs, diagnostic=diagnostic, **options)
+        return StitchCache.for_decoder(eng.adapter, self.n, eng.device, eng.dtype), dec
+
+    def floor_runner(self, n_tokens: int, extra: int):
+        """(cache, None) for dense decode over a cache of only the prompt's last ``n_tokens`` tokens: the TPOT
+        a policy attending that many tokens would reach with no selection, scoring or gather of its own
+        (the same weights, the same per-layer work otherwise). The new tokens sit at positions
+        ``n_tokens, ...`` instead of ``n, ...``: the step's cost does not depend on them."""
+        n0 = self.n - n_tokens
+        keys = torch.stack([layer.keys[0, :, n0:self.n] for layer in self.cache.layers])
+        values = torch.stack([layer.values[0, :, n0:self.n] for layer in self.cache.layers])
+        return StitchCache.from_stacked(keys, values, n_tokens + extra), None
+
+    def generate(self, policy: str | None, budget: int | None, options: dict, max_tokens: int) -> str:
+        """Free greedy decode (EOS / a base model's line break / ``max_tokens`` stop) -> the answer text."""
+        eng = self.engine
+        cache, dec = self.runner(policy, budget, options)
+        tokens = [self.first]
+        while len(tokens) < max_tokens and not eng.finished(tokens):
+            tokens.append(int(torch.argmax(eng.decode_step(cache, tokens[-1], dec)[-1])))
+        self.cache.truncate(self.n)
+        text = eng.tokenizer.decode([t for t in tokens if t not in eng.eos_ids], skip_special_tokens=True)
+        return text.strip()
+
+
+@dataclass
+class _Plan:
+    """What every measurement of one run shares: the NIAH samples and their answer caps (``main``: the
+    sample recall and TPOT use), the decoder options per policy, and what the decoders' shapes imply."""
+
+    samples: list
+    caps: list[int]           # answer tokens + 8 per sample, at least 8 (`kvstitch eval`'s answer budget)
+    main: int
+    length: int               # context tokens asked of the task generator (capped at positions - 256)
+    opts: dict[str, dict]     # decoder options per policy
+    obs_window: int           # observation queries kept: the widest local window of any decoder
+    budget_counts: dict[str, str]
+    on_top: int               # the local window when it is not inside k
+
+
+def _plan(engine, context: int, budgets: list[int], policies: list[str], n_niah: int, task: str,
+          chunk_tokens: int, seed: int, page_size: int | None, policy_options: dict | None) -> _Plan:
+    """The samples of one run and the decoders' shapes (probed at the first budget)."""
+    from kvstitch.tasks.tasks import generate
+
+    length = min(context, engine.adapter.max_positions - 256)
+    tok = engine.tokenizer
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    samples = generate(task, max(1, n_niah), length, chunk_tokens, seed, count)
+    caps = [max(8, count(", ".join(smp.answers)) + 8) for smp in samples]  # eval's answer budget
+    opts = {p: _options(p, policy_options, page_size) for p in policies}
+    probe = {p: _probe(engine, p, budgets[0], opts[p]) for p in policies}
+    return _Plan(samples=samples, caps=caps, main=len(samples) // 2, length=length, opts=opts,
+                 obs_window=max([OBS_WINDOW] + [d.window for d in probe.values()]),
+                 budget_counts={p: d.budget_counts() for p, d in probe.items()},
+                 on_top=min(d.cap - d.kv_budget for d in probe.values()))
+
+
+class _Steps:
+    """The progress bar of one run: the current stage and the work units done."""
+
+    def __init__(self, bar: Progress, total: int):
+        self.bar = bar
+        self.job = bar.add_task("bench decode", total=total)
+
+    def stage(self, text: str) -> None:
+        self.bar.update(self.job, description=text)
+
+    def advance(self, units: int = 1) -> None:
+        self.bar.advance(self.job, units)
+
+
+def _reference(engine, s: _Sample, new_tokens: int, steps: _Steps) -> list[int]:
+    """Dense greedy decode, EOS ignored (also warms the decode path up): the tokens every run is forced with."""
+    steps.stage("reference (full)")
+    cache, _ = s.runner(None, None, {})
+    ref = [s.first]
+    for _ in range(new_tokens):
+        ref.append(int(torch.argmax(engine.decode_step(cache, ref[-1])[-1])))
+        steps.advance()
+    return ref
+
+
+def _time_steps(engine, s: _Sample, ref: list[int], budgets: list[int], policies: list[str], opts: dict,
+                new_tokens: int, warmup: int, steps: _Steps, on_top: int) -> dict[tuple, list[float]]:
+    """TPOT: per budget, full + the floor + every policy in lockstep (the order rotates step by step),
+    teacher-forced with the reference tokens -> ``{(policy or "full" or "floor", budget): step seconds
+    after warm-up}``. The floor is dense decode over ``budget + on_top`` tokens (`_Sample.floor_runner`)."""
+    device = engine.device
+    times: dict[tuple, list[float]] = {}
+    for b in budgets:
+        steps.stage(f"TPOT, budget {b}")
+        runners = {("full", None): s.runner(None, None, {}), ("floor", b): s.floor_runner(b + on_top, new_tokens + 1)}
+        runners.update({(p, b): s.runner(p, b, opts[p]) for p in policies})
+        names = list(runners)
+        step_times = {name: [] for name in names}
+        for t in range(new_tokens):
+            for name in names[t % len(names):] + names[:t % len(names)]:
+                cache, dec = runners[name]
+                _sync(device)
+                t0 = time.perf_counter()
+                engine.decode_step(cache, ref[t], dec)
+                _sync(device)
+                step_times[name].append(time.perf_counter() - t0)
+            steps.advance(len(names))
+        s.cache.truncate(s.n)
+        for name, ts in step_times.items():
+            times[(name[0], b)] = ts[warmup:]
+        del runners
+    return times
+
+
+def _recall(engine, s: _Sample, ref: list[int], budgets: list[int], policies: list[str], opts: dict,
+            new_tokens: int, steps: _Steps) -> dict[tuple, dict]:
+    """Recall: diagnostic mode, one policy at a time, teacher-forced with the reference tokens ->
+    ``{(policy, budget): recall fields of its row}``."""
+    recall: dict[tuple, dict] = {}
+    for b in budgets:
+        for p in policies:
+            steps.stage(f"recall {p} @ {b}")
+            cache, dec = s.runner(p, b, opts[p], diagnostic=True)
+            agree = 0
+            for t in range(new_tokens):
+                agree += int(torch.argmax(engine.decode_step(cache, ref[t], dec)[-1])) == ref[t + 1]
+                steps.advance()
+            st = dec.stats()
+            recall[(p, b)] = {**_selecting_recall(dec), "top1_agreement": agree / new_tokens,
+                              "recall_per_layer": st["recall_per_layer"],
+                              "max_abs_err_vs_dense": st["max_abs_err_vs_dense"],
+                              "mean_selected_tokens": st["mean_selected_tokens"],
+                              "pages_copied_per_step": st["pages_copied"] / max(1, st["steps"]),
+                              "static_refreshes": st["static_refreshes"],
+                              "budget_counts": st["budget_counts"]}
+            del dec
+    return recall
+
+
+def _niah(engine, plan: _Plan, s: _Sample, budgets: list[int], policies: list[str], n_niah: int, task: str,
+          method: str, recompute_ratio: float, method_options: dict | None,
+          steps: _Steps) -> tuple[dict[tuple, list[float]], list[dict]]:
+    """NIAH: free greedy decode of every sample with full and every (policy, sparse budget) ->
+    (``{(policy, budget): scores}``, one prediction record per run). ``s``: the main sample, prefilled."""
+    from kvstitch.tasks.scoring import scorer_for
+
+    score = scorer_for(task)
+    niah: dict[tuple, list[float]] = {("full", None): []}
+    niah.update({(p, b): [] for b in budgets for p in policies})
+    preds: list[dict] = []
+    for i in range(n_niah):
+        if i != plan.main:
+            steps.stage(f"prefill sample {i}")
+            s_i = _Sample(engine, plan.samples[i], method, recompute_ratio, plan.caps[i], method_options)
+            s_i.obs_window = plan.obs_window
+            steps.advance()
+        else:
+            s_i = s
+        answers = plan.samples[i].answers
+        for key in niah:
+            p, b = key
+            steps.stage(f"NIAH {i + 1}/{n_niah}: {p}" + (f" @ {b}" if b else ""))
+            text = s_i.generate(None if p == "full" else p, b, plan.opts.get(p, {}), plan.caps[i])
+            niah[key].append(score(text, answers))
+            preds.append({"sample": i, "policy": p, "budget": b, "pred": text, "answers": answers,
+                          "score": niah[key][-1]})
+            steps.advance(plan.caps[i])
+        del s_i
+    return niah, preds
+
+
+def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], dense: list[int], n_max: int,
+          times: dict, recall: dict, niah: dict, on_top: int) -> list[dict]:
+    """The `full` row, then per budget a `floor` row (sparse budgets) and one row per policy; what was not
+    measured is None."""
+    def ms(ts: list[float]) -> float:
+        return 1e3 * statistics.median(ts) if ts else math.nan
+
+    def acc(key) -> float:
+        return statistics.mean(niah[key]) if niah.get(key) else math.nan
+
+    base = {"context_tokens": s.layout.n_context, "prompt_tokens": s.n, "new_tokens": new_tokens}
+    full_all = [t for b in budgets if b not in dense for t in times[("full", b)]]
+    rows = [{"policy": "full", "budget": None, **base, "recall": 1.0, "oracle_recall": 1.0, "recall_min": 1.0,
+             "top1_agreement": 1.0, "tpot_ms": ms(full_all), "tpot_vs_full": 1.0 if full_all else math.nan,
+             "niah_acc": acc(("full", None)), "niah_n": len(niah[("full", None)]),
+             "note": "dense decode over the contiguous cache (reference)"}]
+    for b in budgets:
+        if b not in dense:
+            tp, tf = ms(times[("floor", b)]), ms(times[("full", b)])
+            rows.append({"policy": "floor", "budget": b, **base, "recall": None, "oracle_recall": None,
+                         "recall_min": None, "top1_agreement": None, "tpot_ms": tp, "full_tpot_ms": tf,
+                         "tpot_vs_full": tp / tf, "niah_acc": None, "niah_n": 0, "mean_selected_tokens": b + on_top,
+                         "note": f"dense decode over {b + on_top} tokens (k + window): no policy attending as many "
+                                 f"is faster with these weights"})
+        for p in policies:
+            row = {"policy": p, "budget": b, **base, **recall[(p, b)]}
+            if b in dense:
+                row.update(tpot_ms=math.nan, full_tpot_ms=math.nan, tpot_vs_full=math.nan, niah_acc=math.nan,
+                           niah_n=0, note=f"budget + window >= {n_max} tokens (prompt + new tokens): dense; "
+                                          f"TPOT and NIAH not run")
+            else:
+                tp, tf = ms(times[(p, b)]), ms(times[("full", b)])
+                row.update(tpot_ms=tp, full_tpot_ms=tf, tpot_vs_full=tp / tf, niah_acc=acc((p, b)),
+                           niah_n=len(niah[(p, b)]), note="")
+            rows.append(row)
+    return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+
+
+def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEFAULT_BUDGETS,
+                       policies: Sequence[str] = DEFAULT_POLICIES, n_niah: int = 5,
+                       new_tokens: int = DEFAULT_NEW_TOKENS, *,
+                       method: str = "full", recompute_ratio: float = 0.2, method_options: dict | None = None,
+                       task: str = "niah_multikey", chunk_tokens: int = 256, seed: int = 0, warmup: int = 2,
+                       page_size: int | None = None, policy_options: dict[str, dict] | None = None,
+                       progress: bool = True) -> tuple[list[dict], dict]:
+    """Recall, TPOT and NIAH accuracy of every (policy, budget) at one context length (module docstring).
+
+    ``context``: context tokens, capped like `kvstitch.bench.ttft.context_of_length` (model positions - 256;
+    ``meta["capped"]`` says so and rows carry the real ``context_tokens`` / ``prompt_tokens``).
+    ``new_tokens``: decode steps after the prefill's first token, for recall and TPOT (teacher-forced,
+    EOS ignored); the default 160 passes the refresh period T = 128 (rows report ``static_refreshes``). NIAH answers are capped as `kvstitch eval` caps them (answer tokens + 8, at least 8).
+    ``warmup`` steps are left out of the TPOT medians.
+    ``n_niah``: NIAH samples (``task``, needle depths spread over [0, 1]); recall and TPOT use the
+    middle one. ``page_size`` / ``policy_options`` (per policy: its fields) go to the decoders.
+
+    Returns (rows, meta): a `full` row (budget None) then one row per (budget, policy); what was not
+    measured (TPOT / NIAH of a dense budget, NIAH with ``n_niah=0``) is None.
+    """
+    budgets, policies = _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task,
+                                      policy_options, page_size)
+    warmup = max(0, min(warmup, new_tokens - 1))
+    plan = _plan(engine, context, budgets, policies, n_niah, task, chunk_tokens, seed, page_size, policy_options)
+    samples, caps, main = plan.samples, plan.caps, plan.main
+
+    # work units: prefills, decode steps (reference, timing, recall) and NIAH runs (their answer cap each)
+    n_budgets = len(budgets)
+    total = (len(samples) + new_tokens * (1 + n_budgets * (2 + 2 * len(policies)))  # timing: full, floor, policies
+             + sum(caps[:n_niah]) * (1 + n_budgets * len(policies)))
+    with Progress(disable=not progress) as bar:
+        steps = _Steps(bar, total)
+        steps.stage(f"prefill sample {main}")
+        s = _Sample(engine, samples[main], method, recompute_ratio, max(new_tokens + 1, caps[main]),
+                    method_options)
+        s.obs_window = plan.obs_window
+        steps.advance()
+        n_max = s.n + new_tokens  # tokens in the cache at the last step
+        dense = [b for b in budgets if b + plan.on_top >= n_max]  # every policy selects everything: dense attention
+        sparse_budgets = [b for b in budgets if b + plan.on_top < n_max]
+
+        ref = _reference(engine, s, new_tokens, steps)
+        times = _time_steps(engine, s, ref, sparse_budgets, policies, plan.opts, new_tokens, warmup, steps,
+                            plan.on_top)
+        steps.advance(new_tokens * len(dense) * (2 + len(policies)))
+        recall = _recall(engine, s, ref, budgets, policies, plan.opts, new_tokens, steps)
+        niah, preds = _niah(engine, plan, s, sparse_budgets, policies, n_niah, task, method, recompute_ratio,
+                            method_options, steps)
+        steps.advance(sum(caps[:n_niah]) * len(policies) * len(dense))
+
+    rows = _rows(s, new_tokens, budgets, policies, dense, n_max, times, recall, niah, plan.on_top)
+    limit = engine.adapter.max_positions
+    meta = {"model": engine.adapter.describe(), "device": str(engine.device), "dtype": str(engine.dtype),
+            "context_requested": context, "context_tokens": s.layout.n_context, "prompt_tokens": s.n,
+            "capped": context > plan.length, "max_positions": limit, "budgets": budgets, "policies": policies,
+            "new_tokens": new_tokens, "warmup": warmup, "n_niah": n_niah, "task": task, "method": method,
+            "recompute_ratio": recompute_ratio if method != "full" else None, "chunk_tokens": chunk_tokens,
+            "seed": seed, "page_size": page_size or 32, "policy_options": policy_options or {},
+            "observation_window": plan.obs_window, "budget_counts": plan.budget_counts,
+            "recall_sample": {"index": main, "depth": samples[main].meta.get("depth")},
+            "niah_answer_caps": caps[:n_niah], "reference_tokens": ref, "niah_predictions": preds}
+    return rows, meta
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def decode_table(rows: list[dict], meta: dict) -> str:
+    """Markdown table of `bench_decode_model` rows, with a one-paragraph header."""
+    name = meta.get("model_name") or meta["model"].get("family", "?")
+    head = (f"Decode bench: {name} on {meta['device']} ({meta['dtype']}), {meta['context_tokens']} context tokens "
+            f"({meta['prompt_tokens']} prompt tokens"
+            + (f"; {meta['context_requested']} requested, capped at the model's {meta['max_positions']} positions"
+               if meta["capped"] else "")
+            + f"), {meta['new_tokens']} decode steps, NIAH: {meta['n_niah']} x {meta['task']}; "
+              f"prefill: {meta['method']}; page size {meta.get('page_size', 32)}, observation window "
+              f"{meta.get('observation_window', '?')} tokens.")
+    groups: dict[str, list[str]] = {}
+    for p, phrase in (meta.get("budget_counts") or {}).items():
+        groups.setdefault(phrase, []).append(p)
+    if groups:
+        head += (" Budget k = tokens attended per layer and KV head, counted as the PRKV paper counts it: "
+                 + "; ".join(f"{', '.join(ps)}: {phrase}" for phrase, ps in groups.items()) + ".")
+    lines = [head, "",
+             "| policy | budget | context | attended | recall | oracle | min | top-1 agree | refreshes | TPOT ms | "
+             "vs full | NIAH | note |",
+             "|" + "---|" * 13]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {_f(r['budget'], 'd')} | {r['context_tokens']} | "
+            f"{_f(r.get('mean_selected_tokens'), '.0f')} | {_f(r['recall'], '.3f')} | "
+            f"{_f(r['oracle_recall'], '.3f')} | {_f(r['recall_min'], '.3f')} | {_f(r['top1_agreement'], '.2f')} | "
+            f"{_f(r.get('static_refreshes'), 'd')} | "
+            f"{_f(r['tpot_ms'], '.1f')} | {_f(r['tpot_vs_full'], '.2f')} | "
+            f"{_f(r['niah_acc'], '.2f')}{' (%d)' % r['niah_n'] if r['niah_n'] else ''} | {r['note']} |")
+    lines += ["", "attended: mean tokens attended per layer and KV head in the recall pass (k + local window at "
+              "most); refreshes: static-set re-selections (all layers) during the decode (every T steps); "
+              "recall / oracle / min: attention recall (PRKV Eq. 3) of the selection, of the ideal top-k with as "
+              "many tokens, and the lowest step x layer x head value, over the layers that select; top-1 agree: "
+              "steps where the policy's greedy token equals dense decode's (teacher-forced); TPOT: median decode "
+              "step; vs full: ratio to dense decode measured in the same lockstep pass; NIAH: mean score (samples)."]
+    return "\n".join(lines)

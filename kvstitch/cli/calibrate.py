@@ -1,0 +1,67 @@
+"""`kvstitch calibrate`: the command over `kvstitch.eval.calibrate` (mounted by `kvstitch.cli.main`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DEFAULT_AUTOS = ("schedule=0.05/0.1,tol=0.01", "schedule=0.1/0.2,tol=0.01", "schedule=0.05/0.1,tol=0.02")
+
+
+def calibrate_command(
+    dataset: str = typer.Option(..., "--dataset", help="your questions and passages: a JSON/JSONL file in the eval's "
+                                                       "shapes (question/answers/ctxs or LongBench's), or 'musique'"),
+    samples: str = typer.Option("", "--samples", help="records START:STOP of the file (default: all)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b), "
+                                                                     "HF directory or .gguf file"),
+    methods: str = typer.Option("prophet,deltaprop", "--methods", help="selection methods to compare"),
+    ratios: str = typer.Option("0.05,0.1,0.2,0.4", "--ratios", help="fixed recompute ratios to compare"),
+    auto: Optional[list[str]] = typer.Option(None, "--auto", help="an auto setting to compare (repeatable): "
+                                             "'schedule=0.05/0.1,tol=0.01' or JSON; default: "
+                                             + "; ".join(DEFAULT_AUTOS)),
+    target: float = typer.Option(0.9, "--target", help="agreement with full prefill the chosen setting must reach"),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config to write the choice into (the file "
+                                          "`kvstitch serve --config` and `kvstitch ask --config` read)"),
+    out: Path = typer.Option(Path("calibration"), "--out", help="directory for rows.jsonl, calibration.md, "
+                                                                "frontier.png (a rerun resumes)"),
+    store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads"),
+) -> None:
+    """Measure methods, ratios and auto settings on your own questions against full prefill, draw the
+    agreement / TTFT frontier, and write the chosen setting (with its measured agreement) into --config."""
+    from rich.console import Console
+
+    from kvstitch.eval.calibrate import calibrate, configs, parse_auto
+    from kvstitch.core.errors import InputError
+    from kvstitch.tasks.datasets import load_dataset, parse_range
+
+    console = Console(stderr=True)
+    if not 0.0 < target <= 1.0:
+        raise InputError(f"--target must be in (0, 1], got {target}")
+    try:
+        ratio_list = [float(x) for x in ratios.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--ratios takes comma-separated numbers, got {ratios!r}") from None
+    cfgs = configs([m.strip() for m in methods.split(",") if m.strip()], ratio_list,
+                   [parse_auto(a) for a in (auto or DEFAULT_AUTOS)])
+    start, stop = parse_range(samples)
+    data = load_dataset(dataset, start, stop)  # a file it cannot parse fails here, before the model loads
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    from kvstitch.engine import Engine
+
+    with console.status(f"loading {model or 'the embedded model'} ..."):
+        eng = Engine.load(model, store=store)
+    command = "kvstitch calibrate " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else ""
+    rep = calibrate(eng, data, cfgs, out, target, config, model=model, dataset=dataset, command=command,
+                    progress=lambda s, c: console.print(f"[dim]{s} {c}[/]", highlight=False))
+    console.print(rep["markdown"], highlight=False, markup=False)
+    ch = rep["chosen"]
+    where = f" -> {config}" if config else ""
+    console.print(f"chosen: {ch['config']} (agreement {ch['agreement']:.2f}, {ch['speedup']:.2f}x){where}; "
+                  f"report {out / 'calibration.md'}, plot {out / 'frontier.png'}", highlight=False)

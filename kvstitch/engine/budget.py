@@ -1,0 +1,237 @@
+"""Adaptive recompute budget (``recompute_ratio="auto"``): recompute in rounds of growing budget until the
+answer stops changing, then stop; fall back to full prefill when it never does.
+
+Why not a fixed ratio: some requests are answered by full prefill's words at 5%, others need 40% or all of
+it. The per-request question is "would more recompute change the answer?", so that is what the rounds test:
+
+- The selector ranks the context once (one Stage I / scoring pass, at the largest round's budget, so
+  selectors that reorder or regroup do so once). Round ``i`` recomputes the tokens of its budget that no
+  earlier round recomputed (never a token twice), plus the suffix, reusing every K/V earlier rounds wrote.
+- ``mode="refresh"``: every round is instead one pass over its whole set from the stitched K/V (earlier
+  rounds' tokens are restored and recomputed again), so round ``i``'s cache is exactly a fixed-ratio prefill
+  at its budget. It costs the sum of the rounds' budgets, but measured on the calibration seed it agrees
+  with full prefill more often: the incremental rounds leave the most important tokens (picked first) with
+  K/V computed against an almost entirely stale context (docs/design.md, "Adaptive budget").
+- Round 1 greedy-decodes a *probe*: the first ``probe_tokens`` answer tokens. Every later round appends the
+  previous round's probe to its recompute pass (teacher-forced, one forward): its logits say, at every
+  probe position, whether this round's greedy answer would still write the same token.
+- **Signal**: round ``i`` agrees with round ``i-1`` when its argmax reproduces the whole probe and the mean
+  KL(previous || current) over the probe positions is below ``tol``. The first-token distribution alone is
+  not enough: RULER-style answers share a template ("The special magic number for X is") and diverge at the
+  content tokens, so the probe reaches past them. ``patience`` consecutive agreeing rounds = converged.
+- Converged: the answer starts with the probe, whose K/V are already in the cache (decoding continues from
+  there). Not converged by ``max_ratio``: with ``max_ratio`` = 1 (default) a real full prefill answers (exact),
+  else the last round's cache is used and ``stats["converged"]`` is False (the server reports it).
+
+Contexts shorter than ``min_context`` tokens (default 1024) go straight to full prefill: there the probe's
+decode steps and two rounds cost more than the whole prefill (``stats["auto_skipped"] = "short_context"``).
+
+``stats``: ``ratio_used`` (context tokens whose K/V are fresh in the final cache / context tokens; 1.0 after
+the fallback), ``rounds``, ``converged``, ``signal`` (last round's mean KL), ``round_log`` (per round: ratio,
+new tokens, agreed, KL, first divergence), ``recompute_cost`` (context tokens forwarded over all rounds,
+fallback included, / context tokens). ``tol=0`` never converges: every request falls back to full prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstitch.core.errors import BadRatio, InputError
+
+AUTO = "auto"
+MODES = ("incremental", "refresh")
+DEFAULT_SCHEDULE = (0.05, 0.1)  # probe cheaply, then stitched or full prefill: docs/design.md
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """Options of ``recompute_ratio="auto"`` (see the module doc)."""
+
+    schedule: tuple[float, ...] = DEFAULT_SCHEDULE  # budgets of the rounds, increasing
+    max_ratio: float = 1.0  # ceiling; 1.0 = fall back to full prefill when no round converges
+    tol: float = 0.01  # mean KL (nats) between consecutive rounds over the probe; calibrated: docs/design.md
+    probe_tokens: int = 16  # answer tokens compared between rounds (~12 words)
+    patience: int = 1  # consecutive agreeing rounds needed
+    mode: str = "refresh"  # or "incremental" (see the module doc)
+    min_context: int = 1024  # shorter contexts: full prefill directly (rounds + probe would cost more than it)
+
+    def __post_init__(self):
+        sched = tuple(float(r) for r in self.schedule)
+        if not sched or any(not (0.0 < r <= 1.0) for r in sched) or list(sched) != sorted(set(sched)):
+            raise InputError(f"auto schedule must be increasing ratios in (0, 1], got {self.schedule!r}",)
+        object.__setattr__(self, "schedule", sched)
+        if not (isinstance(self.max_ratio, (int, float)) and 0.0 < self.max_ratio <= 1.0):
+            raise InputError(f"auto max_ratio must be in (0, 1], got {self.max_ratio!r}")
+        if not (isinstance(self.tol, (int, float)) and math.isfinite(self.tol) and self.tol >= 0):
+            raise InputError(f"auto tol must be a finite number >= 0, got {self.tol!r}")
+        if not (isinstance(self.probe_tokens, int) and self.probe_tokens >= 1):
+            raise InputError(f"auto probe_tokens must be a positive integer, got {self.probe_tokens!r}")
+        if not (isinstance(self.patience, int) and self.patience >= 1):
+            raise InputError(f"auto patience must be a positive integer, got {self.patience!r}")
+        if not (isinstance(self.min_context, int) and self.min_context >= 0):
+            raise InputError(f"auto min_context must be an integer >= 0, got {self.min_context!r}")
+        if self.mode not in MODES:
+            raise InputError(f"auto mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @classmethod
+    def of(cls, value: "AutoBudget | dict | None") -> "AutoBudget":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode", "min_context"}
+            if set(value) - known:
+                raise InputError(f"unknown auto option(s) {sorted(set(value) - known)}; known: {', '.join(sorted(known))}")
+            return cls(**{k: tuple(v) if k == "schedule" else v for k, v in value.items()})
+        raise InputError(f"auto options must be a dict or AutoBudget, got {type(value).__name__}")
+
+    def rounds(self) -> list[float]:
+        """The rounds' ratios below the ceiling, then the ceiling itself when it is < 1 (its own last round)."""
+        out = [r for r in self.schedule if r < self.max_ratio]
+        if self.max_ratio < 1.0:
+            out.append(self.max_ratio)
+        return out or [self.max_ratio]
+
+
+def parse_ratio(value) -> float | str:
+    """A fixed ratio in [0, 1] or "auto"; anything else is an `InputError` naming the value."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v == AUTO:
+            return AUTO
+        try:
+            value = float(v)
+        except ValueError:
+            raise BadRatio(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise BadRatio(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}")
+    return float(value)
+
+
+@dataclass
+class Probe:
+    """A round's greedy answer start: ``tokens`` and the next-token logits ``[len(tokens), V]`` that chose them."""
+
+    tokens: list[int]
+    logits: torch.Tensor
+
+
+@dataclass
+class RoundsResult:
+    cache: object
+    layout: object
+    logits: torch.Tensor  # suffix logits of the final pass (row -1 predicts the first answer token)
+    indices: torch.Tensor  # context indices fresh in the final cache
+    greedy: list[int] = field(default_factory=list)  # probe tokens already in the cache (all but the last)
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Per row KL(p || q) of two logit tensors [T, V]."""
+    lp, lq = torch.log_softmax(p_logits.float(), -1), torch.log_softmax(q_logits.float(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def _greedy_probe(engine, cache, start_slot: int, first_logits: torch.Tensor, tokens: list[int],
+                  logits: list[torch.Tensor], n_probe: int) -> Probe:
+    """Extend ``tokens`` greedily (their K/V but the last's are in the cache) to ``n_probe`` tokens or EOS.
+    ``first_logits`` chose ``tokens[-1]`` (or, with ``tokens`` empty, are the logits of the first token)."""
+    tokens, logits = list(tokens), list(logits)
+    if not tokens:
+        tokens.append(int(torch.argmax(first_logits)))
+        logits.append(first_logits.float().cpu())
+    while len(tokens) < n_probe and not engine.finished(tokens):
+        slot = start_slot + len(tokens) - 1
+        out = engine.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([slot]))[-1]
+        tokens.append(int(torch.argmax(out)))
+        logits.append(out.float().cpu())
+    return Probe(tokens, torch.stack(logits))
+
+
+def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, stats: dict, recompute_plan=None):
+    """Run the rounds (module doc) -> `RoundsResult`, or None when the engine must fall back to full prefill.
+    ``selector``: ranks the context (`Selector.ranking`); ``extra``: decode room after the prompt."""
+    from kvstitch.select import SelectionContext
+
+    n = layout.n_context
+    if selector.zero_budget:  # naive, APE: nothing to rank (checked first: an error whatever the length)
+        raise InputError(f"method {selector.name!r} does not rank context tokens, so it cannot choose a budget "
+                         f"adaptively (recompute_ratio='auto'); use a scoring method such as prophet")
+    if n < auto.min_context:  # too short for rounds to pay off: full prefill answers (ratio_used 1, 0 rounds)
+        stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="short_context")
+        return None
+    n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
+    rounds = auto.rounds()
+    kvs = engine.chunk_kvs(layout, stats)
+    cache = engine.stitch(layout, kvs, extra=extra + n_probe)
+    ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
+                           precompute=engine.precompute_mode)
+    ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
+    layout, cache = ctx.layout, ctx.cache
+    plan = recompute_plan(ctx) if recompute_plan is not None else None
+    c0, c1 = layout.context_start, layout.context_end
+    # refresh mode restores the stitched K/V of earlier rounds' tokens before recomputing them again
+    stale = [(l.keys[:, :, c0:c1].clone(), l.values[:, :, c0:c1].clone()) for l in cache.layers] \
+        if auto.mode == "refresh" else None
+    done = torch.zeros(n, dtype=torch.bool)
+    log: list[dict] = []
+    stats["round_log"] = log
+    prev: Probe | None = None
+    streak, forwarded = 0, 0
+    N = layout.n_total
+    for i, r in enumerate(rounds):
+        want = ranking(round(r * n))
+        if stale is not None:  # refresh: this round is one pass over its whole set, from the stitched K/V
+            back = done.nonzero().flatten().to(cache.layers[0].keys.device)
+            for layer, (k, v) in zip(cache.layers, stale):
+                layer.keys[:, :, c0:c1].index_copy_(2, back, k.index_select(2, back))
+                layer.values[:, :, c0:c1].index_copy_(2, back, v.index_select(2, back))
+            done[:] = False
+        new = want[~done[want]] if want.numel() else want
+        done[new] = True
+        forwarded += int(new.numel())
+        tf = prev.tokens[:-1] if prev is not None else []
+        slots = torch.cat([new.sort().values + layout.context_start, torch.arange(layout.context_end, N),
+                           torch.arange(N, N + len(tf))])
+        ids = torch.cat([layout.ids[:N], torch.tensor(prev.tokens if prev else [], dtype=torch.long)])[slots]
+        out = engine.forward(cache, ids, slots, plan, logits_to_keep=1 + len(tf))
+        entry = {"ratio": round(float(done.sum()) / max(n, 1), 6), "new_tokens": int(new.numel())}
+        if prev is None:
+            probe = _greedy_probe(engine, cache, N, out[-1], [], [], n_probe)
+            entry.update(agreed=None, kl=None)
+        else:
+            pred = out.argmax(-1).tolist()
+            k = 0
+            while k < len(prev.tokens) and pred[k] == prev.tokens[k]:
+                k += 1
+            kl = max(0.0, float(_kl(prev.logits, out.cpu()).mean()))  # rounding can make it -1e-9
+            agreed = k == len(prev.tokens) and kl < auto.tol
+            entry.update(agreed=agreed, kl=round(kl, 6), first_divergence=None if k == len(prev.tokens) else k,
+                         max_kl=round(float(_kl(prev.logits, out.cpu()).max()), 6))
+            streak = streak + 1 if agreed else 0
+            stats["signal"] = kl
+            if k == len(prev.tokens):
+                probe = Probe(list(prev.tokens), out.float().cpu())
+            else:  # this round writes another answer: its own probe, from the divergence on
+                cache.truncate(N + k)
+                probe = _greedy_probe(engine, cache, N, out[k], prev.tokens[:k] + [pred[k]],
+                                      list(out[:k + 1].float().cpu()), n_probe)
+        p_tok = torch.softmax(probe.logits.float(), -1).gather(1, torch.tensor(probe.tokens).view(-1, 1)).flatten()
+        entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
+        log.append(entry)
+        prev = probe
+        if streak >= auto.patience:
+            stats.update(converged=True, rounds=i + 1)
+            break
+    else:
+        stats.update(converged=False, rounds=len(rounds))
+        if auto.max_ratio >= 1.0:
+            stats["recompute_cost"] = forwarded / max(n, 1)
+            return None  # the engine answers with full prefill
+    stats.update(ratio_used=float(done.sum()) / max(n, 1), recompute_cost=forwarded / max(n, 1))
+    # the probe is this cache's greedy answer start; its K/V (all but the last token's) are in the cache
+    cache.truncate(N + len(prev.tokens) - 1)
+    return RoundsResult(cache, layout, out[:1], done.nonzero().flatten(), greedy=list(prev.tokens))

@@ -1,0 +1,211 @@
+"""The one way chunk caches come to exist: `ensure_chunks` (look up, compute the misses batched, store).
+
+Every path that needs chunk caches goes through it: a request (`Engine.chunk_kvs`, which also loads the
+caches), `kvstitch precompute` (`precompute_directory`), `kvstitch index` (`retrieval.precompute_chunks`),
+the server's document API and the Ray workers (`kvstitch.corpus.ray_precompute`). Chunks are keyed by content
+(`Engine.chunk_key`: model, tokenizer, storage dtype, shared prefix, chunk ids), so a second run — or a
+second process on the same store — skips everything already stored, and an interrupted run resumes.
+Within one call a chunk that occurs twice is computed once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from kvstitch.core.chunk import ChunkKV
+from kvstitch.core.chunking import chunk_directory
+from kvstitch.core.prompt import PromptBuilder
+from kvstitch.store.codec import roundtrip
+
+
+class ChunkComputer(Protocol):
+    """What precompute needs of an engine (`kvstitch.Engine` is one): its store, how it keys and computes a
+    chunk's K/V. Typed against this, not the engine, so the engine can import precompute without a cycle."""
+
+    store: Any
+    builder: PromptBuilder
+    tokenizer: Any
+    dtype: torch.dtype
+    fingerprint: str
+    precompute_mode: str
+
+    def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str: ...
+
+    def compute_chunks(self, prefix_ids: torch.Tensor, chunks: list[torch.Tensor],
+                       batch_size: int = 8) -> list[ChunkKV]: ...
+
+
+@dataclass
+class EnsureResult:
+    """What `ensure_chunks` did. `keys` (and `kvs` when loading) have one entry per input chunk."""
+
+    keys: list[str]
+    kvs: list[ChunkKV] | None = None
+    hits: int = 0          # input chunks found in the store
+    misses: int = 0        # input chunks not found (a repeated chunk counts at each occurrence)
+    computed: int = 0      # distinct chunks computed and stored
+    already_stored: int = 0  # distinct chunks found stored
+    tokens: int = 0        # tokens of the computed chunks
+    seconds: float = 0.0   # compute + store time
+    computed_keys: list[str] = field(default_factory=list)
+    all_keys: list[list[str]] = field(default_factory=list)  # every key of each input chunk (one per prefix)
+
+
+def ensure_chunks(engine: ChunkComputer, chunk_ids: list[torch.Tensor], *, prefix_ids: torch.Tensor | None = None,
+                  load: bool = False, batch_size: int = 8,
+                  on_batch: Callable[[int, int, int], None] | None = None) -> EnsureResult:
+    """Make sure every chunk's K/V is in ``engine.store``: compute the missing ones (distinct chunks,
+    ``batch_size`` per forward, in first-occurrence order) and write them back.
+
+    ``prefix_ids``: the shared prefix of the request the chunks are for. None (precompute ahead of requests)
+    = every canonical prefix (`PromptBuilder.canonical_prefixes`: the question layout's and the conversation
+    layout's), so both kinds of request find their chunks; ``result.keys`` are then the first prefix's and
+    ``result.all_keys[i]`` every key of chunk i.
+
+    ``load=False`` checks presence only (no entry is read). ``load=True`` reads every stored chunk
+    (refusing a foreign entry or one whose token ids differ: it is recomputed) and returns each input
+    chunk's `ChunkKV` in ``result.kvs``; a freshly computed one is given in the form a later hit will
+    return (storage dtype round trip), so cold and warm requests agree.
+    ``on_batch(done, total, tokens)`` is called after each computed batch (distinct chunks)."""
+    if prefix_ids is None:
+        if load:
+            raise ValueError("ensure_chunks(load=True) needs the request's prefix_ids")
+        total: EnsureResult | None = None
+        for prefix in engine.builder.canonical_prefixes():
+            res = _ensure(engine, chunk_ids, prefix, False, batch_size, on_batch)
+            if total is None:
+                total = res
+                continue
+            for i, k in enumerate(res.keys):
+                total.all_keys[i].append(k)
+            total.hits += res.hits
+            total.misses += res.misses
+            total.computed += res.computed
+            total.already_stored += res.already_stored
+            total.tokens += res.tokens
+            total.seconds += res.seconds
+            total.computed_keys += res.computed_keys
+        return total
+    return _ensure(engine, chunk_ids, prefix_ids, load, batch_size, on_batch)
+
+
+def _ensure(engine: ChunkComputer, chunk_ids: list[torch.Tensor], prefix: torch.Tensor, load: bool, batch_size: int,
+            on_batch: Callable[[int, int, int], None] | None) -> EnsureResult:
+    store = engine.store
+    keys = [engine.chunk_key(prefix, ids) for ids in chunk_ids]
+    start = 0 if engine.precompute_mode == "isolated" else prefix.numel()  # where a valid entry was computed
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    found: dict[str, ChunkKV | None] = {}
+    present: dict[str, bool] = {}
+    for key, i in first.items():
+        if load:
+            kv = store.lookup(key)
+            if kv is not None and (kv.fingerprint != engine.fingerprint or kv.start != start
+                                   or not torch.equal(kv.token_ids, chunk_ids[i].cpu())):
+                kv = None  # a key collision, a foreign entry or another precompute mode: never use it
+            found[key] = kv
+            present[key] = kv is not None
+        else:
+            present[key] = key in store
+    res = EnsureResult(keys=keys, all_keys=[[k] for k in keys])
+    res.hits = sum(present[k] for k in keys)
+    res.misses = len(keys) - res.hits
+    res.already_stored = sum(present.values())
+    todo = [k for k in first if not present[k]]
+    storage = getattr(store, "storage_dtype", "float32")
+    t0 = time.perf_counter()
+    for b in range(0, len(todo), batch_size):
+        part = todo[b:b + batch_size]
+        with torch.no_grad():
+            fresh = engine.compute_chunks(prefix, [chunk_ids[first[k]] for k in part], batch_size=batch_size)
+        for key, kv in zip(part, fresh):
+            store.put(key, kv)
+            res.tokens += kv.n_tokens
+            if load:
+                found[key] = roundtrip(kv, storage, engine.dtype)
+        res.computed += len(part)
+        res.computed_keys += part
+        res.seconds = time.perf_counter() - t0
+        if on_batch is not None:
+            on_batch(res.computed, len(todo), res.tokens)
+    res.seconds = time.perf_counter() - t0
+    if load:
+        res.kvs = [found[k] for k in keys]
+    return res
+
+
+# ---- a document folder (`kvstitch precompute`) ---------------------------------------------------------
+@dataclass
+class PrecomputeReport:
+    chunks: int = 0
+    computed: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def progress_bar(progress: bool = True):
+    """The rich progress bar every precompute shares: done/total, chunks/s, tokens/s, ETA."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[cps]:,.1f} chunks/s"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+               TimeRemainingColumn()]
+    return Progress(*columns, disable=not progress)
+
+
+def directory_chunks(engine: ChunkComputer, docs_dir, chunk_tokens: int = 256,
+                     overlap: int = 0) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
+    """``(document, chunk text)`` pairs of a folder and each chunk's token ids (as a request builds them)."""
+    chunks = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
+    return chunks, [engine.builder.encode_chunk(text) for _, text in chunks]
+
+
+def precompute_directory(engine: ChunkComputer, docs_dir, chunk_tokens: int = 256, overlap: int = 0,
+                         batch_size: int = 8, progress: bool = True) -> tuple[PrecomputeReport, list[tuple[str, str]]]:
+    """Chunk every document, precompute the chunks missing from ``engine.store`` (after every canonical
+    prefix: `PromptBuilder.canonical_prefixes`), write them back.
+    Returns the report and the ``(document, chunk text)`` list (what `index` embeds)."""
+    chunks, ids = directory_chunks(engine, docs_dir, chunk_tokens, overlap)
+    return precompute_ids(engine, ids, batch_size, progress), chunks
+
+
+def precompute_texts(engine: ChunkComputer, texts: list[str], chunk_tokens: int | None = None, overlap: int = 0,
+                     batch_size: int = 8, progress: bool = True) -> PrecomputeReport:
+    """Cache passages ahead of the questions. ``chunk_tokens`` None: each text is one chunk, exactly as
+    ``generate(chunks=texts)`` will use it; else each text is a document split into chunks of about that many
+    tokens (`kvstitch.core.chunking.chunk_text`, as `kvstitch precompute` does)."""
+    from kvstitch.core.chunking import chunk_text
+    from kvstitch.core.prompt import check_chunks
+
+    texts = check_chunks(texts)
+    if chunk_tokens is not None:
+        texts = [c for t in texts for c in chunk_text(t, engine.tokenizer, chunk_tokens, overlap)]
+    return precompute_ids(engine, [engine.builder.encode_chunk(t) for t in texts], batch_size, progress)
+
+
+def precompute_ids(engine: ChunkComputer, ids: list[torch.Tensor], batch_size: int = 8,
+                   progress: bool = True) -> PrecomputeReport:
+    """`ensure_chunks` for every canonical prefix, with the shared progress bar and a report."""
+    t0 = time.perf_counter()
+    with progress_bar(progress) as bar:
+        task = bar.add_task("precompute", total=None, tps=0.0, cps=0.0)
+
+        def step(done: int, total: int, tokens: int) -> None:
+            dt = time.perf_counter() - t0
+            bar.update(task, completed=done, total=total, tps=tokens / dt if dt else 0.0,
+                       cps=done / dt if dt else 0.0)
+
+        res = ensure_chunks(engine, ids, batch_size=batch_size, on_batch=step)  # every canonical prefix
+    return PrecomputeReport(chunks=len(ids), computed=res.computed, skipped=res.already_stored,
+                            tokens=res.tokens, seconds=time.perf_counter() - t0)

@@ -1,0 +1,74 @@
+"""One configuration for `kvstitch serve`: flags > ``KVSTITCH_*`` environment variables > a TOML file.
+
+    kvstitch serve --config kvstitch.toml            # or KVSTITCH_CONFIG=kvstitch.toml
+    KVSTITCH_PORT=9000 KVSTITCH_API_KEY=k1,k2 kvstitch serve --config kvstitch.toml --method infoflow
+
+Every serve option has an environment variable: ``KVSTITCH_`` + its name in capitals with ``_`` for
+``-`` (``--max-queue`` -> ``KVSTITCH_MAX_QUEUE``). The file holds the same names, at the top level or
+under ``[serve]`` (``max_queue = 8`` or ``max-queue = 8``); an unknown name is an error, not ignored.
+The effective configuration, and where each value came from, is printed once at start (keys masked).
+This module reads the file; the options themselves and ``--config`` are `kvstitch.cli.serve`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvstitch.core.errors import InputError
+
+ENV_PREFIX = "KVSTITCH"
+SECRET = {"api_key"}  # options whose values are masked when the configuration is printed
+
+
+RECORD = "calibration"  # a table `kvstitch calibrate` writes for people to read: no option of any command
+ANSWER_SETTINGS = ("method", "ratio", "auto", "model")  # what `kvstitch ask --config` takes from the file
+
+
+def read_config(path: str | Path, known: set[str]) -> dict:
+    """The file's serve options (unknown names are an error). An ``auto`` table (options of ratio "auto") is
+    passed on as JSON, the ``[calibration]`` record is skipped."""
+    p = Path(path).expanduser()
+    data = load_toml(p)
+    if isinstance(data.get("serve"), dict):
+        data = {**{k: v for k, v in data.items() if k != "serve"}, **data["serve"]}
+    out = {}
+    for k, v in data.items():
+        name = k.replace("-", "_")
+        if name == RECORD and isinstance(v, dict):
+            continue
+        if name not in known:
+            raise InputError(f"{p}: unknown option {k!r}; known: {', '.join(sorted(known))}")
+        out[name] = json.dumps(v) if name == "auto" and isinstance(v, dict) else v
+    return out
+
+
+def read_answer_settings(path: str | Path) -> dict:
+    """``method``, ``ratio``, ``auto`` (a dict) and ``model`` from a config file (`kvstitch ask --config`): the
+    keys it has among those, at the top level or under ``[serve]``; other keys are not ask's and are left alone."""
+    data = load_toml(Path(path).expanduser())
+    if isinstance(data.get("serve"), dict):
+        data = {**data, **data["serve"]}
+    out = {k: data[k] for k in ANSWER_SETTINGS if k in data}
+    if "auto" in out and not isinstance(out["auto"], dict):
+        raise InputError(f"{path}: 'auto' must be a table of options of ratio 'auto'")
+    return out
+
+
+def load_toml(path: str | Path) -> dict:
+    """A TOML file as a dict; a missing or unparsable file is an `InputError` naming it."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise InputError("reading --config needs Python >= 3.11 (tomllib) or `pip install tomli`") from None
+    p = Path(path).expanduser()
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"config file not found: {p}") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read config file {p}: {e}") from None
+    return data
