@@ -205,3 +205,42 @@ def test_prompt_shorter_than_the_window_still_keeps_the_sink_page(policy):
         s.step(dec)
         assert (dec.layers[0].selected[:, 0] == 0).all()
     assert dec.layers[0].front == 1 and dec.layers[0].static_steps == [0]
+
+
+def test_attend_rows_in_parallel_equals_each_decoder_alone():
+    """A batched step's sparse rows run on several threads (`attend_rows`); each row's output is bit-identical
+    to its decoder's lone attend, for mixed policies, over several steps (static refreshes included), and the
+    caller's thread count is restored."""
+    from kvstitch.decode.decoder import attend_rows
+
+    policies = ["prkv", "quest", "snapkv", "arkvale", "prkv"]  # shadowkv: tests/test_batched_sparse.py
+    kw = dict(num_layers=2, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, sinks=2, window=4)
+
+    def build():
+        decs = []
+        for i, p in enumerate(policies):
+            dec = make_decoder(p, 24, **kw, **STATIC_OPTS.get(p, {}))
+            Stream(n=50 + 7 * i, seed=i).prefill(dec)
+            decs.append(dec)
+        return decs
+
+    par, alone = build(), build()
+    g = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(5):
+            for layer in range(2):
+                kv = [(torch.randn(HKV, 1, D, generator=g), torch.randn(HKV, 1, D, generator=g)) for _ in policies]
+                qs = [torch.randn(HQ, 1, D, generator=g) for _ in policies]
+                for decs in (par, alone):
+                    for d, (k, v) in zip(decs, kv):
+                        d.append(layer, k, v)
+                got = attend_rows(par, layer, qs, SCALE)
+                assert torch.get_num_threads() == 2
+                for d, q, out in zip(alone, qs, got):
+                    assert torch.equal(out, d.attend(layer, q, SCALE))
+            for d in par + alone:
+                d.end_step()
+    finally:
+        torch.set_num_threads(before)

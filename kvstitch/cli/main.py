@@ -335,7 +335,7 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
                                                                      "of its own, about this many tokens, and wants "
                                                                      "max_tokens of answer"),
                     kv_budget: Optional[int] = typer.Option(None, help="sparse decode's kv_budget (default: the server's)"),
-                    kv_pool_bytes: Optional[int] = typer.Option(None, help="the server's KV pool limit in bytes"),
+                    kv_pool_bytes: Optional[str] = typer.Option(None, help="the server's KV pool limit, e.g. 2GiB"),
                     recall_sample: float = typer.Option(0.05, help="share of sparse decode passes whose recall is measured "
                                                                    "(those passes also attend densely: keep it small)"),
                     threads: Optional[int] = ThreadsOpt,
@@ -347,13 +347,15 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
 
     from kvstitch.bench.ttft import write_results
     from kvstitch.bench.serve import DENSE, bench_serve, serve_table
+    from .store import parse_size
 
     _set_threads(threads)
+    pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
     policies = tuple(DENSE if p == "dense" else p for p in _csv(decode))
     eng = _load(model, store)
     rows = bench_serve(eng, _csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
                        tuple(_csv(methods)), ratio, max_batch, serial=serial, log=console.print, decode=policies,
-                       context=context, kv_budget=kv_budget, kv_pool_bytes=kv_pool_bytes, recall_sample=recall_sample)
+                       context=context, kv_budget=kv_budget, kv_pool_bytes=pool_bytes, recall_sample=recall_sample)
     table = serve_table(rows)
     write_results(rows, out, "bench_serve", table, {"model": eng.adapter.describe(), "device": str(eng.device),
                                                     "store": repr(eng.store), "requests": requests, "docs": docs,
@@ -361,7 +363,7 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
                                                     "max_tokens": max_tokens, "methods": methods, "ratio": ratio,
                                                     "max_batch": max_batch, "decode": list(policies),
                                                     "context": context, "kv_budget": kv_budget,
-                                                    "kv_pool_bytes": kv_pool_bytes, "recall_sample": recall_sample,
+                                                    "kv_pool_bytes": pool_bytes, "recall_sample": recall_sample,
                                                     "threads": torch.get_num_threads()})
     console.print(table, highlight=False)
     console.print(f"written: {out / 'bench_serve.json'}, {out / 'bench_serve.md'}")

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 from kvstitch.core.attention import ForwardPlan, kvstitch_attention
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import InputError
+from kvstitch.decode.decoder import attend_rows
 from kvstitch.models import cache_kwargs
 
 
@@ -69,18 +70,21 @@ class BatchCache(Cache):
     def attend(self, module, query, **kwargs):
         """Per-row attention: row i's query over row i's keys (or, for a row with a sparse decoder, over the
         tokens its policy selects), as a lone decode step computes it."""
-        outs = []
+        outs: list = [None] * len(self.row_kv)
+        sparse = [i for i, c in enumerate(self.caches) if c.decoder is not None]
+        if sparse:  # the lone path's attention (`kvstitch_attention` with ForwardPlan(decoder=dec)), rows in parallel
+            scaling = kwargs.get("scaling")
+            scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+            got = attend_rows([self.caches[i].decoder for i in sparse], module.layer_idx,
+                              [query[i] for i in sparse], scaling)
+            for i, o in zip(sparse, got):
+                outs[i] = o[None].transpose(1, 2)
         for i, (k, v) in enumerate(self.row_kv):
-            dec = self.caches[i].decoder
-            if dec is not None:  # the lone path: `kvstitch_attention` with ForwardPlan(decoder=dec)
-                scaling = kwargs.get("scaling")
-                scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-                outs.append(dec.attend(module.layer_idx, query[i], scaling)[None].transpose(1, 2))
+            if outs[i] is not None:
                 continue
             n = k.shape[2]
             plan = ForwardPlan(q_slots=torch.tensor([n - 1], device=query.device))
-            out, _ = kvstitch_attention(module, query[i:i + 1], k, v, kvstitch_plan=plan, **kwargs)
-            outs.append(out)
+            outs[i], _ = kvstitch_attention(module, query[i:i + 1], k, v, kvstitch_plan=plan, **kwargs)
         return torch.cat(outs, dim=0), None
 
 
