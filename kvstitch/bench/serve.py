@@ -215,9 +215,16 @@ def _row(server: str, concurrency: int, results: list[dict], wall: float, refere
     tokens = sum(r["completion_tokens"] for r in ok)
     attempts = sum(1 + r["n_429"] for r in results if r)
     n_429 = sum(r["n_429"] for r in results if r)
-    mismatches = None
+    mismatches, differ = None, []
     if reference is not None:
-        mismatches = sum(1 for r, ref in zip(results, reference) if not r or r["status"] != 200 or r["text"] != ref)
+        for i, (r, ref) in enumerate(zip(results, reference)):
+            got = r.get("text") if r and r["status"] == 200 else None
+            if got is None or got != ref:
+                got, ref = got or "", ref or ""  # where the answer left the one given alone (token ties show up late in long answers)
+                at = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+                differ.append({"request": i, "first_difference_at_char": at, "alone": ref[max(0, at - 40):at + 40],
+                               "got": got[max(0, at - 40):at + 40]})
+        mismatches = len(differ)
     return {"server": server, "concurrency": concurrency, "requests": len(results), "answered": len(ok),
             "lost": len(results) - len(ok), "wall_s": wall, "requests_per_s": len(ok) / wall,
             "completion_tokens": tokens, "completion_tokens_per_s": tokens / wall,
@@ -225,7 +232,8 @@ def _row(server: str, concurrency: int, results: list[dict], wall: float, refere
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
             "tpot_p50_s": _pct(tpots, 0.5), "tpot_p95_s": _pct(tpots, 0.95),
             "n_429": n_429, "rate_429": n_429 / attempts if attempts else 0.0,
-            "answers_equal_alone": mismatches == 0 if mismatches is not None else None, "mismatches": mismatches}
+            "answers_equal_alone": mismatches == 0 if mismatches is not None else None, "mismatches": mismatches,
+            "differ": differ}
 
 
 def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int = 8, doc_tokens: int = 256,
