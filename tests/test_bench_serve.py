@@ -52,7 +52,7 @@ def test_bench_serve_long_context_sparse_vs_dense(smollm_tokenizer, tmp_path):
     bodies = long_context_mix(eng, 3, context=600, doc_tokens=100, max_tokens=6)
     chunk_sets = [set(b["documents"]) for b in bodies]
     assert all(not (chunk_sets[i] & chunk_sets[j]) for i in range(3) for j in range(i + 1, 3))  # nothing shared
-    assert all(b["max_tokens"] == 6 and sum(len(d) for d in b["documents"]) > 1000 for b in bodies)
+    assert all(b["max_tokens"] == b["min_tokens"] == 6 and sum(len(d) for d in b["documents"]) > 1000 for b in bodies)
     rows = bench_serve(eng, [1, 3], n_requests=3, doc_tokens=100, max_tokens=6, methods=("random",),
                        max_batch=4, decode=(DENSE, "prkv"), context=600, kv_budget=128, recall_sample=0.5,
                        kv_pool_bytes=1 << 30)
@@ -60,6 +60,7 @@ def test_bench_serve_long_context_sparse_vs_dense(smollm_tokenizer, tmp_path):
         (DENSE, "batched", 1), (DENSE, "batched", 3), (DENSE, "serial", 3), ("prkv", "batched", 1), ("prkv", "batched", 3)]
     for r in rows:
         assert r["answered"] == 3 and r["lost"] == 0 and r["answers_equal_alone"] is True
+        assert r["completion_tokens"] == 3 * 6  # min_tokens: every answer as long as max_tokens
         assert r["tpot_p50_s"] > 0 and r["tpot_p50_s"] <= r["tpot_p95_s"]
         assert r["peak_rss_bytes"] > 0 and 0 < r["kv_pool_peak_bytes"] <= r["kv_pool_limit_bytes"] == 1 << 30
         assert r["vs_dense"] > 0 and r["decode_vs_dense"] > 0 and r["decode_tok_per_s"] > 0, r

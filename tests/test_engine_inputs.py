@@ -17,6 +17,7 @@ from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
     (dict(recompute_ratio=-0.1), "recompute_ratio"),
     (dict(recompute_ratio=float("nan")), "recompute_ratio"),
     (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(min_new_tokens=-1), "min_new_tokens"),
 ])
 def test_bad_requests(tiny_engine, kwargs, message):
     args = dict(question=SAMPLE_QUESTION, chunks=SAMPLE_CHUNKS, method="random", recompute_ratio=0.2)
@@ -44,3 +45,21 @@ def test_unreadable_model_paths(tmp_path):
         Engine.load(str(tmp_path / "bad.gguf"))
     with pytest.raises(ModelLoadError, match="not a Hugging Face model directory"):
         Engine.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_min_new_tokens_masks_eos_until_the_answer_is_that_long(tiny_engine):
+    """A token the model picks first made EOS: the answer ends there, unless min_new_tokens asks for more, when it
+    has that many tokens, none of them EOS (what `bench serve` uses for equal-length answers)."""
+    args = dict(question=SAMPLE_QUESTION, chunks=SAMPLE_CHUNKS, method="random", recompute_ratio=0.2,
+                max_new_tokens=6)
+    first = tiny_engine.generate(**args).token_ids[0]
+    eos = tiny_engine.eos_ids
+    tiny_engine.eos_ids = set(eos) | {first}
+    try:
+        assert tiny_engine.generate(**args).token_ids == [first]  # stops at the (new) EOS
+        for mode in ({}, {"decode": "prkv", "kv_budget": 64}):
+            out = tiny_engine.generate(**args, min_new_tokens=6, **mode).token_ids
+            assert len(out) == 6 and not set(out) & tiny_engine.eos_ids
+    finally:
+        tiny_engine.eos_ids = eos

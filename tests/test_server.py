@@ -184,6 +184,7 @@ ERRORS = [
     ("unknown-param", dict(best_of=3), 400, "unsupported parameter 'best_of'"),
     ("bad-role", dict(messages=[{"role": "robot", "content": "x"}]), 400, "unknown role 'robot'"),
     ("bool-max-tokens", dict(max_tokens=True), 400, "'max_tokens' must be an integer"),
+    ("min-tokens-over-max", dict(max_tokens=4, min_tokens=5), 400, "'min_tokens' must be <= 4"),
 ]
 
 

@@ -64,13 +64,14 @@ DENSE = "full"  # the server's name for dense decode
 def long_context_mix(engine, n_requests: int, context: int, doc_tokens: int = 256, max_tokens: int = 128,
                      methods: tuple[str, ...] = ("prophet",), ratio: float = 0.2, seed: int = 0) -> list[dict]:
     """Bodies with documents of their own: request i's are a ``context``-token sample seeded ``seed + i``,
-    its question asks for a long answer (every request wants ``max_tokens``)."""
+    its question asks for a long answer, and every answer is ``max_tokens`` long (``min_tokens``: EOS masked
+    before), so every policy decodes the same number of steps."""
     bodies = []
     for i in range(n_requests):
         _, chunks = context_of_length(engine, context, chunk_tokens=doc_tokens, seed=seed + i)
         bodies.append({"model": "bench", "messages": [{"role": "user", "content": LONG_QUESTION}],
                        "documents": chunks, "method": methods[i % len(methods)], "ratio": ratio,
-                       "temperature": 0, "max_tokens": max_tokens})
+                       "temperature": 0, "max_tokens": max_tokens, "min_tokens": max_tokens})
     return bodies
 
 

@@ -56,6 +56,7 @@ class GenerationRequest:
     method: str = DEFAULT_METHOD
     recompute_ratio: float | str = 0.2
     max_new_tokens: int = 32
+    min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -400,6 +401,8 @@ class Engine:
                                     req.kv_budget, req.decode_options)
         if req.guard not in (None, "full"):
             raise InputError(f"guard must be None or 'full', got {req.guard!r}")
+        if isinstance(req.min_new_tokens, bool) or not isinstance(req.min_new_tokens, int) or req.min_new_tokens < 0:
+            raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
         selector = make_selector(req.method, **(req.method_options or {}))
         if req.decode != "full" and selector.adjusts_decode():
             raise InputError(f"method {req.method!r} changes decode attention (APE scaling / A3 eviction); a sparse "
@@ -415,7 +418,8 @@ class Engine:
             return
         tokens: list[int] = []
         steps = self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
-                                   req.kv_budget, req.decode_options, batch_steps=req.batch_decode)
+                                   req.kv_budget, req.decode_options, batch_steps=req.batch_decode,
+                                   min_new_tokens=req.min_new_tokens)
         back = None
         while True:
             try:
@@ -574,7 +578,11 @@ class Engine:
         return Prefill(cache, layout, logits, indices, stats, selector)
 
     # ---- decoding -------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0) -> int:
+    def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0,
+                no_eos: bool = False) -> int:
+        if no_eos:  # the answer is shorter than its min_new_tokens: EOS cannot be chosen
+            logits = logits.clone()
+            logits[..., sorted(self.eos_ids)] = float("-inf")
         if temperature <= 0:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -593,12 +601,14 @@ class Engine:
     def decode_tokens(self, pre: "Prefill", max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                       seed: int = 0, decode: str = "full", kv_budget: int | None = None,
                       decode_options: dict | None = None, plan: ForwardPlan | None = None,
-                      batch_steps: bool = False):
+                      batch_steps: bool = False, min_new_tokens: int = 0):
         """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
         (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
         model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
         applies; ``decode`` != "full" hands the cache to a sparse decoder (see `stream`). ``batch_steps``: plain
-        dense steps are yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`)."""
+        dense steps are yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`).
+        ``min_new_tokens``: EOS is masked (and a base model's line break does not end the answer) until the
+        answer has that many tokens (vLLM's ``min_tokens``: EOS can be the next one) (tokens an adaptive prefill already computed greedily are kept as they are)."""
         stats, cache = pre.stats, pre.cache
         n = pre.layout.n_total
         if pre.greedy and temperature <= 0:
@@ -607,9 +617,13 @@ class Engine:
                 cache.truncate(n + len(tokens) - 1)
         else:
             cache.truncate(n)  # sampling: the greedy probe's K/V (if any) are not this answer's
-            tokens = [self._sample(pre.logits[-1], temperature, top_p, seed)]
+            tokens = [self._sample(pre.logits[-1], temperature, top_p, seed, no_eos=min_new_tokens > 0)]
         yield from tokens
-        if len(tokens) >= max_new_tokens or self.finished(tokens):
+
+        def done() -> bool:
+            return len(tokens) >= max_new_tokens or (len(tokens) >= min_new_tokens and self.finished(tokens))
+
+        if done():
             return
         custom = plan or pre.selector.decode_plan(self, cache, pre.layout, stats)
         plan = custom or ForwardPlan()
@@ -626,7 +640,7 @@ class Engine:
             cache.decoder = plan.decoder
         try:
             step = len(tokens) - 1
-            while not self.finished(tokens) and len(tokens) < max_new_tokens:
+            while not done():
                 step += 1
                 if batchable:
                     logits = yield DecodeStep(cache, tokens[-1], plan.decoder)
@@ -639,7 +653,8 @@ class Engine:
                 else:
                     logits = self._decoder_step(cache, tokens[-1], plan)
                     plan.decoder.end_step()
-                tokens.append(self._sample(logits[-1], temperature, top_p, seed, step))
+                tokens.append(self._sample(logits[-1], temperature, top_p, seed, step,
+                                           no_eos=len(tokens) < min_new_tokens))
                 _sync(self.device)
                 yield tokens[-1]
             if plan.decoder is not None:

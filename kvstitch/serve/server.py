@@ -82,7 +82,7 @@ CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "user",
                "metadata", "store", "parallel_tool_calls",
                "documents", "collection", "top_k", "method", "ratio", "recompute_ratio", "decode", "kv_budget",
-               "method_options", "guard", "auto"}
+               "method_options", "guard", "auto", "min_tokens"}
 
 
 def _input_error(e: InputError) -> ApiError:
@@ -674,6 +674,7 @@ class ChatRequest:
     model: str | None
     guard: str | None = None  # "full": verify the answer against full prefill
     auto: dict | None = None  # options of ratio "auto" (kvstitch.engine.budget.AutoBudget)
+    min_tokens: int = 0  # EOS masked until the answer has this many tokens
 
 
 def _bad(msg: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
@@ -794,6 +795,7 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
         raise _bad("'max_tokens' and 'max_completion_tokens' disagree", "max_tokens")
     mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, mt_name, default_max_tokens, 1)
+    min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)  # vLLM's: no EOS before this many tokens
     temperature = _float(body, "temperature", 0.0, 0.0, 2.0)
     top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
@@ -814,7 +816,7 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
                        include_usage=bool(opts.get("include_usage", False)),
                        model=model if isinstance(model, str) else None, guard=guard,
-                       auto=auto)
+                       auto=auto, min_tokens=min_tokens)
 
 
 def _decode_policies() -> set[str]:
@@ -1144,7 +1146,7 @@ class ChatService:
         return dict(messages=req.messages, chunks=docs, method=req.method, recompute_ratio=req.ratio,
                     max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                     decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options,
-                    auto=req.auto, guard=guard)
+                    auto=req.auto, guard=guard, min_new_tokens=req.min_tokens)
 
     async def retrieve(self, req: ChatRequest) -> tuple[list[str], list[dict]]:
         """The top-k passages of ``req.collection`` for the last user message, and their descriptions."""
