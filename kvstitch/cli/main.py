@@ -269,7 +269,8 @@ def _demo_block(i: int, q: dict, full, ours, label: str, agree: bool, speedup: f
         ok = q["answer"].lower() in res.text.lower()  # RULER-style string match
         right[key] += ok
         grid.add_row("", name, f"{res.ttft_s:.2f} s", Text(f"{'✓' if ok else '✗'} {res.text}"))
-    verdict = (f"same answer, {speedup:.1f}x faster" if agree else f"DIFFERENT answer, {speedup:.1f}x faster")
+    pace = f"{speedup:.1f}x faster" if speedup >= 1 else f"{1 / speedup:.1f}x slower"  # "0.6x faster" misleads
+    verdict = f"same answer, {pace}" if agree else f"DIFFERENT answer, {pace}"
     grid.add_row("", "", "", Text(f"{verdict}; {_budget_note(ours.stats)}", style="green" if agree else "red"))
     head = Text.assemble((f"{i}. {q['question']}", "bold"), f"  (expected: {q['answer']})")
     return Group(head, grid)
