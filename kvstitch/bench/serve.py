@@ -268,7 +268,8 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
                                recall_sample=recall_sample))
         return ServerThread(apps[-1])
 
-    def measure(srv, label: str, policy: str, c: int, todo: list[dict], reference: list[str] | None) -> dict:
+    def measure(srv, label: str, policy: str, c: int, todo: list[dict],
+                reference: list[str] | None) -> tuple[dict, list[str | None]]:
         before = _batch_means(apps[-1].state.metrics)
         with PeakRSS() as mem:
             results, wall = asyncio.run(run_load(srv.url, todo, c))
