@@ -172,3 +172,43 @@ def test_agreement_table_carries_pooled_recovery():
     assert row[header.index("NLL rec. (pooled)")].split(" [")[0] == "0.75"  # (3 - 1.5) / (3 - 1)
     assert row[header.index("agrees with full (12 words)")].split(" [")[0] == "0.50"
     assert row[header.index("score (% full)")] == "100.0"
+
+
+def test_paired_table_differences_and_their_paired_intervals():
+    """Two methods on the same samples: later minus earlier, agreement and pooled NLL-gap recovery; the interval is
+    paired (a constant per-sample difference has a zero-width interval even where each method's own NLL varies
+    widely); auto rows, other ratios and the references are not paired."""
+    from kvstitch.eval.report import paired_table
+
+    rows = []
+    for i in range(4):
+        common = dict(task="t", seed=0, index=i, length=2048, chunk_tokens=256, nll_full=1.0, agree_first=True)
+        rows.append(dict(common, method="full", ratio=None, score=1.0, nll=1.0, agree_words=True))
+        rows.append(dict(common, method="naive", ratio=None, score=0.0, nll=3.0, agree_words=False))
+        a_nll = (1.2, 2.9, 1.6, 2.5)[i]  # prophet's own NLL varies widely over the samples
+        rows.append(dict(common, method="prophet", ratio=0.2, score=1.0, nll=a_nll, agree_words=i < 1))
+        rows.append(dict(common, method="deltaprop", ratio=0.2, score=1.0, nll=a_nll - 0.5, agree_words=i < 2))
+        rows.append(dict(common, method="deltaprop", ratio="auto", score=1.0, nll=1.0, agree_words=True))
+        rows.append(dict(common, method="infoflow", ratio=0.1, score=1.0, nll=2.0, agree_words=False))
+    table = paired_table(rows)
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ") and "−" in ln]
+    assert len(lines) == 1, table  # one pair at 0.2; infoflow alone at 0.1; auto and references left out
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cells[:3] == ["deltaprop − prophet", "0.20", "4"]
+    assert cells[3].split(" [")[0] == "0.25"  # agrees on 2 of 4 vs 1 of 4
+    assert cells[4] == "0.25 [0.25, 0.25]"  # 0.5 nats better on every sample over a gap of 2: paired, zero width
+    assert paired_table([r for r in rows if r["method"] != "deltaprop"]) == ""
+
+
+def test_the_summary_has_the_paired_section(tmp_path):
+    from kvstitch.eval.report import write_reports
+
+    rows = []
+    for i in range(3):
+        common = dict(task="t", seed=0, index=i, length=2048, chunk_tokens=256, nll_full=1.0, agree_first=True, kl=0.1)
+        rows.append(dict(common, method="full", ratio=None, score=1.0, nll=1.0, agree_words=True))
+        rows.append(dict(common, method="naive", ratio=None, score=0.0, nll=3.0, agree_words=False))
+        rows.append(dict(common, method="prophet", ratio=0.2, score=1.0, nll=2.0, agree_words=False))
+        rows.append(dict(common, method="infoflow", ratio=0.2, score=1.0, nll=1.5, agree_words=True))
+    text = write_reports(rows, tmp_path)["summary"].read_text()
+    assert "paired" in text and "| infoflow − prophet | 0.20 | 3 | 1.00 [1.00, 1.00] | 0.25 [0.25, 0.25] |" in text

@@ -673,6 +673,43 @@ def kept_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(rows: Sequence[dict]) -> str:
+    """Every two methods at the same fixed ratio, over the samples both ran: the difference in agreement with
+    full prefill (12 words) and in pooled NLL-gap recovery, later method minus earlier (the summary's order),
+    each with a *paired* 95% bootstrap interval (a sample's two rows resampled together, so what the samples
+    share cancels: far narrower than comparing the two methods' own intervals). "" when no pair exists."""
+    by: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+    for r in rows:
+        ratio = norm_ratio(str(r.get("method")), r.get("ratio"))
+        if r.get("method") not in ("full", "naive") and _num(ratio) is not None and r.get("agree_words") is not None:
+            by[(r["method"], ratio)][sample_key(r)] = r  # `auto` rows spend different budgets: not paired here
+    naive_nll = naive_nll_by_sample(rows)
+    keys = sorted(by, key=lambda k: (ratio_key(k[1]), method_key(str(k[0]))))
+    lines = []
+    for i, (a, ra) in enumerate(keys):
+        for b, rb in keys[i + 1:]:
+            if ra != rb:
+                continue
+            shared = [k for k in by[(a, ra)] if k in by[(b, rb)]]
+            if len(shared) < 2:
+                continue
+            pairs = [(by[(a, ra)][k], by[(b, rb)][k]) for k in shared]
+            d_agree = [float(bool(y["agree_words"])) - float(bool(x["agree_words"])) for x, y in pairs]
+            num, den = [], []  # pooled recovery of b minus a's: sum(nll_a - nll_b) / sum(naive - full)
+            for k, (x, y) in zip(shared, pairs):
+                if k in naive_nll and all(v.get("nll") is not None for v in (x, y)) and x.get("nll_full") is not None:
+                    num.append(float(x["nll"]) - float(y["nll"]))
+                    den.append(naive_nll[k] - float(x["nll_full"]))
+            d_rec = sum(num) / sum(den) if den and abs(sum(den)) > 1e-9 else math.nan
+            lines.append(f"| {b} − {a} | {_ratio_cell(ra)} | {len(shared)} | "
+                         f"{fmt_ci(_mean(d_agree), bootstrap_mean_ci([d_agree]), 2)} | "
+                         f"{fmt_ci(d_rec, bootstrap_ratio_ci([(num, den)]), 2)} |")
+    if not lines:
+        return ""
+    return "\n".join(["| difference | ratio | n (shared samples) | agrees with full | NLL rec. (pooled) |",
+                      "|---|---|---|---|---|", *lines]) + "\n"
+
+
 def _length_title(length: int, rows: Sequence[dict]) -> str:
     if length == 0:  # real QA datasets: one chunk per passage, no target length
         tokens = _mean(r.get("n_tokens") for r in rows)
@@ -736,6 +773,9 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, depth_bins: int 
                   fidelity_table(sub), ""]
         if any(r.get("agree_words") is not None for r in sub):
             parts += ["Agreement with full prefill and its cost (all tasks):", "", agreement_table(sub), ""]
+            paired = paired_table(sub)
+            if paired:
+                parts += ["Two methods on the same samples, paired (all tasks):", "", paired, ""]
         if any(r.get("correct") is not None for r in sub):
             parts += ["Full prefill's answers kept (all tasks):", "", kept_table(sub), ""]
             written[f"pareto_{L}"] = plot_pareto(sub, out / f"pareto_{L}.png")
