@@ -7,12 +7,14 @@ and whether the answer there agrees with full prefill's (first 12 words), and th
 fraction; a fallback costs the rounds plus a full prefill). Writes JSON lines + a markdown table.
 
     python scripts/calibrate_auto.py --seed 1 --n 12 --length 2048 --out docs/results/auto-calibration
+    python scripts/calibrate_auto.py --model qwen2.5-0.5b --haystack essays --length 8192 ...  (the reference model)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ import torch
 from kvstitch import Engine
 from kvstitch.engine.budget import DEFAULT_SCHEDULE
 from kvstitch.tasks import generate, scorer_for
+from kvstitch.tasks.haystack import resolve_haystack
 from kvstitch.eval.agreement import first_words_agree
 from kvstitch.eval.runner import answer_budget, sample_layout, EvalConfig
 
@@ -35,17 +38,22 @@ def collect(engine, args) -> list[dict]:
     if path.exists():
         done = {(r["task"], r["index"], r["method"]) for r in map(json.loads, path.read_text().splitlines())}
     cfg = EvalConfig(tasks=args.tasks.split(","), lengths=[args.length], methods=[], ratios=[], n=args.n,
-                     seed=args.seed)
+                     seed=args.seed, chunk_tokens=args.chunk_tokens, haystack=resolve_haystack(args.haystack))
     def count(text: str) -> int:
         return len(engine.tokenizer.encode(text, add_special_tokens=False))
 
     with path.open("a") as f:
         for task in cfg.tasks:
-            for i, sample in enumerate(generate(task, args.n, args.length, 256, args.seed, count)):
+            for i, sample in enumerate(generate(task, args.n, args.length, cfg.chunk_tokens, args.seed, count,
+                                                      haystack=cfg.haystack)):
+                if i < args.skip:  # another process has these (sample i depends on (task, seed, i) only)
+                    continue
                 layout = sample_layout(engine, sample)
                 budget = answer_budget(engine, sample, cfg)
                 engine.chunk_kvs(layout)
+                t0 = time.perf_counter()
                 fpre = engine.prefill(layout, "full", 0.0, budget)
+                full_s = time.perf_counter() - t0
                 full = list(engine.decode_tokens(fpre, budget))
                 full_text = engine.tokenizer.decode(full, skip_special_tokens=True)
                 fl = engine.teacher_force(fpre, torch.tensor(full))
@@ -53,15 +61,18 @@ def collect(engine, args) -> list[dict]:
                 for m in args.methods.split(","):
                     if (task, i, m) in done:
                         continue
+                    t0 = time.perf_counter()
                     pre = engine.prefill(layout, m, "auto", budget,
                                          auto={"tol": 0.0, "max_ratio": max(schedule), "schedule": schedule,
                                                "probe_tokens": args.probe_tokens, "mode": args.mode})
+                    rounds_s = time.perf_counter() - t0  # every round run to the end, probes included
                     rounds = []
                     for r in pre.stats["round_log"]:
                         text = engine.tokenizer.decode(r["probe"], skip_special_tokens=True)
                         rounds.append({**r, "agrees_full": first_words_agree(text, full_text)})
                     row = {"task": task, "index": i, "method": m, "full": full_text, "full_min_p": full_min_p,
-                           "score_full": scorer_for(task)(full_text, sample.answers), "rounds": rounds}
+                           "score_full": scorer_for(task)(full_text, sample.answers), "rounds": rounds,
+                           "full_s": full_s, "rounds_s": rounds_s, "n_context": layout.n_context}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     print(task, i, m, [(x["ratio"], x["kl"], x["agrees_full"]) for x in rounds], flush=True)
@@ -102,9 +113,106 @@ def oracle_cost(rows: list[dict]) -> float:
     return sum(next((r["ratio"] for r in row["rounds"] if r["agrees_full"]), 1.0) for row in rows) / max(len(rows), 1)
 
 
+MIN_PS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+
+
+def replay_signal(rows: list[dict], schedule: tuple[float, ...], min_p: float | None, tol: float | None) -> dict:
+    """`auto` in refresh mode with the rounds ``schedule`` (a subset of the logged rounds: each refresh round is
+    a fixed-ratio prefill at its budget, so any subset replays exactly) and the signals: confidence (the round's
+    probe min p >= ``min_p``) and/or the KL test (``tol``; only between rounds adjacent in the log, where it was
+    measured). Not converged: full prefill answers after the rounds. -> agreement, mean work, fallback share."""
+    agree, cost, fell = [], [], 0
+    for row in rows:
+        logged = row["rounds"]
+        idx = [next(i for i, r in enumerate(logged) if abs(r["ratio"] - s) < 2e-3) for s in schedule]
+        paid, stop = 0.0, None
+        for k, i in enumerate(idx):
+            r = logged[i]
+            paid += r["ratio"]
+            sure = min_p is not None and r["min_p"] >= min_p
+            adjacent = k > 0 and idx[k - 1] == i - 1
+            same = tol is not None and adjacent and r["kl"] is not None and r["kl"] < tol \
+                and r.get("first_divergence") is None
+            if sure or same:
+                stop = r
+                break
+        if stop is None:
+            agree.append(True)
+            cost.append(paid + 1.0)
+            fell += 1
+        else:
+            agree.append(bool(stop["agrees_full"]))
+            cost.append(paid)
+    n = max(len(rows), 1)
+    return {"agreement": sum(agree) / n, "cost": sum(cost) / n, "fallback": fell / n}
+
+
+def frontier_rows(rows: list[dict]) -> list[dict]:
+    """The logged rounds as `kvstitch.eval.calibrate` rows (time = recompute work, full prefill = 1) so its
+    perfect-signal frontier applies: per sample, the cheapest agreeing fixed ratio, else full prefill."""
+    out = []
+    for row in rows:
+        key = f"{row['task']}#{row['index']}"
+        out.append({"sample": key, "config": "full", "agree": True, "ttft_s": 1.0})
+        out += [{"sample": key, "config": f"r{r['ratio']:.2f}", "agree": r["agrees_full"], "ttft_s": r["ratio"]}
+                for r in row["rounds"]]
+    return out
+
+
+def signal_section(mrows: list[dict], m: str, out: Path) -> list[str]:
+    """Confidence and KL signals replayed over every schedule of the logged rounds, against the perfect-signal
+    frontier at equal agreement; draws ``frontier_<m>.png``."""
+    from itertools import combinations
+
+    from kvstitch.eval.calibrate import frontier_at, perfect_frontier, plot
+
+    ratios = [r["ratio"] for r in mrows[0]["rounds"]]
+    fr = frontier_rows(mrows)
+    front = perfect_frontier(fr, [f"r{x:.2f}" for x in ratios])
+    table = []
+    for k in (1, 2):
+        for sched in combinations(ratios, k):
+            for min_p in (*MIN_PS, None):
+                for tol in ((None,) if k == 1 else (None, 0.01, 0.05, float("inf"))):
+                    if min_p is None and tol is None:
+                        continue
+                    s = replay_signal(mrows, sched, min_p, tol)
+                    speed = 1.0 / s["cost"]
+                    f = frontier_at(front, s["agreement"])
+                    label = "/".join(f"{round(x, 2):g}" for x in sched) + (f" p>={min_p}" if min_p is not None else "") \
+                        + (f" kl<{tol}" if tol is not None else "")
+                    table.append({"config": label, "agreement": s["agreement"], "speedup": speed,
+                                  "fallback": s["fallback"], "frontier": f, "share": speed / f if f else None})
+    table.sort(key=lambda r: (-r["agreement"], -r["speedup"]))
+    pareto, best = [], 0.0
+    for r in table:  # keep the settings no other beats on both agreement and speed
+        if r["speedup"] > best + 1e-9:
+            pareto.append(r)
+            best = r["speedup"]
+    lines = ["", f"### {m}: signals replayed (work-based speed-up = 1 / mean recompute work; full prefill = 1)", "",
+             "Perfect-signal frontier (agreement: speed-up): "
+             + ", ".join(f"{a:.2f}: {x:.2f}x" for a, x in front[:8]), "",
+             "Settings on the Pareto front of the replay (no other is both faster and more often in agreement):", "",
+             "| schedule / signal | agreement | speed-up | fallback | frontier at that agreement | share |",
+             "|---|---|---|---|---|---|"]
+    for r in pareto:
+        f = "–" if r["frontier"] is None else f"{r['frontier']:.2f}x"
+        sh = "–" if r["share"] is None else f"{r['share']:.2f}"
+        lines.append(f"| {r['config']} | {r['agreement']:.2f} | {r['speedup']:.2f}x | {r['fallback']:.2f} | {f} | {sh} |")
+    fixed = [{"config": f"{m}@{round(x, 2):g}", "agreement": sum(rw["rounds"][j]["agrees_full"] for rw in mrows) / len(mrows),
+              "speedup": 1.0 / x} for j, x in enumerate(ratios)]
+    pts = [{"config": f"{m}@auto({r['config']})", "agreement": r["agreement"], "speedup": r["speedup"]} for r in pareto]
+    plot(fixed + pts, {m: front}, out / f"frontier_{m}.png", chosen=pts[0]["config"] if pts else "",
+         xlabel="speed-up vs full prefill in recompute work (1 / mean fraction recomputed)")
+    return lines
+
+
 def report(rows: list[dict], args) -> str:
     lines = ["# auto: convergence-signal calibration", "",
-             f"`python scripts/calibrate_auto.py --seed {args.seed} --n {args.n} --length {args.length} "
+             f"`python scripts/calibrate_auto.py "
+             + (f"--model {args.model} " if args.model else "")
+             + (f"--haystack {args.haystack} " if args.haystack != "synthetic" else "")
+             + f"--seed {args.seed} --n {args.n} --length {args.length} "
              f"--tasks {args.tasks} --methods {args.methods} --mode {args.mode} --schedule {args.schedule} "
              f"--out {args.out}`", "",
              f"Mode `{args.mode}`. Agreement = the answer's first 12 words equal full prefill's. Cost = context "
@@ -129,6 +237,7 @@ def report(rows: list[dict], args) -> str:
                     s = replay(mrows, tol, patience, ceiling, args.mode)
                     lines.append(f"| {ceiling:.2f} | {tol} | {patience} | {s['agreement']:.2f} | {s['ratio_used']:.3f} "
                                  f"| {s['cost']:.3f} | {s['fallback']:.2f} |")
+        lines += signal_section(mrows, m, Path(args.out))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -139,6 +248,10 @@ def main() -> None:
     ap.add_argument("--methods", default="prophet,infoflow")
     ap.add_argument("--n", type=int, default=12)
     ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first SKIP samples of each task (sharding)")
+    ap.add_argument("--haystack", default="synthetic", help="NIAH haystack: synthetic (earlier runs) or essays")
+    ap.add_argument("--model", default=None, help="embedded model name or path (default: the default model)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--probe-tokens", type=int, default=16)
     ap.add_argument("--schedule", default="0.05,0.1,0.2,0.4,0.7")
@@ -152,7 +265,7 @@ def main() -> None:
     if args.report_only:
         rows = [json.loads(x) for x in Path(args.out, "rounds.jsonl").read_text().splitlines()]
     else:
-        rows = collect(Engine.load(), args)
+        rows = collect(Engine.load(args.model) if args.model else Engine.load(), args)
     text = report(rows, args)
     Path(args.out, "calibration.md").write_text(text)
     print(text)

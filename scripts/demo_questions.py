@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--candidates", default=None)
     ap.add_argument("--settings", default="prophet@auto,prophet@0.2")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--auto", default=None, help="options of the @auto settings, JSON (default: AutoBudget's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -47,13 +48,16 @@ def main() -> None:
         ok = q["answer"].lower() in full.text.lower()
         print(f"full {'right' if ok else 'WRONG'} {q['question']!r} -> {full.text!r} ({full.ttft_s:.2f}s)", flush=True)
         for m, r in settings:
-            res = eng.generate(q["question"], passages, method=m, recompute_ratio=r, max_new_tokens=24)
+            res = eng.generate(q["question"], passages, method=m, recompute_ratio=r, max_new_tokens=24,
+                               **({"auto": json.loads(args.auto)} if r == "auto" and args.auto else {}))
             same = first_words_agree(res.text, full.text)
             if ok:
                 agree[(m, r)].append(same)
                 speed[(m, r)].append(full.ttft_s / res.ttft_s)
             print(f"   {m}@{r}: {'same' if same else 'DIFFERENT'} {res.text!r} {full.ttft_s / res.ttft_s:.2f}x "
-                  f"(used {res.stats.get('ratio_used')})", flush=True)
+                  f"(used {res.stats.get('ratio_used')}"
+                  + "".join(f", round {x['ratio']:.2f} min p {x['min_p']:.3f}" for x in res.stats.get("round_log", []))
+                  + ")", flush=True)
     for s in settings:
         if agree[s]:
             print(f"{s[0]}@{s[1]}: agrees on {sum(agree[s])}/{len(agree[s])} questions full prefill answers, median "

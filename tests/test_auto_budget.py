@@ -142,3 +142,26 @@ def test_short_contexts_go_straight_to_full_prefill(smollm_tokenizer):
     res = eng.generate(SAMPLE_QUESTION, CHUNKS, method="prophet", recompute_ratio="auto", max_new_tokens=8)
     assert res.stats["auto_skipped"] == "short_context" and res.stats["rounds"] == 0
     assert res.stats["ratio_used"] == 1.0 and res.token_ids == full.token_ids
+
+
+def test_confidence_signal_accepts_one_round_iff_its_probe_is_sure(smollm_tokenizer):
+    """``min_p``: a round converges on its own when every probe token has p >= min_p under that round's cache,
+    whatever the KL test says (tol=0 never agrees); the answer is then that round's greedy answer, i.e. a
+    fixed-ratio prefill at its budget decoded greedily. Just above the probe's own min p, it falls back."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    sure = _gen(eng, auto={"min_context": 0, "tol": 0.0, "schedule": (0.2,), "min_p": 1e-12, "probe_tokens": 4})
+    st = sure.stats
+    assert st["converged"] is True and st["rounds"] == 1 and st["round_log"][0]["confident"] is True
+    assert st["ratio_used"] == pytest.approx(st["round_log"][0]["ratio"], abs=1e-6) and st["ratio_used"] < 1.0
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    fixed = eng.prefill(layout, "prophet", st["round_log"][0]["ratio"], 8)
+    assert sure.token_ids == list(eng.decode_tokens(fixed, 8))
+    p = st["round_log"][0]["min_p"]
+    unsure = _gen(eng, auto={"min_context": 0, "tol": 0.0, "schedule": (0.2,), "min_p": min(1.0, p * 1.01 + 1e-6),
+                             "probe_tokens": 4})
+    assert unsure.stats["converged"] is False and unsure.stats["round_log"][0]["confident"] is False
+    assert unsure.token_ids == _gen(eng, "full", 0.0).token_ids  # the fallback is full prefill
+    for bad in (0.0, 1.5, -0.2, "high"):
+        with pytest.raises(InputError, match="min_p"):
+            AutoBudget(min_p=bad)
+    assert AutoBudget.of({"min_p": 0.9}).min_p == 0.9

@@ -391,3 +391,23 @@ def test_merge_refuses_conflicting_rows_and_other_protocols(engine, tmp_path):
     assert r.exit_code == 2 and "protocol" in r.output and not (tmp_path / "d").exists()
     bad = CliRunner().invoke(app, ["eval", "--shard", "1of2", "--out", str(tmp_path / "e")])
     assert bad.exit_code == 2 and "k/n" in bad.output
+
+
+def test_a_run_can_gain_the_auto_ratio_on_resume_and_keeps_its_options(engine, tmp_path):
+    """Only auto rows depend on the auto options: a run without them may add `--auto-methods` later (and a
+    resume without auto keeps the options its auto rows were made with); changing them is still refused."""
+    base = dict(tasks=["niah_single_essay"], methods=["prophet"], ratios=[0.2], n=1)
+    rows = run_eval(engine, _cfg(**base), tmp_path, progress=False)
+    assert "auto" not in json.loads((tmp_path / "run.json").read_text())["protocol"]
+    auto = {"schedule": [0.2], "min_p": 0.5, "tol": 0.0, "min_context": 0}
+    more = run_eval(engine, _cfg(**base, auto_methods=["prophet"], auto=auto), tmp_path, progress=False)
+    assert sorted(map(str, (r["ratio"] for r in more if r["method"] == "prophet"))) == ["0.2", "auto"]
+    assert len(more) == len(rows) + 1  # only the auto row was run
+    proto = json.loads((tmp_path / "run.json").read_text())["protocol"]
+    assert proto["auto"]["min_p"] == 0.5 and proto["auto"]["schedule"] == [0.2]
+    run_eval(engine, _cfg(**base), tmp_path, progress=False)  # a resume without auto: fine, options kept
+    assert json.loads((tmp_path / "run.json").read_text())["protocol"]["auto"]["min_p"] == 0.5
+    with pytest.raises(kvstitch.InputError, match="protocol"):
+        run_eval(engine, _cfg(**base, auto_methods=["prophet"], auto={**auto, "min_p": 0.9}), tmp_path, progress=False)
+    assert len(read_jsonl(tmp_path / RESULTS)) == len(more)
+    assert "min_p" not in EvalConfig(tasks=[], lengths=[], methods=[], ratios=["auto"]).protocol()["auto"]

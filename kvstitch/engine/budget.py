@@ -19,6 +19,10 @@ it. The per-request question is "would more recompute change the answer?", so th
   KL(previous || current) over the probe positions is below ``tol``. The first-token distribution alone is
   not enough: RULER-style answers share a template ("The special magic number for X is") and diverge at the
   content tokens, so the probe reaches past them. ``patience`` consecutive agreeing rounds = converged.
+- **Confidence** (``min_p``, off by default): a round also converges, on its own, when every probe token
+  has greedy probability >= ``min_p`` under that round's cache. One round then suffices (``schedule=(0.2,)``):
+  a model sure of its answer from a 20% cache rarely changes it with more recompute, and a model unsure of it
+  is sent to full prefill after paying one round, not two (calibration: docs/design.md, "Adaptive budget").
 - Converged: the answer starts with the probe, whose K/V are already in the cache (decoding continues from
   there). Not converged by ``max_ratio``: with ``max_ratio`` = 1 (default) a real full prefill answers (exact),
   else the last round's cache is used and ``stats["converged"]`` is False (the server reports it).
@@ -57,6 +61,7 @@ class AutoBudget:
     patience: int = 1  # consecutive agreeing rounds needed
     mode: str = "refresh"  # or "incremental" (see the module doc)
     min_context: int = 1024  # shorter contexts: full prefill directly (rounds + probe would cost more than it)
+    min_p: float | None = None  # confidence signal: accept a round whose probe tokens all have p >= min_p
 
     def __post_init__(self):
         sched = tuple(float(r) for r in self.schedule)
@@ -73,6 +78,8 @@ class AutoBudget:
             raise InputError(f"auto patience must be a positive integer, got {self.patience!r}")
         if not (isinstance(self.min_context, int) and self.min_context >= 0):
             raise InputError(f"auto min_context must be an integer >= 0, got {self.min_context!r}")
+        if self.min_p is not None and not (isinstance(self.min_p, (int, float)) and 0.0 < self.min_p <= 1.0):
+            raise InputError(f"auto min_p must be a probability in (0, 1] (or None), got {self.min_p!r}")
         if self.mode not in MODES:
             raise InputError(f"auto mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
@@ -83,7 +90,7 @@ class AutoBudget:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode", "min_context"}
+            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode", "min_context", "min_p"}
             if set(value) - known:
                 raise InputError(f"unknown auto option(s) {sorted(set(value) - known)}; known: {', '.join(sorted(known))}")
             return cls(**{k: tuple(v) if k == "schedule" else v for k, v in value.items()})
@@ -221,9 +228,11 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
                                       list(out[:k + 1].float().cpu()), n_probe)
         p_tok = torch.softmax(probe.logits.float(), -1).gather(1, torch.tensor(probe.tokens).view(-1, 1)).flatten()
         entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
+        confident = auto.min_p is not None and float(p_tok.min()) >= auto.min_p
+        entry["confident"] = confident
         log.append(entry)
         prev = probe
-        if streak >= auto.patience:
+        if streak >= auto.patience or confident:
             stats.update(converged=True, rounds=i + 1)
             break
     else:

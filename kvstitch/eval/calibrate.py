@@ -227,7 +227,8 @@ def write_config(path: Path, settings: dict, record: dict) -> None:
 
 
 # ---- report ------------------------------------------------------------------------------------------------------
-def plot(table: list[dict], frontiers: dict[str, list[tuple[float, float]]], path: Path, chosen: str) -> None:
+def plot(table: list[dict], frontiers: dict[str, list[tuple[float, float]]], path: Path, chosen: str,
+         xlabel: str = "TTFT speed-up vs full prefill") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,7 +245,7 @@ def plot(table: list[dict], frontiers: dict[str, list[tuple[float, float]]], pat
         ax.scatter(r["speedup"], r["agreement"], marker=marker, s=120 if marker == "*" else 30)
         ax.annotate(r["config"], (r["speedup"], r["agreement"]), fontsize=6, alpha=0.8)
     ax.axvline(1.0, color="grey", lw=0.5)
-    ax.set_xlabel("TTFT speed-up vs full prefill")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("agreement with full prefill (first 12 words)")
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()

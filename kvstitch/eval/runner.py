@@ -98,7 +98,9 @@ class EvalConfig:
         if AUTO in self.ratios or self.auto_methods:
             from kvstitch.engine.budget import AutoBudget
 
-            p["auto"] = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(AutoBudget.of(self.auto)).items()}
+            # options left unset (None) are absent, so logs written before an option existed stay valid
+            p["auto"] = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(AutoBudget.of(self.auto)).items()
+                         if v is not None}
         return p
 
 
@@ -470,7 +472,12 @@ def _check_protocol(out: Path, cfg: EvalConfig, model_desc: dict) -> None:
     if not meta_path.exists() or not (out / RESULTS).exists():
         return
     old = json.loads(meta_path.read_text())
-    if old.get("protocol") not in (None, cfg.protocol()):
+    was, now = old.get("protocol"), cfg.protocol()
+    if was is not None and ("auto" in was) != ("auto" in now):
+        # a run gains (or a resume leaves out) the "auto" ratio: only auto rows depend on its options, and on one
+        # side there are none, so the other rows stay comparable
+        was, now = {k: v for k, v in was.items() if k != "auto"}, {k: v for k, v in now.items() if k != "auto"}
+    if was not in (None, now):
         raise InputError(f"{out} holds a run with protocol {old.get('protocol')}, this one is {cfg.protocol()}: "
                          f"use another --out directory (rows would not be comparable)")
     if old.get("model", {}).get("fingerprint") not in (None, model_desc.get("fingerprint")):
@@ -604,7 +611,10 @@ def _write_meta(out: Path, cfg: EvalConfig, model_desc: dict, command: str | Non
     commands = old.get("commands", [])
     if command and rows_before is not None and (not commands or commands[-1] != command):
         commands.append(command)
-    meta = {**old, "protocol": cfg.protocol(), "model": model_desc, "commands": commands,
+    protocol = cfg.protocol()
+    if "auto" in old.get("protocol", {}) and "auto" not in protocol:  # a resume without auto: its rows keep theirs
+        protocol["auto"] = old["protocol"]["auto"]
+    meta = {**old, "protocol": protocol, "model": model_desc, "commands": commands,
             "config": {k: v for k, v in cfg.__dict__.items()}, "torch_threads": torch.get_num_threads(),
             "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
     if rows_after is not None:

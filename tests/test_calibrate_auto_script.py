@@ -1,0 +1,55 @@
+"""scripts/calibrate_auto.py replays `auto`'s stopping signals over logged rounds: what it would have paid and
+answered, against the perfect-signal frontier."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "calibrate_auto.py"
+
+
+@pytest.fixture(scope="module")
+def cal():
+    spec = importlib.util.spec_from_file_location("calibrate_auto", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _round(ratio, agrees, min_p, kl=None, div=None):
+    return {"ratio": ratio, "agrees_full": agrees, "min_p": min_p, "kl": kl, "first_divergence": div,
+            "agreed": None if kl is None else True}
+
+
+ROWS = [  # sample a: sure and right at 10%; b: unsure at 10%, sure and right at 20%; c: sure but wrong at 10%
+    {"task": "t", "index": 0, "rounds": [_round(0.1, True, 0.9), _round(0.2, True, 0.95, kl=0.001)]},
+    {"task": "t", "index": 1, "rounds": [_round(0.1, False, 0.2), _round(0.2, True, 0.9, kl=0.5, div=2)]},
+    {"task": "t", "index": 2, "rounds": [_round(0.1, False, 0.8), _round(0.2, False, 0.4, kl=0.3, div=0)]},
+]
+
+
+def test_confidence_replay_pays_the_rounds_and_falls_back_to_full(cal):
+    s = cal.replay_signal(ROWS, (0.1,), min_p=0.85, tol=None)
+    # a: accepted at 0.1 (agrees); b, c: not sure -> full prefill after paying 0.1
+    assert s["agreement"] == 1.0 and s["fallback"] == pytest.approx(2 / 3)
+    assert s["cost"] == pytest.approx((0.1 + 1.1 + 1.1) / 3)
+    s = cal.replay_signal(ROWS, (0.1, 0.2), min_p=0.75, tol=None)
+    # a at 0.1; c accepted at 0.1 (0.8 >= 0.75) though wrong; b accepted at 0.2
+    assert s["agreement"] == pytest.approx(2 / 3) and s["fallback"] == 0
+    assert s["cost"] == pytest.approx((0.1 + 0.1 + 0.3) / 3)
+
+
+def test_kl_signal_only_between_rounds_adjacent_in_the_log(cal):
+    s = cal.replay_signal(ROWS, (0.1, 0.2), min_p=None, tol=0.01)
+    assert s["fallback"] == pytest.approx(2 / 3) and s["agreement"] == 1.0  # only a converges (kl 0.001)
+    assert cal.replay_signal(ROWS, (0.2,), min_p=None, tol=1e9)["fallback"] == 1.0  # nothing to compare with
+
+
+def test_frontier_rows_feed_the_perfect_signal_frontier(cal):
+    from kvstitch.eval.calibrate import perfect_frontier
+
+    pts = perfect_frontier(cal.frontier_rows(ROWS), ["r0.10", "r0.20"])
+    # per sample the cheapest agreeing round: a 0.1, b 0.2, c none -> full (1.0): mean 1.3 / 3
+    assert pts[0] == (1.0, pytest.approx(3 / 1.3))
+    assert pts[-1][0] < 1.0 and pts[-1][1] > pts[0][1]  # giving samples up buys speed
