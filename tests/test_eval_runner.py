@@ -152,6 +152,32 @@ def test_fused_run_matches_generate_and_answer_logits(engine, method, ratio):
     assert full.tokens == ref.token_ids
 
 
+@pytest.mark.parametrize("oracle", ["oracle", "oracle_ideal"])
+def test_oracles_reuse_the_samples_full_prefill(engine, oracle):
+    """The oracles score from the full-prefill cache the harness already has: the same scores and set as
+    their own prefill of the context, that prefill's time charged to them, and nothing prefilled twice."""
+    from kvstitch.eval.runner import EXACT
+
+    s = generate("niah_single_essay", 1, 160, 64, 0, lambda t: len(engine.tokenizer.encode(t)))[0]
+    layout = sample_layout(engine, s)
+    full = run_method(engine, layout, "full", None, 6, keep_cache=True)
+    assert full.cache is not None and run_method(engine, layout, "full", None, 6).cache is None
+    own, shared = {}, {EXACT: (full.cache, 1.5)}
+    a = run_method(engine, layout, oracle, 0.3, 6, full.tokens, score_cache=own)
+    calls = []
+    real_forward = engine.forward
+    engine.forward = lambda cache, ids, *a_, **k: (calls.append(len(ids)), real_forward(cache, ids, *a_, **k))[1]
+    try:
+        b = run_method(engine, layout, oracle, 0.3, 6, full.tokens, score_cache=shared)
+    finally:
+        engine.forward = real_forward
+    torch.testing.assert_close(shared[oracle][0], own[oracle][0], rtol=1e-5, atol=1e-6)
+    assert b.indices.tolist() == a.indices.tolist() and b.tokens == a.tokens
+    assert layout.context_end not in calls  # the context was not prefilled again
+    assert b.stats["select_cached"] and b.stats["select_s"] >= 1.5 and "select_cached" not in a.stats
+    assert shared[oracle][1] >= 1.5  # a second ratio reusing these scores is charged the prefill too
+
+
 def test_to_original_order_maps_reordered_chunks():
     lens = [3, 2, 4]  # original chunks: 0 -> [0,1,2], 1 -> [3,4], 2 -> [5,6,7,8]
     order = [2, 0, 1]  # reordered context: chunk 2, chunk 0, chunk 1

@@ -167,6 +167,7 @@ class MethodRun:
     logits: torch.Tensor | None  # [|target|, V] teacher-forced on the target (None: no target)
     stats: dict = field(default_factory=dict)
     reused_tokens: int = 0  # answer tokens read off the teacher-forced pass (not decoded step by step)
+    cache: object = None  # the KV cache, when asked for (`run_method(keep_cache=True)`)
 
 
 # Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
@@ -176,9 +177,13 @@ SCORE_CACHED = ("oracle", "oracle_ideal")
 OWN_CHUNK_CACHES = ("cacheclip",)
 
 
+EXACT = "exact_context"  # score-cache key: (the sample's full-prefill cache, the time that prefill took)
+
+
 def _attach_score_cache(selector, method: str, cache: dict | None):
-    """Memoise `selector.score` in `cache` (per sample) for `SCORE_CACHED` methods without options. Returns a
-    function giving the scoring time a cache hit saved (0.0 when the scores were computed here)."""
+    """Memoise `selector.score` in `cache` (per sample) for `SCORE_CACHED` methods without options, and hand
+    them the sample's full-prefill cache (``cache[EXACT]``) so they do not prefill the context again. Returns a
+    function giving the scoring time reused (0.0 when everything was computed here): the caller charges it."""
     saved = [0.0]
     if cache is None or method not in SCORE_CACHED:
         return lambda: saved[0]
@@ -189,9 +194,13 @@ def _attach_score_cache(selector, method: str, cache: dict | None):
             scores, dt = cache[method]
             saved[0] = dt
             return scores
+        reused = 0.0
+        if EXACT in cache and hasattr(selector, "exact_cache"):
+            selector.exact_cache, reused = cache[EXACT]
         t0 = time.perf_counter()
         scores = compute(ctx)
-        cache[method] = (scores, time.perf_counter() - t0)
+        cache[method] = (scores, time.perf_counter() - t0 + reused)
+        saved[0] = reused
         return scores
 
     selector.score = score
@@ -201,9 +210,10 @@ def _attach_score_cache(selector, method: str, cache: dict | None):
 @torch.no_grad()
 def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens: int,
                target: Sequence[int] | None = None, method_options: dict | None = None,
-               score_cache: dict | None = None, auto: dict | None = None) -> MethodRun:
+               score_cache: dict | None = None, auto: dict | None = None, keep_cache: bool = False) -> MethodRun:
     """Prefill with `method` (timed, = TTFT), teacher-force `target`, and produce the greedy answer (see the
-    module doc). With `target` None (the full-prefill reference itself), the answer is decoded normally."""
+    module doc). With `target` None (the full-prefill reference itself), the answer is decoded normally.
+    ``keep_cache``: the run keeps its KV cache (``MethodRun.cache``; the prompt's slots as prefilled)."""
     from kvstitch.select import make_selector
 
     selector = make_selector(method, **(method_options or {}))
@@ -253,7 +263,7 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     text = engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True).strip()
     idx = to_original_order(pre.indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
     stats.pop("order", None)
-    return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused)
+    return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused, cache if keep_cache else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -324,11 +334,13 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
 
     # the reference: target ids, its logits and NLL
     start("full", None)
+    # the oracles score with a full prefill of the same prompt: they reuse this one (slots < n_total exact)
+    keep = any(m in SCORE_CACHED for m, _ in todo)
     if full_row is not None and full_row.get("answer_ids"):
         target = [int(t) for t in full_row["answer_ids"]]
-        ref = run_method(engine, layout, "full", None, budget, target)
+        ref = run_method(engine, layout, "full", None, budget, target, keep_cache=keep)
     else:
-        ref = run_method(engine, layout, "full", None, budget)
+        ref = run_method(engine, layout, "full", None, budget, keep_cache=keep)
         target = ref.tokens
     logits_full = ref.logits
     nll_full = answer_nll(logits_full, torch.tensor(target))
@@ -338,7 +350,8 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
         nll_naive = float(naive_row["nll"])
 
     runs: dict[tuple[str, float | None], MethodRun] = {}
-    score_cache: dict = {}
+    score_cache: dict = {EXACT: (ref.cache, ref.ttft_s)} if ref.cache is not None else {}
+    ref.cache = None
     g_sets: dict[float, torch.Tensor] = {}
     has_oracle = cfg.overlap and _oracle_registered()
 

@@ -11,12 +11,14 @@ tokens per layer, V as [tokens, kv_heads * head_dim] per layer, both then averag
 the l2 norm taken per token.
 
 Cost: a prefill of prefix + context (the query rows are one more |Q|-token pass over that exact cache,
-identical to the suffix rows of a full prefill without materialising N x N probabilities).
+identical to the suffix rows of a full prefill without materialising N x N probabilities). A caller that has
+just run a full prefill of the same prompt (the eval does, for every sample) hands its cache over as
+``exact_cache`` and the oracle only runs the query rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -32,6 +34,8 @@ class Oracle(Selector):
     name: ClassVar[str] = "oracle"
     needs_full_prefill: ClassVar[bool] = True
     mode: str = "attention"  # "attention" (G of Fig. 3) or "ideal" (Eq. 5 / App. F)
+    # a full prefill of this same prompt (prefix and context slots exact), when the caller already has one
+    exact_cache: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in ("attention", "ideal"):
@@ -39,7 +43,7 @@ class Oracle(Selector):
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         layout, nkv = ctx.layout, ctx.num_kv_heads
-        exact = ctx.exact_context_cache()
+        exact = ctx.exact_context_cache() if self.exact_cache is None else self.exact_cache
         full_att = ctx.query_attention(cache=exact)
         if self.mode == "attention":
             return layer_mean(full_att, nkv)
