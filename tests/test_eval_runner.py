@@ -152,30 +152,66 @@ def test_fused_run_matches_generate_and_answer_logits(engine, method, ratio):
     assert full.tokens == ref.token_ids
 
 
+def _counting_forward(engine, calls: list):
+    real = engine.forward
+    engine.forward = lambda cache, ids, *a, **k: (calls.append(len(ids)), real(cache, ids, *a, **k))[1]
+    return real
+
+
 @pytest.mark.parametrize("oracle", ["oracle", "oracle_ideal"])
 def test_oracles_reuse_the_samples_full_prefill(engine, oracle):
-    """The oracles score from the full-prefill cache the harness already has: the same scores and set as
-    their own prefill of the context, that prefill's time charged to them, and nothing prefilled twice."""
-    from kvstitch.eval.runner import EXACT
+    """The oracles score from the full prefill the harness already ran: the same scores and set as their own
+    prefill of the context, that prefill's time charged to them, and the context not prefilled twice."""
+    from kvstitch.eval.runner import SampleFullPrefill
 
     s = generate("niah_single_essay", 1, 160, 64, 0, lambda t: len(engine.tokenizer.encode(t)))[0]
     layout = sample_layout(engine, s)
-    full = run_method(engine, layout, "full", None, 6, keep_cache=True)
-    assert full.cache is not None and run_method(engine, layout, "full", None, 6).cache is None
-    own, shared = {}, {EXACT: (full.cache, 1.5)}
-    a = run_method(engine, layout, oracle, 0.3, 6, full.tokens, score_cache=own)
-    calls = []
-    real_forward = engine.forward
-    engine.forward = lambda cache, ids, *a_, **k: (calls.append(len(ids)), real_forward(cache, ids, *a_, **k))[1]
+    full = SampleFullPrefill(engine, layout)
+    with full.recording():
+        ref = run_method(engine, layout, "full", None, 6)
+    assert full.cache is not None and full.seconds > 0 and "full_prefill" not in vars(engine)
+    own, shared = {}, {}
+    a = run_method(engine, layout, oracle, 0.3, 6, ref.tokens, score_cache=own)
+    calls: list = []
+    real = _counting_forward(engine, calls)
     try:
-        b = run_method(engine, layout, oracle, 0.3, 6, full.tokens, score_cache=shared)
+        b = run_method(engine, layout, oracle, 0.3, 6, ref.tokens, score_cache=shared, full=full)
     finally:
-        engine.forward = real_forward
+        engine.forward = real
     torch.testing.assert_close(shared[oracle][0], own[oracle][0], rtol=1e-5, atol=1e-6)
     assert b.indices.tolist() == a.indices.tolist() and b.tokens == a.tokens
-    assert layout.context_end not in calls  # the context was not prefilled again
-    assert b.stats["select_cached"] and b.stats["select_s"] >= 1.5 and "select_cached" not in a.stats
-    assert shared[oracle][1] >= 1.5  # a second ratio reusing these scores is charged the prefill too
+    assert layout.context_end not in calls and layout.n_total not in calls  # nothing prefilled again
+    assert b.stats["select_cached"] and b.stats["select_s"] >= full.seconds and "select_cached" not in a.stats
+    assert shared[oracle][1] >= full.seconds  # a second ratio reusing these scores is charged the prefill too
+
+
+def test_auto_fallback_reuses_the_samples_full_prefill(engine):
+    """`auto` that falls back to full prefill gets the sample's full prefill (already run for the reference):
+    the same answer and logits as computing it again, its time charged, no second full prefill."""
+    from kvstitch.eval.runner import SampleFullPrefill
+
+    s = generate("niah_single_essay", 1, 160, 64, 0, lambda t: len(engine.tokenizer.encode(t)))[0]
+    layout = sample_layout(engine, s)
+    full = SampleFullPrefill(engine, layout)
+    with full.recording():
+        ref = run_method(engine, layout, "full", None, 6)
+    never = {"schedule": [0.1], "tol": 0.0, "min_context": 0}  # tol 0: no round converges -> full prefill
+    a = run_method(engine, layout, "random", "auto", 6, ref.tokens, auto=never)
+    calls: list = []
+    real = _counting_forward(engine, calls)
+    try:
+        b = run_method(engine, layout, "random", "auto", 6, ref.tokens, auto=never, full=full)
+        c = run_method(engine, layout, "random", "auto", 6, ref.tokens, auto=never, full=full)  # reused twice
+    finally:
+        engine.forward = real
+    assert a.stats["ratio_used"] == b.stats["ratio_used"] == 1.0
+    assert layout.n_total not in calls
+    for run in (b, c):
+        assert run.tokens == a.tokens == ref.tokens and run.text == a.text
+        torch.testing.assert_close(run.logits, a.logits, rtol=1e-5, atol=1e-5)
+        assert run.stats["fallback_reused"] and run.stats["fallback_s"] >= full.seconds
+        assert run.ttft_s >= full.seconds
+    assert "fallback_reused" not in a.stats and full.take_charge() == 0.0
 
 
 def test_to_original_order_maps_reordered_chunks():

@@ -15,6 +15,8 @@ Per sample (one prompt layout, chunk caches precomputed once into the engine's s
    ``overlap`` = |S ∩ G| / |G| with G the ``oracle`` selection at the same budget (when `oracle` is
    registered). Methods that reorder chunks (``infoflow_reorder``) have their indices mapped back to the
    original token order first.
+4. What would redo the reference's full prefill reuses it (`SampleFullPrefill`): the oracles' exact context
+   and `auto`'s fallback get the same K/V and logits, and are charged its measured time.
 
 Output directory: ``results.jsonl`` (one row per (sample, method, ratio); a rerun skips rows already there),
 ``summary.md`` (tables per length), ``accuracy_vs_ratio_<L>.png`` (ProphetKV Fig. 8 style),
@@ -33,6 +35,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,7 +170,6 @@ class MethodRun:
     logits: torch.Tensor | None  # [|target|, V] teacher-forced on the target (None: no target)
     stats: dict = field(default_factory=dict)
     reused_tokens: int = 0  # answer tokens read off the teacher-forced pass (not decoded step by step)
-    cache: object = None  # the KV cache, when asked for (`run_method(keep_cache=True)`)
 
 
 # Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
@@ -177,13 +179,63 @@ SCORE_CACHED = ("oracle", "oracle_ideal")
 OWN_CHUNK_CACHES = ("cacheclip",)
 
 
-EXACT = "exact_context"  # score-cache key: (the sample's full-prefill cache, the time that prefill took)
+class SampleFullPrefill:
+    """The sample's full prefill (the reference row's), kept for what would compute the very same thing again:
+    the oracles' exact context K/V and `auto`'s fallback to full prefill. Same prompt, same computation, so the
+    same K/V and logits; the time it took is charged to whoever reuses it, so TTFTs stay what a lone request
+    measures. Engine calls are intercepted only inside `recording` / `replaying` (``engine.full_prefill``)."""
+
+    def __init__(self, engine, layout):
+        self.engine, self.layout = engine, layout
+        self.cache = self.logits = None
+        self.seconds = 0.0
+        self.charged = 0.0  # reused seconds not yet charged (`take_charge`)
+
+    def _same(self, layout, plan, logits_to_keep) -> bool:
+        return layout is self.layout and plan is None and logits_to_keep == 1
+
+    @contextmanager
+    def _patched(self, fn):
+        self.engine.full_prefill = fn  # shadows the method on this instance only
+        try:
+            yield self
+        finally:
+            del self.engine.full_prefill
+
+    def recording(self):
+        real = self.engine.full_prefill
+
+        def full_prefill(layout, extra=0, plan=None, logits_to_keep=1):
+            t0 = time.perf_counter()
+            cache, logits = real(layout, extra, plan, logits_to_keep)
+            if self._same(layout, plan, logits_to_keep):
+                self.cache, self.logits, self.seconds = cache, logits, time.perf_counter() - t0
+            return cache, logits
+
+        return self._patched(full_prefill)
+
+    def replaying(self):
+        real = self.engine.full_prefill
+
+        def full_prefill(layout, extra=0, plan=None, logits_to_keep=1):
+            if (self.cache is None or not self._same(layout, plan, logits_to_keep)
+                    or self.cache.layers[0].capacity < layout.n_total + extra):
+                return real(layout, extra, plan, logits_to_keep)
+            self.cache.truncate(layout.n_total)  # drop the answer a previous user decoded into it
+            self.charged += self.seconds
+            return self.cache, self.logits
+
+        return self._patched(full_prefill)
+
+    def take_charge(self) -> float:
+        charged, self.charged = self.charged, 0.0
+        return charged
 
 
-def _attach_score_cache(selector, method: str, cache: dict | None):
-    """Memoise `selector.score` in `cache` (per sample) for `SCORE_CACHED` methods without options, and hand
-    them the sample's full-prefill cache (``cache[EXACT]``) so they do not prefill the context again. Returns a
-    function giving the scoring time reused (0.0 when everything was computed here): the caller charges it."""
+def _attach_score_cache(selector, method: str, cache: dict | None, full: SampleFullPrefill | None = None):
+    """Memoise `selector.score` in `cache` (per sample) for `SCORE_CACHED` methods without options; they score
+    over the sample's full prefill (``full``) instead of prefilling the context again. Returns a function
+    giving the scoring time reused (0.0 when everything was computed here): the caller charges it."""
     saved = [0.0]
     if cache is None or method not in SCORE_CACHED:
         return lambda: saved[0]
@@ -195,8 +247,8 @@ def _attach_score_cache(selector, method: str, cache: dict | None):
             saved[0] = dt
             return scores
         reused = 0.0
-        if EXACT in cache and hasattr(selector, "exact_cache"):
-            selector.exact_cache, reused = cache[EXACT]
+        if full is not None and full.cache is not None and hasattr(selector, "exact_cache"):
+            selector.exact_cache, reused = full.cache, full.seconds
         t0 = time.perf_counter()
         scores = compute(ctx)
         cache[method] = (scores, time.perf_counter() - t0 + reused)
@@ -210,23 +262,30 @@ def _attach_score_cache(selector, method: str, cache: dict | None):
 @torch.no_grad()
 def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens: int,
                target: Sequence[int] | None = None, method_options: dict | None = None,
-               score_cache: dict | None = None, auto: dict | None = None, keep_cache: bool = False) -> MethodRun:
+               score_cache: dict | None = None, auto: dict | None = None,
+               full: SampleFullPrefill | None = None) -> MethodRun:
     """Prefill with `method` (timed, = TTFT), teacher-force `target`, and produce the greedy answer (see the
     module doc). With `target` None (the full-prefill reference itself), the answer is decoded normally.
-    ``keep_cache``: the run keeps its KV cache (``MethodRun.cache``; the prompt's slots as prefilled)."""
+    ``full``: the sample's full prefill, reused (and its time charged) where the method would redo it."""
     from kvstitch.select import make_selector
 
     selector = make_selector(method, **(method_options or {}))
-    cached_select_s = _attach_score_cache(selector, method, score_cache)
+    cached_select_s = _attach_score_cache(selector, method, score_cache, full)
     target_t = torch.zeros(0, dtype=torch.long) if target is None else torch.as_tensor(target, dtype=torch.long).flatten()
     T = target_t.numel()
     n = layout.n_total
     t0 = time.perf_counter()
-    pre = engine.prefill(layout, method, 0.0 if ratio is None else ratio, max(max_new_tokens, T), selector=selector,
-                         auto=auto)
+    with full.replaying() if full is not None and not selector.full_prefill else nullcontext():
+        pre = engine.prefill(layout, method, 0.0 if ratio is None else ratio, max(max_new_tokens, T),
+                             selector=selector, auto=auto)
     first = int(torch.argmax(pre.logits[-1]))
     ttft = time.perf_counter() - t0
     stats, cache, used = pre.stats, pre.cache, pre.layout
+    if full is not None and (fallback := full.take_charge()):  # `auto` fell back: the sample's full prefill
+        ttft += fallback
+        for k in ("fallback_s", "recompute_s"):
+            stats[k] = stats.get(k, 0.0) + fallback
+        stats["fallback_reused"] = True
     if cached_select_s():  # scores reused from this sample's other ratio: charge their measured cost
         ttft += cached_select_s()
         stats["select_s"] = stats.get("select_s", 0.0) + cached_select_s()
@@ -263,7 +322,7 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     text = engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True).strip()
     idx = to_original_order(pre.indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
     stats.pop("order", None)
-    return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused, cache if keep_cache else None)
+    return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -334,14 +393,14 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
 
     # the reference: target ids, its logits and NLL
     start("full", None)
-    # the oracles score with a full prefill of the same prompt: they reuse this one (slots < n_total exact)
-    keep = any(m in SCORE_CACHED for m, _ in todo)
-    if full_row is not None and full_row.get("answer_ids"):
-        target = [int(t) for t in full_row["answer_ids"]]
-        ref = run_method(engine, layout, "full", None, budget, target, keep_cache=keep)
-    else:
-        ref = run_method(engine, layout, "full", None, budget, keep_cache=keep)
-        target = ref.tokens
+    full = SampleFullPrefill(engine, layout)  # kept for the oracles' scores and auto's fallback
+    with full.recording():
+        if full_row is not None and full_row.get("answer_ids"):
+            target = [int(t) for t in full_row["answer_ids"]]
+            ref = run_method(engine, layout, "full", None, budget, target)
+        else:
+            ref = run_method(engine, layout, "full", None, budget)
+            target = ref.tokens
     logits_full = ref.logits
     nll_full = answer_nll(logits_full, torch.tensor(target))
     nll_naive: float | None = None
@@ -350,8 +409,7 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
         nll_naive = float(naive_row["nll"])
 
     runs: dict[tuple[str, float | None], MethodRun] = {}
-    score_cache: dict = {EXACT: (ref.cache, ref.ttft_s)} if ref.cache is not None else {}
-    ref.cache = None
+    score_cache: dict = {}
     g_sets: dict[float, torch.Tensor] = {}
     has_oracle = cfg.overlap and _oracle_registered()
 
@@ -362,7 +420,7 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
             if ("oracle", r) in runs:
                 g_sets[r] = runs[("oracle", r)].indices
             else:
-                g_sets.update(oracle_sets(engine, layout, [r]))
+                g_sets.update(oracle_sets(engine, layout, [r], exact_cache=full.cache))
         return g_sets[r]
 
     def make_row(run: MethodRun) -> dict:
@@ -412,7 +470,7 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
         if m in REFERENCES:
             continue
         start(m, r)
-        run = run_method(engine, layout, m, r, budget, target, score_cache=score_cache, auto=cfg.auto)
+        run = run_method(engine, layout, m, r, budget, target, score_cache=score_cache, auto=cfg.auto, full=full)
         runs[(m, r)] = run
         emit(make_row(run))
     return new_rows

@@ -26,12 +26,14 @@ def _reordered_positions(order: Sequence[int], lens: Sequence[int]) -> torch.Ten
     return torch.cat([torch.arange(starts[c], starts[c] + lens[c]) for c in order])
 
 
-def oracle_sets(engine, layout, ratios: Sequence[float]) -> dict[float, torch.Tensor]:
+def oracle_sets(engine, layout, ratios: Sequence[float], exact_cache=None) -> dict[float, torch.Tensor]:
     """G per ratio: the `oracle` selection (top-k of full-prefill query attention) at each budget,
-    from one scoring pass."""
+    from one scoring pass (over ``exact_cache``, a full prefill of this prompt, when the caller has one)."""
     from kvstitch.select import make_selector, top_k_indices
 
-    indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, selector=make_selector("oracle"))
+    oracle = make_selector("oracle")
+    oracle.exact_cache = exact_cache
+    indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, selector=oracle)
     out = {}
     for r in ratios:
         k = round(r * layout.n_context)
