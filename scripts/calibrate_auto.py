@@ -8,6 +8,10 @@ fraction; a fallback costs the rounds plus a full prefill). Writes JSON lines + 
 
     python scripts/calibrate_auto.py --seed 1 --n 12 --length 2048 --out docs/results/auto-calibration
     python scripts/calibrate_auto.py --model qwen2.5-0.5b --haystack essays --length 8192 ...  (the reference model)
+
+``--verify-chunks 2,4``: for every sample already in rounds.jsonl, the verification's answer (a full prefill of
+the question over its m best-matching chunks, `kvstitch.engine.budget.reference_answer`) into verify.jsonl, and
+the report replays `auto` with that verification (``AutoBudget.verify_chunks``) over every schedule.
 """
 
 from __future__ import annotations
@@ -77,6 +81,110 @@ def collect(engine, args) -> list[dict]:
                     f.flush()
                     print(task, i, m, [(x["ratio"], x["kl"], x["agrees_full"]) for x in rounds], flush=True)
     return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _samples(engine, args, keys):
+    """The samples (task, index) in ``keys``, regenerated as `collect` made them -> {(task, index): (sample, cfg)}."""
+    cfg = EvalConfig(tasks=sorted({t for t, _ in keys}), lengths=[args.length], methods=[], ratios=[], n=args.n,
+                     seed=args.seed, chunk_tokens=args.chunk_tokens, haystack=resolve_haystack(args.haystack))
+
+    def count(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    out = {}
+    for task in cfg.tasks:
+        n = 1 + max(i for t, i in keys if t == task)
+        for i, sample in enumerate(generate(task, n, args.length, cfg.chunk_tokens, args.seed, count, haystack=cfg.haystack)):
+            if (task, i) in keys:
+                out[(task, i)] = (sample, cfg)
+    return out
+
+
+def collect_verify(engine, args, rows: list[dict]) -> list[dict]:
+    """verify.jsonl: per sample of ``rows`` and m in ``--verify-chunks``, the short prompt's greedy answer."""
+    from kvstitch.engine.budget import reference_answer
+
+    path = Path(args.out) / "verify.jsonl"
+    done = set()
+    if path.exists():
+        done = {(r["task"], r["index"], r["m"]) for r in map(json.loads, path.read_text().splitlines())}
+    ms = [int(x) for x in args.verify_chunks.split(",")]
+    keys = {(r["task"], r["index"]) for r in rows}
+    todo = {k for k in keys for m in ms if (*k, m) not in done}
+    with path.open("a") as f:
+        for (task, i), (sample, cfg) in sorted(_samples(engine, args, todo).items()):
+            layout = sample_layout(engine, sample)
+            for m in ms:
+                if (task, i, m) in done:
+                    continue
+                t0 = time.perf_counter()
+                ref = reference_answer(engine, layout, m, args.probe_tokens)
+                row = {"task": task, "index": i, "m": m, "answer": ref.text, "chunks": ref.chunks,
+                       "n_context": ref.n_context, "seconds": time.perf_counter() - t0}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(task, i, m, repr(ref.text), flush=True)
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def replay_verify(rows: list[dict], verify: dict, schedule: tuple[float, ...], m: int, tokenizer) -> dict:
+    """`auto` in refresh mode with ``verify_chunks`` = m: the first round of ``schedule`` whose probe agrees with
+    the short prompt's answer is accepted, else full prefill. Cost = the short prompt's context tokens + the
+    rounds' budgets (+ 1 for a fallback), per context token. -> agreement, mean work, fallback share."""
+    agree, cost, fell = [], [], 0
+    for row in rows:
+        ref = verify[(row["task"], row["index"], m)]
+        paid, stop = ref["n_context"] / row["n_context"], None
+        for s in schedule:
+            r = next(r for r in row["rounds"] if abs(r["ratio"] - s) < 2e-3)
+            paid += r["ratio"]
+            if first_words_agree(tokenizer.decode(r["probe"], skip_special_tokens=True), ref["answer"]):
+                stop = r
+                break
+        if stop is None:
+            agree.append(True)
+            cost.append(paid + 1.0)
+            fell += 1
+        else:
+            agree.append(bool(stop["agrees_full"]))
+            cost.append(paid)
+    n = max(len(rows), 1)
+    return {"agreement": sum(agree) / n, "cost": sum(cost) / n, "fallback": fell / n}
+
+
+def verify_section(mrows: list[dict], verify_rows: list[dict], m: str, tokenizer) -> list[str]:
+    """`auto` with the verification replayed over every schedule of one or two logged rounds, against the
+    perfect-signal frontier at equal agreement."""
+    from itertools import combinations
+
+    from kvstitch.eval.calibrate import frontier_at, perfect_frontier
+
+    verify = {(r["task"], r["index"], r["m"]): r for r in verify_rows}
+    have = [row for row in mrows if all((row["task"], row["index"], k) in verify for k in {r["m"] for r in verify_rows})]
+    if not have:
+        return []
+    ratios = [r["ratio"] for r in have[0]["rounds"]]
+    front = perfect_frontier(frontier_rows(have), [f"r{x:.2f}" for x in ratios])
+    short = {k: sum(verify[(row["task"], row["index"], k)]["n_context"] / row["n_context"] for row in have) / len(have)
+             for k in sorted({r["m"] for r in verify_rows})}
+    agree_full = {k: sum(first_words_agree(verify[(row["task"], row["index"], k)]["answer"], row["full"])
+                         for row in have) / len(have) for k in short}
+    lines = ["", f"### {m}: verification by a short full prefill (n = {len(have)})", "",
+             "The short prompt's own answer equals full prefill's on "
+             + ", ".join(f"{agree_full[k]:.2f} (m = {k}, {short[k]:.3f} of the context)" for k in short)
+             + " of the samples.", "",
+             "| m | schedule | agreement | speed-up (work) | fallback | frontier at that agreement | share |",
+             "|---|---|---|---|---|---|---|"]
+    for k in short:
+        for n_r in (1, 2):
+            for sched in combinations(ratios, n_r):
+                v = replay_verify(have, verify, sched, k, tokenizer)
+                speed = 1.0 / v["cost"]
+                f = frontier_at(front, v["agreement"])
+                lines.append(f"| {k} | {'/'.join(f'{round(x, 2):g}' for x in sched)} | {v['agreement']:.2f} | "
+                             f"{speed:.2f}x | {v['fallback']:.2f} | {'–' if f is None else f'{f:.2f}x'} | "
+                             f"{'–' if not f else f'{speed / f:.2f}'} |")
+    return lines
 
 
 def replay(rows: list[dict], tol: float, patience: int, ceiling: float, mode: str) -> dict:
@@ -207,14 +315,15 @@ def signal_section(mrows: list[dict], m: str, out: Path) -> list[str]:
     return lines
 
 
-def report(rows: list[dict], args) -> str:
+def report(rows: list[dict], args, verify_rows: list[dict] | None = None, tokenizer=None) -> str:
     lines = ["# auto: convergence-signal calibration", "",
              f"`python scripts/calibrate_auto.py "
              + (f"--model {args.model} " if args.model else "")
              + (f"--haystack {args.haystack} " if args.haystack != "synthetic" else "")
              + f"--seed {args.seed} --n {args.n} --length {args.length} "
              f"--tasks {args.tasks} --methods {args.methods} --mode {args.mode} --schedule {args.schedule} "
-             f"--out {args.out}`", "",
+             + (f"--verify-chunks {args.verify_chunks} " if args.verify_chunks else "")
+             + f"--out {args.out}`", "",
              f"Mode `{args.mode}`. Agreement = the answer's first 12 words equal full prefill's. Cost = context "
              "tokens recomputed over all rounds / context tokens (a fallback adds 1.0: the full prefill); "
              "speed-up ~ 1 / cost.", ""]
@@ -238,8 +347,19 @@ def report(rows: list[dict], args) -> str:
                     lines.append(f"| {ceiling:.2f} | {tol} | {patience} | {s['agreement']:.2f} | {s['ratio_used']:.3f} "
                                  f"| {s['cost']:.3f} | {s['fallback']:.2f} |")
         lines += signal_section(mrows, m, Path(args.out))
+        if verify_rows:
+            lines += verify_section(mrows, verify_rows, m, tokenizer)
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def load_tokenizer(model: str | None):
+    """The model's tokenizer alone (decoding logged probes without loading the weights)."""
+    from transformers import AutoTokenizer
+
+    from kvstitch.models.loader import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)[0]))
 
 
 def main() -> None:
@@ -257,16 +377,26 @@ def main() -> None:
     ap.add_argument("--schedule", default="0.05,0.1,0.2,0.4,0.7")
     ap.add_argument("--mode", default="refresh", choices=["incremental", "refresh"])
     ap.add_argument("--report-only", action="store_true", help="rewrite calibration.md from rounds.jsonl")
+    ap.add_argument("--verify-chunks", default=None, help="comma-separated m: the verification's short prompts "
+                    "(chunks kept) for every sample in rounds.jsonl, and its replay")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="docs/results/auto-calibration")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.report_only:
+    engine = None if args.report_only else Engine.load(args.model)
+    if args.report_only or args.verify_chunks:  # the verification runs over the samples already logged
         rows = [json.loads(x) for x in Path(args.out, "rounds.jsonl").read_text().splitlines()]
     else:
-        rows = collect(Engine.load(args.model) if args.model else Engine.load(), args)
-    text = report(rows, args)
+        rows = collect(engine, args)
+    verify_rows, tokenizer = None, None
+    if Path(args.out, "verify.jsonl").exists() or args.verify_chunks:
+        if args.verify_chunks:
+            verify_rows = collect_verify(engine, args, rows)
+        else:
+            verify_rows = [json.loads(x) for x in Path(args.out, "verify.jsonl").read_text().splitlines()]
+        tokenizer = engine.tokenizer if engine is not None else load_tokenizer(args.model)
+    text = report(rows, args, verify_rows, tokenizer)
     Path(args.out, "calibration.md").write_text(text)
     print(text)
 

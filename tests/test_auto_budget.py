@@ -165,3 +165,59 @@ def test_confidence_signal_accepts_one_round_iff_its_probe_is_sure(smollm_tokeni
         with pytest.raises(InputError, match="min_p"):
             AutoBudget(min_p=bad)
     assert AutoBudget.of({"min_p": 0.9}).min_p == 0.9
+
+
+def test_verification_prompt_keeps_the_chunks_that_match_the_question(smollm_tokenizer):
+    """The short prompt: the m chunks whose text best matches the question (BM25), pinned ones kept, in prompt
+    order; its answer is a real full prefill of exactly that prompt."""
+    from kvstitch.core.prompt import PromptLayout
+    from kvstitch.engine.budget import reference_answer, verification_chunks
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)  # Carol's chunk is 2 (and 6, its copy)
+    assert verification_chunks(eng, layout, 1) == [2]
+    assert verification_chunks(eng, layout, 2) == [2, 6]
+    pinned = PromptLayout(layout.prefix_ids, layout.chunk_ids, layout.suffix_ids, pinned=1, question=layout.question)
+    assert verification_chunks(eng, pinned, 1) == [0, 2]
+    ref = reference_answer(eng, layout, 2, 4)
+    short = eng.layout(SAMPLE_QUESTION, [CHUNKS[2], CHUNKS[6]])
+    assert ref.chunks == [2, 6] and ref.n_context == short.n_context
+    full_short = eng.generate(SAMPLE_QUESTION, [CHUNKS[2], CHUNKS[6]], method="full", max_new_tokens=4)
+    assert ref.text == full_short.text
+
+
+def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_says(smollm_tokenizer, monkeypatch):
+    """``verify_chunks``: the round is accepted when (and only when) its probe agrees with the short prompt's
+    answer, whatever the KL and confidence tests say; otherwise full prefill answers. The short prompt's
+    prefill is counted in the work."""
+    import kvstitch.engine.budget as budget
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    opts = {"min_context": 0, "tol": 0.0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 1}
+    plain = _gen(eng, auto={**opts, "verify_chunks": 0})  # the round's own probe (tol 0: falls back)
+    probe_text = budget._text(eng, plain.stats["round_log"][0]["probe"])
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    real = budget.reference_answer
+    for says, accepted in ((probe_text, True), (probe_text + " and more words", False)):
+        monkeypatch.setattr(budget, "reference_answer",
+                            lambda e, l, m, n: budget.Reference(says, [2], real(e, l, m, n).n_context))
+        res = _gen(eng, auto=opts)
+        st = res.stats
+        assert st["round_log"][0]["verified"] is accepted and st["converged"] is accepted
+        if accepted:  # the round's greedy answer, at its budget
+            fixed = eng.prefill(layout, "prophet", st["round_log"][0]["ratio"], 8)
+            assert res.token_ids == list(eng.decode_tokens(fixed, 8)) and st["ratio_used"] < 1.0
+            short = eng.layout(SAMPLE_QUESTION, [CHUNKS[2]]).n_context
+            assert st["recompute_cost"] == pytest.approx(st["round_log"][0]["new_tokens"] / layout.n_context
+                                                         + short / layout.n_context)
+        else:
+            assert res.token_ids == _gen(eng, "full", 0.0).token_ids
+    monkeypatch.setattr(budget, "reference_answer", real)
+    res = _gen(eng, auto=opts)  # the real short prompt: its answer and chunks are reported
+    assert res.stats["verify"]["chunks"] == [2] and isinstance(res.stats["verify"]["answer"], str)
+    few = _gen(eng, auto={**opts, "verify_chunks": len(CHUNKS)})  # the short prompt would be the whole prompt
+    assert few.stats["auto_skipped"] == "few_chunks" and few.token_ids == _gen(eng, "full", 0.0).token_ids
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(InputError, match="verify_chunks"):
+            AutoBudget(verify_chunks=bad)
+    assert AutoBudget.of({"verify_chunks": 2}).verify_chunks == 2

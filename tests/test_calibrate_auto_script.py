@@ -53,3 +53,33 @@ def test_frontier_rows_feed_the_perfect_signal_frontier(cal):
     # per sample the cheapest agreeing round: a 0.1, b 0.2, c none -> full (1.0): mean 1.3 / 3
     assert pts[0] == (1.0, pytest.approx(3 / 1.3))
     assert pts[-1][0] < 1.0 and pts[-1][1] > pts[0][1]  # giving samples up buys speed
+
+
+class _Tok:  # logged probes are token ids: here, one id per word
+    WORDS = {1: "9201380.", 2: "1.", 3: "42"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.WORDS[i] for i in ids)
+
+
+def test_verification_replay_accepts_the_first_round_agreeing_with_the_short_prompt(cal):
+    rows = [  # a: 10% says what the short prompt says (and full); b: 10% a list, 20% the value; c: never
+        {"task": "t", "index": 0, "n_context": 1000, "full": "9201380.",
+         "rounds": [{"ratio": 0.1, "probe": [1], "agrees_full": True}, {"ratio": 0.2, "probe": [1], "agrees_full": True}]},
+        {"task": "t", "index": 1, "n_context": 1000, "full": "9201380.",
+         "rounds": [{"ratio": 0.1, "probe": [2, 1], "agrees_full": False}, {"ratio": 0.2, "probe": [1], "agrees_full": True}]},
+        {"task": "t", "index": 2, "n_context": 1000, "full": "42",
+         "rounds": [{"ratio": 0.1, "probe": [2, 3], "agrees_full": False}, {"ratio": 0.2, "probe": [2, 3], "agrees_full": False}]},
+    ]
+    verify = {("t", 0, 2): {"answer": "9201380.", "n_context": 100}, ("t", 1, 2): {"answer": "9201380.", "n_context": 100},
+              ("t", 2, 2): {"answer": "42", "n_context": 100}}
+    v = cal.replay_verify(rows, verify, (0.1, 0.2), 2, _Tok())
+    # a stops at 0.1 (0.1 + 0.1 short prompt); b at 0.2 (0.1 + 0.1 + 0.2); c falls back (0.1 + 0.3 + 1)
+    assert v["agreement"] == 1.0 and v["fallback"] == pytest.approx(1 / 3)
+    assert v["cost"] == pytest.approx((0.2 + 0.4 + 1.4) / 3)
+    wrong = {**verify, ("t", 2, 2): {"answer": "1. 42", "n_context": 100}}  # the short prompt shares c's bias
+    v = cal.replay_verify(rows, wrong, (0.1,), 2, _Tok())
+    assert v["agreement"] == pytest.approx(2 / 3) and v["fallback"] == pytest.approx(1 / 3)  # b falls back, c wrong
+    lines = cal.verify_section([{**r, "method": "m"} for r in rows],
+                               [{"task": t, "index": i, "m": m, **x} for (t, i, m), x in verify.items()], "m", _Tok())
+    assert any(line.startswith("| 2 | 0.1/0.2 | 1.00 |") for line in lines)

@@ -132,6 +132,9 @@ def eval_command(
                                                                "(e.g. 0.2 or 0.05,0.1)"),
         auto_min_p: Optional[float] = typer.Option(None, help="'auto': accept a round whose probe tokens all have "
                                                               "probability >= this (confidence signal)"),
+        auto_verify_chunks: Optional[int] = typer.Option(None, help="'auto': accept a round only if a full prefill "
+                                                                    "of the question over this many best-matching "
+                                                                    "chunks gives the same answer (e.g. 2)"),
         n: int = typer.Option(20, help="samples per task and length"),
         seed: int = typer.Option(0, help="task generator seed"),
         max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
@@ -200,7 +203,8 @@ def eval_command(
         except ValueError:
             raise InputError(f"--auto-schedule takes comma-separated ratios, e.g. 0.05,0.1; got {auto_schedule!r}") from None
     auto = {k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio), ("probe_tokens", auto_probe_tokens),
-                              ("mode", auto_mode), ("schedule", sched), ("min_p", auto_min_p)) if v is not None} or None
+                              ("mode", auto_mode), ("schedule", sched), ("min_p", auto_min_p),
+                              ("verify_chunks", auto_verify_chunks)) if v is not None} or None
     AutoBudget.of(auto)  # bad auto options fail before the model loads
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,

@@ -23,6 +23,15 @@ it. The per-request question is "would more recompute change the answer?", so th
   has greedy probability >= ``min_p`` under that round's cache. One round then suffices (``schedule=(0.2,)``):
   a model sure of its answer from a 20% cache rarely changes it with more recompute, and a model unsure of it
   is sent to full prefill after paying one round, not two (calibration: docs/design.md, "Adaptive budget").
+- **Verification** (``verify_chunks`` = m > 0, off by default): a round is accepted only when its probe says
+  what a *full* prefill of a short prompt says, the question over the m chunks most relevant to it (BM25 of
+  the question against each chunk's text; pinned chunks kept; original order). That short prompt has exact
+  cross-chunk attention among the chunks that hold the answer, and it errs differently from a stitched
+  cache: stitched rounds of every budget share one bias (e.g. a numbered list where full prefill writes the
+  bare value), so they agree with each other while all differing from full prefill, and the KL and
+  confidence tests pass them. The short prompt's answer is computed once per request (about m chunks of
+  work, counted in ``recompute_cost``); a round whose probe differs is not accepted, and the next round, or
+  full prefill, answers. Calibration (Qwen, NIAH 8K): docs/results/own-method/qwen-auto-verify-8k.
 - Converged: the answer starts with the probe, whose K/V are already in the cache (decoding continues from
   there). Not converged by ``max_ratio``: with ``max_ratio`` = 1 (default) a real full prefill answers (exact),
   else the last round's cache is used and ``stats["converged"]`` is False (the server reports it).
@@ -39,6 +48,7 @@ fallback included, / context tokens). ``tol=0`` never converges: every request f
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +72,7 @@ class AutoBudget:
     mode: str = "refresh"  # or "incremental" (see the module doc)
     min_context: int = 1024  # shorter contexts: full prefill directly (rounds + probe would cost more than it)
     min_p: float | None = None  # confidence signal: accept a round whose probe tokens all have p >= min_p
+    verify_chunks: int = 0  # > 0: accept a round only if a full prefill over this many top chunks agrees
 
     def __post_init__(self):
         sched = tuple(float(r) for r in self.schedule)
@@ -80,6 +91,8 @@ class AutoBudget:
             raise InputError(f"auto min_context must be an integer >= 0, got {self.min_context!r}")
         if self.min_p is not None and not (isinstance(self.min_p, (int, float)) and 0.0 < self.min_p <= 1.0):
             raise InputError(f"auto min_p must be a probability in (0, 1] (or None), got {self.min_p!r}")
+        if isinstance(self.verify_chunks, bool) or not (isinstance(self.verify_chunks, int) and self.verify_chunks >= 0):
+            raise InputError(f"auto verify_chunks must be an integer >= 0, got {self.verify_chunks!r}")
         if self.mode not in MODES:
             raise InputError(f"auto mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
@@ -90,7 +103,8 @@ class AutoBudget:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode", "min_context", "min_p"}
+            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode", "min_context", "min_p",
+                     "verify_chunks"}
             if set(value) - known:
                 raise InputError(f"unknown auto option(s) {sorted(set(value) - known)}; known: {', '.join(sorted(known))}")
             return cls(**{k: tuple(v) if k == "schedule" else v for k, v in value.items()})
@@ -158,6 +172,45 @@ def _greedy_probe(engine, cache, start_slot: int, first_logits: torch.Tensor, to
     return Probe(tokens, torch.stack(logits))
 
 
+@dataclass
+class Reference:
+    """The verification's answer: a full prefill of the question over the most relevant chunks only."""
+
+    text: str
+    chunks: list[int]  # chunk indices kept (original order)
+    n_context: int  # context tokens prefilled
+
+
+def verification_chunks(engine, layout, m: int) -> list[int]:
+    """The pinned chunks plus the ``m`` others whose text scores highest by BM25 against the question,
+    in prompt order."""
+    from kvstitch.corpus.retrieval import BM25
+
+    question = layout.question or engine.tokenizer.decode(layout.suffix_ids, skip_special_tokens=True)
+    free = list(range(layout.pinned, len(layout.chunk_ids)))
+    texts = [engine.tokenizer.decode(layout.chunk_ids[i], skip_special_tokens=True) for i in free]
+    scores = BM25(texts).scores(question)
+    top = torch.argsort(scores, descending=True, stable=True)[:m].tolist()  # ties: the earlier chunk
+    return list(range(layout.pinned)) + sorted(free[j] for j in top)
+
+
+@torch.no_grad()
+def reference_answer(engine, layout, m: int, n_probe: int) -> Reference:
+    """Full prefill of ``layout`` reduced to `verification_chunks`, greedy for ``n_probe`` tokens."""
+    from kvstitch.core.prompt import PromptLayout
+
+    keep = verification_chunks(engine, layout, m)
+    short = PromptLayout(layout.prefix_ids, [layout.chunk_ids[i] for i in keep], layout.suffix_ids,
+                         [layout.order[i] for i in keep], layout.pinned, layout.question)
+    cache, logits = engine.full_prefill(short, extra=n_probe)
+    probe = _greedy_probe(engine, cache, short.n_total, logits[-1], [], [], n_probe)
+    return Reference(_text(engine, probe.tokens), keep, short.n_context)
+
+
+def _text(engine, tokens: list[int]) -> str:
+    return engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
+
+
 def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, stats: dict, recompute_plan=None):
     """Run the rounds (module doc) -> `RoundsResult`, or None when the engine must fall back to full prefill.
     ``selector``: ranks the context (`Selector.ranking`); ``extra``: decode room after the prompt."""
@@ -172,6 +225,15 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         return None
     n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
     rounds = auto.rounds()
+    ref: Reference | None = None
+    if auto.verify_chunks:
+        if len(layout.chunk_ids) - layout.pinned <= auto.verify_chunks:  # the short prompt would be the whole
+            stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
+            return None
+        t0 = time.perf_counter()
+        ref = reference_answer(engine, layout, auto.verify_chunks, n_probe)
+        stats["verify"] = {"chunks": [layout.order[i] for i in ref.chunks], "answer": ref.text,
+                           "seconds": round(time.perf_counter() - t0, 4)}
     kvs = engine.chunk_kvs(layout, stats)
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
@@ -187,7 +249,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     log: list[dict] = []
     stats["round_log"] = log
     prev: Probe | None = None
-    streak, forwarded = 0, 0
+    streak = 0
+    forwarded = ref.n_context if ref is not None else 0  # the verification's prefill is work too
     N = layout.n_total
     for i, r in enumerate(rounds):
         want = ranking(round(r * n))
@@ -230,9 +293,13 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
         confident = auto.min_p is not None and float(p_tok.min()) >= auto.min_p
         entry["confident"] = confident
+        if ref is not None:  # verification decides alone (module doc)
+            from kvstitch.eval.agreement import first_words_agree
+
+            entry["verified"] = first_words_agree(_text(engine, probe.tokens), ref.text)
         log.append(entry)
         prev = probe
-        if streak >= auto.patience or confident:
+        if entry["verified"] if ref is not None else (streak >= auto.patience or confident):
             stats.update(converged=True, rounds=i + 1)
             break
     else:

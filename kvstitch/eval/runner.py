@@ -337,8 +337,11 @@ def _auto_fields(stats: dict) -> dict:
     """What an adaptive budget did (`kvstitch.engine.budget`): rounds, convergence, signal, ratios per round."""
     if "round_log" not in stats:
         return {}
-    return {"rounds": stats.get("rounds"), "converged": stats.get("converged"), "signal": _clean(stats.get("signal")),
-            "round_ratios": [r["ratio"] for r in stats["round_log"]]}
+    out = {"rounds": stats.get("rounds"), "converged": stats.get("converged"), "signal": _clean(stats.get("signal")),
+           "round_ratios": [r["ratio"] for r in stats["round_log"]]}
+    if "verify" in stats:  # the verification's short prompt (chunks, answer) and each round's verdict
+        out.update(verify=stats["verify"], round_verified=[r.get("verified") for r in stats["round_log"]])
+    return out
 
 
 def _stage_fields(stats: dict) -> dict:
