@@ -127,11 +127,20 @@ def collect_verify(engine, args, rows: list[dict]) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _tally(outcomes: list[tuple[dict | None, float]]) -> dict:
+    """(the round auto stopped at, or None: full prefill answers after the rounds; the rounds' work) per sample
+    -> agreement with full prefill, mean work (a fallback adds 1.0), fallback share."""
+    n = max(len(outcomes), 1)
+    return {"agreement": sum(True if stop is None else bool(stop["agrees_full"]) for stop, _ in outcomes) / n,
+            "cost": sum(paid + (1.0 if stop is None else 0.0) for stop, paid in outcomes) / n,
+            "fallback": sum(stop is None for stop, _ in outcomes) / n}
+
+
 def replay_verify(rows: list[dict], verify: dict, schedule: tuple[float, ...], m: int, tokenizer) -> dict:
     """`auto` in refresh mode with ``verify_chunks`` = m: the first round of ``schedule`` whose probe agrees with
     the short prompt's answer is accepted, else full prefill. Cost = the short prompt's context tokens + the
     rounds' budgets (+ 1 for a fallback), per context token. -> agreement, mean work, fallback share."""
-    agree, cost, fell = [], [], 0
+    outcomes = []
     for row in rows:
         ref = verify[(row["task"], row["index"], m)]
         paid, stop = ref["n_context"] / row["n_context"], None
@@ -141,15 +150,8 @@ def replay_verify(rows: list[dict], verify: dict, schedule: tuple[float, ...], m
             if first_words_agree(tokenizer.decode(r["probe"], skip_special_tokens=True), ref["answer"]):
                 stop = r
                 break
-        if stop is None:
-            agree.append(True)
-            cost.append(paid + 1.0)
-            fell += 1
-        else:
-            agree.append(bool(stop["agrees_full"]))
-            cost.append(paid)
-    n = max(len(rows), 1)
-    return {"agreement": sum(agree) / n, "cost": sum(cost) / n, "fallback": fell / n}
+        outcomes.append((stop, paid))
+    return _tally(outcomes)
 
 
 def verify_section(mrows: list[dict], verify_rows: list[dict], m: str, tokenizer) -> list[str]:
@@ -229,7 +231,7 @@ def replay_signal(rows: list[dict], schedule: tuple[float, ...], min_p: float | 
     a fixed-ratio prefill at its budget, so any subset replays exactly) and the signals: confidence (the round's
     probe min p >= ``min_p``) and/or the KL test (``tol``; only between rounds adjacent in the log, where it was
     measured). Not converged: full prefill answers after the rounds. -> agreement, mean work, fallback share."""
-    agree, cost, fell = [], [], 0
+    outcomes = []
     for row in rows:
         logged = row["rounds"]
         idx = [next(i for i, r in enumerate(logged) if abs(r["ratio"] - s) < 2e-3) for s in schedule]
@@ -244,15 +246,8 @@ def replay_signal(rows: list[dict], schedule: tuple[float, ...], min_p: float | 
             if sure or same:
                 stop = r
                 break
-        if stop is None:
-            agree.append(True)
-            cost.append(paid + 1.0)
-            fell += 1
-        else:
-            agree.append(bool(stop["agrees_full"]))
-            cost.append(paid)
-    n = max(len(rows), 1)
-    return {"agreement": sum(agree) / n, "cost": sum(cost) / n, "fallback": fell / n}
+        outcomes.append((stop, paid))
+    return _tally(outcomes)
 
 
 def frontier_rows(rows: list[dict]) -> list[dict]:
