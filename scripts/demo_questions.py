@@ -56,7 +56,9 @@ def main() -> None:
                 speed[(m, r)].append(full.ttft_s / res.ttft_s)
             print(f"   {m}@{r}: {'same' if same else 'DIFFERENT'} {res.text!r} {full.ttft_s / res.ttft_s:.2f}x "
                   f"(used {res.stats.get('ratio_used')}"
-                  + "".join(f", round {x['ratio']:.2f} min p {x['min_p']:.3f}" for x in res.stats.get("round_log", []))
+                  + "".join(f", round {x['ratio']:.2f} min p {x['min_p']:.3f}"
+                            + (f" verified {x['verified']}" if "verified" in x else "")
+                            for x in res.stats.get("round_log", []))
                   + ")", flush=True)
     for s in settings:
         if agree[s]:
