@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-DEFAULT_AUTOS = ("schedule=0.05/0.1,tol=0.01", "schedule=0.1/0.2,tol=0.01", "schedule=0.05/0.1,tol=0.02")
+DEFAULT_AUTOS = ("schedule=0.05/0.1,tol=0.01", "schedule=0.1/0.2,tol=0.01", "schedule=0.05/0.1,tol=0.02",
+                 "schedule=0.1,verify_chunks=2")  # the last: verification by a short full prefill (design.md)
 
 
 def calibrate_command(
