@@ -27,7 +27,7 @@ from kvstitch import Engine
 from kvstitch.engine.budget import DEFAULT_SCHEDULE
 from kvstitch.tasks import generate, scorer_for
 from kvstitch.tasks.haystack import resolve_haystack
-from kvstitch.eval.agreement import first_words_agree
+from kvstitch.tasks.agreement import first_words_agree
 from kvstitch.eval.runner import answer_budget, sample_layout, EvalConfig
 
 TOLS = (0.005, 0.01, 0.02, 0.05, float("inf"))

@@ -20,7 +20,7 @@ import torch
 
 from kvstitch import Engine
 from kvstitch.engine.budget import parse_ratio
-from kvstitch.eval.agreement import first_words_agree
+from kvstitch.tasks.agreement import first_words_agree
 
 
 def main() -> None:

@@ -221,7 +221,7 @@ def demo(method: str = typer.Option("prophet", help="stitched method to compare 
     """The main job in one command: bundled passages and questions, answered with `full` prefill and with
     stitched reuse (adaptive budget by default), answers, the budget each used and TTFT side by side."""
     from kvstitch.engine.budget import parse_ratio
-    from kvstitch.eval.agreement import first_words_agree
+    from kvstitch.tasks.agreement import first_words_agree
 
     ratio = parse_ratio(ratio)
     data = json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from kvstitch.core.bm25 import BM25, bm25_tokens  # noqa: F401  (re-exported: the collection's fallback)
 from kvstitch.core.errors import InputError, KVStitchError
 
 log = logging.getLogger("kvstitch.retrieval")
@@ -181,37 +182,6 @@ def get_embedder() -> Embedder | None:
                 log.warning("%s; falling back to BM25", e)
                 return None
         return _EMBEDDERS[str(d)]
-
-
-# ---- BM25 (the fallback) ---------------------------------------------------------------------------
-_WORD = re.compile(r"\w+", re.UNICODE)
-_STOP = frozenset("""a an and are as at be been but by can could did do does for from had has have how i if in
-into is it its of on or so than that the their them then there these they this those to was were what when
-where which who whom why will with would you your""".split())
-
-
-def bm25_tokens(text: str) -> list[str]:
-    return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
-
-
-class BM25:
-    """Okapi BM25 (k1=1.5, b=0.75, Lucene's non-negative idf) over the chunk texts, scored by `bm25s`."""
-
-    def __init__(self, texts: list[str], k1: float = 1.5, b: float = 0.75):
-        import bm25s
-
-        self.n = len(texts)
-        self.scale = k1 + 1  # Lucene's variant drops Okapi's constant (k1 + 1) factor: scores as before
-        self.index = bm25s.BM25(k1=k1, b=b, method="lucene")
-        if texts:
-            # bm25s treats an empty token list as missing: a placeholder word no query token can equal
-            self.index.index([bm25_tokens(t) or ["\x00"] for t in texts], show_progress=False)
-
-    def scores(self, query: str) -> torch.Tensor:
-        q = [w for w in bm25_tokens(query) if w in self.index.vocab_dict] if self.n else []
-        if not q:
-            return torch.zeros(self.n)
-        return torch.from_numpy(self.index.get_scores(q).astype("float32")) * self.scale
 
 
 # ---- the collection --------------------------------------------------------------------------------

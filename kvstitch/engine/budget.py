@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstitch.core.errors import BadRatio, InputError
+from kvstitch.tasks.agreement import first_words_agree
 
 AUTO = "auto"
 MODES = ("incremental", "refresh")
@@ -184,7 +185,7 @@ class Reference:
 def verification_chunks(engine, layout, m: int) -> list[int]:
     """The pinned chunks plus the ``m`` others whose text scores highest by BM25 against the question,
     in prompt order."""
-    from kvstitch.corpus.retrieval import BM25
+    from kvstitch.core.bm25 import BM25
 
     question = layout.question or engine.tokenizer.decode(layout.suffix_ids, skip_special_tokens=True)
     free = list(range(layout.pinned, len(layout.chunk_ids)))
@@ -294,8 +295,6 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         confident = auto.min_p is not None and float(p_tok.min()) >= auto.min_p
         entry["confident"] = confident
         if ref is not None:  # verification decides alone (module doc)
-            from kvstitch.eval.agreement import first_words_agree
-
             entry["verified"] = first_words_agree(_text(engine, probe.tokens), ref.text)
         log.append(entry)
         prev = probe

@@ -3,7 +3,7 @@
 On a sample of questions and documents (``--dataset FILE``, read by the eval's reader `kvstitch.tasks.datasets`)
 and a model, every sample is answered by full prefill (the reference) and by each configuration: every
 method at every fixed ratio, and every method at ``ratio="auto"`` with each ``--auto`` setting. A configuration
-*agrees* on a sample when its answer's first 12 words equal full prefill's (`eval.agreement`); its TTFT
+*agrees* on a sample when its answer's first 12 words equal full prefill's (`tasks.agreement`); its TTFT
 speed-up is mean full-prefill TTFT / its mean TTFT over the samples (same process, same samples).
 
 The **perfect-signal frontier** of a method: per sample, a signal that knew which answers agree would take the
@@ -87,7 +87,7 @@ def configs(methods: list[str], ratios: list[float], autos: list[dict]) -> list[
 def measure(engine, samples, cfgs: list[Config], out: Path, progress=None) -> list[dict]:
     """Full prefill and every configuration on every sample -> rows (appended to ``out/rows.jsonl``; rows already
     there are kept and not run again)."""
-    from .agreement import first_words_agree
+    from kvstitch.tasks.agreement import first_words_agree
     from .runner import EvalConfig, answer_budget, run_method, sample_layout, warm_up
 
     out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ import torch
 
 from kvstitch.engine.budget import AUTO
 from kvstitch.core.errors import EvalError, InputError
-from .agreement import first_token_agree, first_words_agree
+from kvstitch.tasks.agreement import first_token_agree, first_words_agree
 from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl, write_reports
 from kvstitch.tasks.scoring import answer_correct, exact_match, qa_f1, scorer_for

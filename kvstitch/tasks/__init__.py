@@ -1,5 +1,6 @@
 """Tasks (foundations): RULER-style synthetic tasks (`tasks`, their haystacks and words), real QA datasets
-(`datasets`), RULER scoring (`scoring`) and fidelity metrics vs full prefill (`metrics`, needs torch).
+(`datasets`), RULER scoring (`scoring`), fidelity metrics vs full prefill (`metrics`, needs torch) and agreement
+with full prefill's answer (`agreement`).
 
 Only the light, dependency-free pieces are re-exported here; import `metrics` and `datasets` directly.
 """
