@@ -31,7 +31,7 @@ it. The per-request question is "would more recompute change the answer?", so th
   bare value), so they agree with each other while all differing from full prefill, and the KL and
   confidence tests pass them. The short prompt's answer is computed once per request (about m chunks of
   work, counted in ``recompute_cost``); a round whose probe differs is not accepted, and the next round, or
-  full prefill, answers. Calibration (Qwen, NIAH 8K): docs/results/own-method/qwen-auto-verify-8k.
+  full prefill, answers. Calibration (Qwen, NIAH 8K): docs/results/own-method/qwen-auto-calibration-8k.
 - Converged: the answer starts with the probe, whose K/V are already in the cache (decoding continues from
   there). Not converged by ``max_ratio``: with ``max_ratio`` = 1 (default) a real full prefill answers (exact),
   else the last round's cache is used and ``stats["converged"]`` is False (the server reports it).
