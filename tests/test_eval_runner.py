@@ -344,6 +344,16 @@ def test_eval_exit_code_when_samples_fail(engine, tmp_path, monkeypatch, failing
         assert {row["index"] for row in read_jsonl(out / RESULTS)} == {1}
 
 
+def test_auto_options_that_are_off_stay_out_of_the_protocol():
+    """A log written before `min_p` / `verify_chunks` existed resumes under the defaults (its protocol has
+    neither key); switching one on is another protocol."""
+    before = {"schedule": [0.05, 0.1], "max_ratio": 1.0, "tol": 0.01, "probe_tokens": 16, "patience": 1,
+              "mode": "refresh", "min_context": 1024}  # the auto protocol of the first Qwen NIAH 8K log
+    assert _cfg(auto_methods=["prophet"]).protocol()["auto"] == before
+    assert _cfg(auto_methods=["prophet"], auto={"verify_chunks": 2}).protocol()["auto"] == {**before, "verify_chunks": 2}
+    assert _cfg(auto_methods=["prophet"], auto={"min_p": 0.5}).protocol()["auto"] == {**before, "min_p": 0.5}
+
+
 def test_auto_rows_report_agreement_cost_and_resume(engine, tmp_path):
     """ratio 'auto' next to fixed ratios: rows carry the rounds, the real recomputed fraction and the agreement
     with full prefill's answer; the auto options are part of the protocol; the summary has an agreement table."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -74,6 +75,10 @@ class AutoBudget:
     min_context: int = 1024  # shorter contexts: full prefill directly (rounds + probe would cost more than it)
     min_p: float | None = None  # confidence signal: accept a round whose probe tokens all have p >= min_p
     verify_chunks: int = 0  # > 0: accept a round only if a full prefill over this many top chunks agrees
+
+    # options added after the first eval logs, with the value that switches them off: an eval's protocol leaves
+    # them out when off, so those logs resume (kvstitch.eval.runner.EvalConfig.protocol)
+    OFF: ClassVar[dict] = {"min_p": None, "verify_chunks": 0}
 
     def __post_init__(self):
         sched = tuple(float(r) for r in self.schedule)

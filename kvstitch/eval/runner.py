@@ -101,9 +101,9 @@ class EvalConfig:
         if AUTO in self.ratios or self.auto_methods:
             from kvstitch.engine.budget import AutoBudget
 
-            # options left unset (None) are absent, so logs written before an option existed stay valid
+            # options that are off are absent, so logs written before an option existed stay valid
             p["auto"] = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(AutoBudget.of(self.auto)).items()
-                         if v is not None}
+                         if k not in AutoBudget.OFF or v != AutoBudget.OFF[k]}
         return p
 
 
