@@ -59,6 +59,7 @@ def main() -> None:
                   + "".join(f", round {x['ratio']:.2f} min p {x['min_p']:.3f}"
                             + (f" verified {x['verified']}" if "verified" in x else "")
                             for x in res.stats.get("round_log", []))
+                  + (f", short prompt {res.stats['verify']['answer']!r}" if "verify" in res.stats else "")
                   + ")", flush=True)
     for s in settings:
         if agree[s]:

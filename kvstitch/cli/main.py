@@ -195,12 +195,23 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         console.print(f"speedup of {method} over {compare}: {results[1].ttft_s / results[0].ttft_s:.2f}x TTFT")
 
 
+# The demo's default: the reference model, and `auto` as chosen on the Qwen NIAH 8K calibration split (one round
+# at 10%, accepted only if a full prefill of the question over its 2 best-matching passages agrees), measured on
+# the demo's candidate questions in docs/results/demo/README.md.
+DEMO_MODEL = "qwen2.5-0.5b"
+DEMO_AUTO = {"schedule": "0.1", "verify_chunks": 2}
+
+
 def _budget_note(stats: dict) -> str:
     """"20% recomputed", or for ratio=auto "auto: 10% recomputed in 2 rounds" / "auto: full prefill after 4 rounds"."""
     used = stats.get("ratio_used", 0.0)
     note = f"{used:.0%} recomputed"
     if stats.get("auto_skipped") == "short_context":
         note = "auto: short context, full prefill"
+    elif stats.get("ratio") == "auto" and "verify" in stats:  # verified rounds: the check is what decided
+        m = len(stats["verify"]["chunks"])
+        note = (f"auto: {used:.0%} recomputed, confirmed by a full prefill of {m} passages" if stats.get("converged")
+                else f"auto: the full prefill of {m} passages said otherwise, full prefill")
     elif stats.get("ratio") == "auto":
         note = (f"auto: {used:.0%} recomputed, converged in {stats['rounds']} rounds" if stats.get("converged")
                 else f"auto: no convergence in {stats['rounds']} rounds, " +
@@ -215,15 +226,30 @@ def _budget_note(stats: dict) -> str:
 
 @app.command()
 @friendly_errors
-def demo(method: str = typer.Option("prophet", help="stitched method to compare with full prefill"),
+def demo(method: str = typer.Option("deltaprop", help="stitched method to compare with full prefill"),
          ratio: str = typer.Option("auto", help="recompute ratio, or 'auto' (adaptive budget, the default)"),
-         model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
+         auto_schedule: str = typer.Option(DEMO_AUTO["schedule"],
+                                           help="'auto': the rounds' ratios, comma-separated"),
+         auto_verify_chunks: int = typer.Option(DEMO_AUTO["verify_chunks"],
+                                                help="'auto': accept a round only if a full prefill of the question "
+                                                     "over this many best-matching passages says the same (0: off, "
+                                                     "rounds are compared with each other)"),
+         model: str = typer.Option(DEMO_MODEL, "--model", "-m", help=ModelOpt.help),
+         store: Optional[str] = StoreOpt) -> None:
     """The main job in one command: bundled passages and questions, answered with `full` prefill and with
-    stitched reuse (adaptive budget by default), answers, the budget each used and TTFT side by side."""
-    from kvstitch.engine.budget import parse_ratio
+    stitched reuse (by default kvstitch's own method with the adaptive budget, each round checked against a
+    full prefill of the question over its two best-matching passages), answers, the budget each used and TTFT
+    side by side. The default setting was chosen on a calibration split (docs/results/demo/README.md)."""
+    from kvstitch.core.errors import InputError
+    from kvstitch.engine.budget import AutoBudget, parse_ratio
     from kvstitch.tasks.agreement import first_words_agree
 
     ratio = parse_ratio(ratio)
+    try:
+        sched = tuple(float(x) for x in _csv(auto_schedule))
+    except ValueError:
+        raise InputError(f"--auto-schedule takes comma-separated ratios, e.g. 0.1 or 0.05,0.1; got {auto_schedule!r}") from None
+    auto = AutoBudget.of({"schedule": sched, "verify_chunks": auto_verify_chunks})  # bad values fail before loading
     data = json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())
     eng = _load(model, store)
     passages = data["passages"]
@@ -238,7 +264,8 @@ def demo(method: str = typer.Option("prophet", help="stitched method to compare 
     fixed_same, fixed_speedups = 0, []  # the same method at a fixed 20%, for contrast
     for i, q in enumerate(data["questions"], start=1):
         full = eng.generate(q["question"], passages, method="full", max_new_tokens=24)
-        ours = eng.generate(q["question"], passages, method=method, recompute_ratio=ratio, max_new_tokens=24)
+        ours = eng.generate(q["question"], passages, method=method, recompute_ratio=ratio, max_new_tokens=24,
+                            auto=auto)
         fixed = eng.generate(q["question"], passages, method=method, recompute_ratio=0.2, max_new_tokens=24)
         fixed_same += first_words_agree(fixed.text, full.text)
         fixed_speedups.append(full.ttft_s / fixed.ttft_s)
