@@ -57,7 +57,7 @@ def main() -> None:
             print(f"   {m}@{r}: {'same' if same else 'DIFFERENT'} {res.text!r} {full.ttft_s / res.ttft_s:.2f}x "
                   f"(used {res.stats.get('ratio_used')}"
                   + "".join(f", round {x['ratio']:.2f} min p {x['min_p']:.3f}"
-                            + (f" verified {x['verified']}" if "verified" in x else "")
+                            + (f" said {x['answer']!r} verified {x['verified']}" if "verified" in x else "")
                             for x in res.stats.get("round_log", []))
                   + (f", short prompt {res.stats['verify']['answer']!r}" if "verify" in res.stats else "")
                   + ")", flush=True)

@@ -204,6 +204,7 @@ def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_s
         res = _gen(eng, auto=opts)
         st = res.stats
         assert st["round_log"][0]["verified"] is accepted and st["converged"] is accepted
+        assert st["round_log"][0]["answer"] == probe_text  # what the round said, beside what the check said
         if accepted:  # the round's greedy answer, at its budget
             fixed = eng.prefill(layout, "prophet", st["round_log"][0]["ratio"], 8)
             assert res.token_ids == list(eng.decode_tokens(fixed, 8)) and st["ratio_used"] < 1.0

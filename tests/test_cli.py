@@ -93,7 +93,7 @@ def test_demo_answers_bundled_questions_with_full_and_stitched():
     assert line.count("same answer") + line.count("DIFFERENT answer") == n
     assert r.output.count("✓") + r.output.count("✗") == 2 * n
     # every stitched answer was decided by the verification: confirmed (a round) or overruled (full prefill)
-    assert line.count("confirmed by a full prefill of 2 passages") + line.count("passages said otherwise") == n
+    assert line.count("confirmed by a full prefill of 2 passages") + line.count(": full prefill answered") == n
 
 
 @pytest.mark.parametrize("args, message", [(["--auto-schedule", "0.1,x"], "--auto-schedule"),

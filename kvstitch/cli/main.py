@@ -210,8 +210,10 @@ def _budget_note(stats: dict) -> str:
         note = "auto: short context, full prefill"
     elif stats.get("ratio") == "auto" and "verify" in stats:  # verified rounds: the check is what decided
         m = len(stats["verify"]["chunks"])
+        last = stats["round_log"][-1] if stats.get("round_log") else {}
         note = (f"auto: {used:.0%} recomputed, confirmed by a full prefill of {m} passages" if stats.get("converged")
-                else f"auto: the full prefill of {m} passages said otherwise, full prefill")
+                else f"auto: its {last.get('ratio', 0):.0%} round said {last.get('answer', '')[:40]!r}, a full "
+                     f"prefill of {m} passages said {stats['verify']['answer'][:40]!r}: full prefill answered")
     elif stats.get("ratio") == "auto":
         note = (f"auto: {used:.0%} recomputed, converged in {stats['rounds']} rounds" if stats.get("converged")
                 else f"auto: no convergence in {stats['rounds']} rounds, " +

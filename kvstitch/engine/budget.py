@@ -300,7 +300,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         confident = auto.min_p is not None and float(p_tok.min()) >= auto.min_p
         entry["confident"] = confident
         if ref is not None:  # verification decides alone (module doc)
-            entry["verified"] = first_words_agree(_text(engine, probe.tokens), ref.text)
+            entry["answer"] = _text(engine, probe.tokens)
+            entry["verified"] = first_words_agree(entry["answer"], ref.text)
         log.append(entry)
         prev = probe
         if entry["verified"] if ref is not None else (streak >= auto.patience or confident):
