@@ -258,9 +258,16 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
     with console.status("precomputing the passages' KV caches (once; later questions reuse them) ..."):
         eng.generate(data["questions"][0]["question"], passages, method="naive", max_new_tokens=1)
     label = f"{method} {'auto' if ratio == 'auto' else f'{ratio:.0%}'}"
-    console.print(f"[bold]{len(passages)} passages, {eng.layout('q', passages).n_context} context tokens[/]; "
-                  f"each question answered by full prefill and by {label} (stitched caches + "
-                  f"{'an adaptive budget' if ratio == 'auto' else 'a fixed budget'} of recomputed tokens).\n",
+    if ratio != "auto":
+        budget = "a fixed budget of recomputed tokens"
+    elif auto.verify_chunks:
+        budget = (f"rounds of {', '.join(f'{r:.0%}' for r in auto.schedule)} recomputed, each accepted only if a full "
+                  f"prefill of the question over its {auto.verify_chunks} best-matching passages agrees, else full "
+                  f"prefill")
+    else:
+        budget = "an adaptive budget of recomputed tokens"
+    console.print(f"[bold]{model}: {len(passages)} passages, {eng.layout('q', passages).n_context} context "
+                  f"tokens[/]; each question answered by full prefill and by {label} (stitched caches + {budget}).\n",
                   highlight=False)
     same, speedups, right = 0, [], {"full": 0, "stitched": 0}
     fixed_same, fixed_speedups = 0, []  # the same method at a fixed 20%, for contrast
