@@ -236,6 +236,7 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
                                                 help="'auto': accept a round only if a full prefill of the question "
                                                      "over this many best-matching passages says the same (0: off, "
                                                      "rounds are compared with each other)"),
+         questions: Optional[int] = typer.Option(None, "--questions", help="only the first N bundled questions"),
          model: str = typer.Option(DEMO_MODEL, "--model", "-m", help=ModelOpt.help),
          store: Optional[str] = StoreOpt) -> None:
     """The main job in one command: bundled passages and questions, answered with `full` prefill and with
@@ -253,6 +254,10 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
         raise InputError(f"--auto-schedule takes comma-separated ratios, e.g. 0.1 or 0.05,0.1; got {auto_schedule!r}") from None
     auto = AutoBudget.of({"schedule": sched, "verify_chunks": auto_verify_chunks})  # bad values fail before loading
     data = json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())
+    if questions is not None:
+        if questions < 1:
+            raise InputError(f"--questions must be >= 1, got {questions}")
+        data["questions"] = data["questions"][:questions]
     eng = _load(model, store)
     passages = data["passages"]
     with console.status("precomputing the passages' KV caches (once; later questions reuse them) ..."):
