@@ -197,10 +197,8 @@ def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_s
     plain = _gen(eng, auto={**opts, "verify_chunks": 0})  # the round's own probe (tol 0: falls back)
     probe_text = budget._text(eng, plain.stats["round_log"][0]["probe"])
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
-    real = budget.reference_answer
     for says, accepted in ((probe_text, True), (probe_text + " and more words", False)):
-        monkeypatch.setattr(budget, "reference_answer",
-                            lambda e, l, m, n: budget.Reference(says, [2], real(e, l, m, n).n_context))
+        monkeypatch.setattr(budget.ShortPrompt, "answer_given", lambda self, guess: says)
         res = _gen(eng, auto=opts)
         st = res.stats
         assert st["round_log"][0]["verified"] is accepted and st["converged"] is accepted
@@ -213,7 +211,7 @@ def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_s
                                                          + short / layout.n_context)
         else:
             assert res.token_ids == _gen(eng, "full", 0.0).token_ids
-    monkeypatch.setattr(budget, "reference_answer", real)
+    monkeypatch.undo()
     res = _gen(eng, auto=opts)  # the real short prompt: its answer and chunks are reported
     assert res.stats["verify"]["chunks"] == [2] and isinstance(res.stats["verify"]["answer"], str)
     few = _gen(eng, auto={**opts, "verify_chunks": len(CHUNKS)})  # the short prompt would be the whole prompt
@@ -222,3 +220,22 @@ def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_s
         with pytest.raises(InputError, match="verify_chunks"):
             AutoBudget(verify_chunks=bad)
     assert AutoBudget.of({"verify_chunks": 2}).verify_chunks == 2
+
+
+def test_short_prompt_reads_a_guess_teacher_forced_and_answers_its_own_greedy_answer(smollm_tokenizer):
+    """`ShortPrompt.greedy_given(guess)` is the short prompt's greedy answer whatever the guess: its own answer,
+    a guess that leaves it at the first, a middle or the last token, a longer or shorter one, or none (then it
+    decodes step by step). Verification reads a round's probe this way."""
+    from kvstitch.engine.budget import ShortPrompt
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    short = ShortPrompt(eng, layout, 2, 6)
+    own = short.greedy_given([])
+    assert 1 <= len(own) <= 6
+    other = next(t for t in range(5, 500) if t != own[0] and t not in eng.eos_ids)
+    guesses = [own, own + [other], own[:1], own[:-1], [other] + own[1:]]
+    guesses += [own[:k] + [other] + own[k + 1:] for k in range(1, len(own))]
+    for guess in guesses:
+        assert short.greedy_given(guess) == own, guess
+    assert short.greedy_given([]) == own  # the cache is left reusable

@@ -200,17 +200,58 @@ def verification_chunks(engine, layout, m: int) -> list[int]:
     return list(range(layout.pinned)) + sorted(free[j] for j in top)
 
 
-@torch.no_grad()
+class ShortPrompt:
+    """The verification's short prompt, prefilled in full once: the question over `verification_chunks` only.
+
+    `greedy_given(guess)` is its greedy answer (``n_probe`` tokens or EOS). The guess (a round's probe) is read
+    teacher-forced in one pass, and step-by-step decoding starts only where the short prompt's argmax leaves
+    it: when a round says what the short prompt says, checking it costs one forward of its few tokens instead
+    of decoding the short prompt's answer token by token."""
+
+    @torch.no_grad()
+    def __init__(self, engine, layout, m: int, n_probe: int):
+        from kvstitch.core.prompt import PromptLayout
+
+        self.engine, self.n_probe = engine, n_probe
+        self.chunks = verification_chunks(engine, layout, m)
+        self.layout = PromptLayout(layout.prefix_ids, [layout.chunk_ids[i] for i in self.chunks], layout.suffix_ids,
+                                   [layout.order[i] for i in self.chunks], layout.pinned, layout.question)
+        self.cache, logits = engine.full_prefill(self.layout, extra=n_probe)
+        self.first = logits[-1].float().cpu()
+
+    @torch.no_grad()
+    def greedy_given(self, guess: list[int]) -> list[int]:
+        N, eng, first = self.layout.n_total, self.engine, self.first
+        guess = list(guess[:self.n_probe])
+        self.cache.truncate(N)
+        if not guess or int(torch.argmax(first)) != guess[0]:
+            return _greedy_probe(eng, self.cache, N, first, [], [], self.n_probe).tokens
+        out = [] if len(guess) == 1 else list(eng.forward(self.cache, torch.tensor(guess[:-1]),
+                                                         torch.arange(N, N + len(guess) - 1),
+                                                         logits_to_keep=len(guess) - 1).float().cpu())
+        logits = [first] + out  # logits[i] chose the short prompt's token i; guess[:k] is its own so far
+        k = 1
+        while True:
+            if eng.finished(guess[:k]) or k == self.n_probe:
+                return guess[:k]
+            if k == len(guess):  # all of the guess is its own: continue after it (its last K/V not written yet)
+                return _greedy_probe(eng, self.cache, N, first, guess, logits[:k], self.n_probe).tokens
+            own = int(torch.argmax(logits[k]))
+            if own != guess[k]:  # it leaves the guess here: its own token, then step by step
+                self.cache.truncate(N + k)
+                return _greedy_probe(eng, self.cache, N, first, guess[:k] + [own], logits[:k + 1], self.n_probe).tokens
+            k += 1
+
+
+    def answer_given(self, guess: list[int]) -> str:
+        """`greedy_given` as text."""
+        return _text(self.engine, self.greedy_given(guess))
+
+
 def reference_answer(engine, layout, m: int, n_probe: int) -> Reference:
     """Full prefill of ``layout`` reduced to `verification_chunks`, greedy for ``n_probe`` tokens."""
-    from kvstitch.core.prompt import PromptLayout
-
-    keep = verification_chunks(engine, layout, m)
-    short = PromptLayout(layout.prefix_ids, [layout.chunk_ids[i] for i in keep], layout.suffix_ids,
-                         [layout.order[i] for i in keep], layout.pinned, layout.question)
-    cache, logits = engine.full_prefill(short, extra=n_probe)
-    probe = _greedy_probe(engine, cache, short.n_total, logits[-1], [], [], n_probe)
-    return Reference(_text(engine, probe.tokens), keep, short.n_context)
+    short = ShortPrompt(engine, layout, m, n_probe)
+    return Reference(short.answer_given([]), short.chunks, short.layout.n_context)
 
 
 def _text(engine, tokens: list[int]) -> str:
@@ -231,15 +272,15 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         return None
     n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
     rounds = auto.rounds()
-    ref: Reference | None = None
+    short: ShortPrompt | None = None
     if auto.verify_chunks:
         if len(layout.chunk_ids) - layout.pinned <= auto.verify_chunks:  # the short prompt would be the whole
             stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
             return None
         t0 = time.perf_counter()
-        ref = reference_answer(engine, layout, auto.verify_chunks, n_probe)
-        stats["verify"] = {"chunks": [layout.order[i] for i in ref.chunks], "answer": ref.text,
-                           "seconds": round(time.perf_counter() - t0, 4)}
+        short = ShortPrompt(engine, layout, auto.verify_chunks, n_probe)
+        stats["verify"] = {"chunks": [layout.order[i] for i in short.chunks], "answer": None,
+                           "seconds": time.perf_counter() - t0}
     kvs = engine.chunk_kvs(layout, stats)
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
@@ -256,7 +297,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     stats["round_log"] = log
     prev: Probe | None = None
     streak = 0
-    forwarded = ref.n_context if ref is not None else 0  # the verification's prefill is work too
+    forwarded = short.layout.n_context if short is not None else 0  # the verification's prefill is work too
     N = layout.n_total
     for i, r in enumerate(rounds):
         want = ranking(round(r * n))
@@ -299,12 +340,15 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
         confident = auto.min_p is not None and float(p_tok.min()) >= auto.min_p
         entry["confident"] = confident
-        if ref is not None:  # verification decides alone (module doc)
+        if short is not None:  # verification decides alone (module doc)
+            t0 = time.perf_counter()
+            ref = short.answer_given(probe.tokens)  # the short prompt's greedy answer
+            stats["verify"].update(answer=ref, seconds=round(stats["verify"]["seconds"] + time.perf_counter() - t0, 4))
             entry["answer"] = _text(engine, probe.tokens)
-            entry["verified"] = first_words_agree(entry["answer"], ref.text)
+            entry["verified"] = first_words_agree(entry["answer"], ref)
         log.append(entry)
         prev = probe
-        if entry["verified"] if ref is not None else (streak >= auto.patience or confident):
+        if entry["verified"] if short is not None else (streak >= auto.patience or confident):
             stats.update(converged=True, rounds=i + 1)
             break
     else:
