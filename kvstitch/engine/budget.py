@@ -242,7 +242,6 @@ class ShortPrompt:
                 return _greedy_probe(eng, self.cache, N, first, guess[:k] + [own], logits[:k + 1], self.n_probe).tokens
             k += 1
 
-
     def answer_given(self, guess: list[int]) -> str:
         """`greedy_given` as text."""
         return _text(self.engine, self.greedy_given(guess))
