@@ -127,6 +127,36 @@ def collect_verify(engine, args, rows: list[dict]) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def collect_verify_probs(engine, args, rows: list[dict]) -> list[dict]:
+    """verify_probs.jsonl: per sample of ``rows`` and m in ``--verify-chunks``, the short prompt's probability of
+    every token of every logged round's probe (teacher-forced): what a "does the short prompt find the round's
+    answer plausible" test (`AutoBudget.verify_p`) would see."""
+    from kvstitch.engine.budget import ShortPrompt
+
+    path = Path(args.out) / "verify_probs.jsonl"
+    done = set()
+    if path.exists():
+        done = {(r["task"], r["index"], r["m"]) for r in map(json.loads, path.read_text().splitlines())}
+    ms = [int(x) for x in args.verify_chunks.split(",")]
+    by_key: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["task"], r["index"]), []).append(r)
+    todo = {k for k in by_key for m in ms if (*k, m) not in done}
+    with path.open("a") as f:
+        for (task, i), (sample, cfg) in sorted(_samples(engine, args, todo).items()):
+            layout = sample_layout(engine, sample)
+            for m in ms:
+                if (task, i, m) in done:
+                    continue
+                short = ShortPrompt(engine, layout, m, args.probe_tokens)
+                probs = {row["method"]: {f"{r['ratio']:.4f}": [round(float(x), 6) for x in short.probs_given(r["probe"])]
+                                         for r in row["rounds"]} for row in by_key[(task, i)]}
+                f.write(json.dumps({"task": task, "index": i, "m": m, "probs": probs}) + "\n")
+                f.flush()
+                print(task, i, m, {k: {r: min(v) for r, v in d.items()} for k, d in probs.items()}, flush=True)
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
 def _tally(outcomes: list[tuple[dict | None, float]]) -> dict:
     """(the round auto stopped at, or None: full prefill answers after the rounds; the rounds' work) per sample
     -> agreement with full prefill, mean work (a fallback adds 1.0), fallback share."""
@@ -152,6 +182,59 @@ def replay_verify(rows: list[dict], verify: dict, schedule: tuple[float, ...], m
                 break
         outcomes.append((stop, paid))
     return _tally(outcomes)
+
+
+VERIFY_PS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def replay_verify_p(rows: list[dict], verify: dict, probs: dict, schedule: tuple[float, ...], m: int, tau: float,
+                    n_tokens: int) -> dict:
+    """`auto` with ``verify_p`` = tau: the first round of ``schedule`` whose probe's first ``n_tokens`` tokens
+    all have probability >= tau under the short prompt (m chunks) is accepted, else full prefill."""
+    outcomes = []
+    for row in rows:
+        ref = verify[(row["task"], row["index"], m)]
+        p = probs[(row["task"], row["index"], m)]["probs"][row["method"]]
+        paid, stop = ref["n_context"] / row["n_context"], None
+        for s in schedule:
+            r = next(r for r in row["rounds"] if abs(r["ratio"] - s) < 2e-3)
+            paid += r["ratio"]
+            if min(p[f"{r['ratio']:.4f}"][:n_tokens], default=0.0) >= tau:
+                stop = r
+                break
+        outcomes.append((stop, paid))
+    return _tally(outcomes)
+
+
+def verify_p_section(mrows: list[dict], verify_rows: list[dict], prob_rows: list[dict], m: str) -> list[str]:
+    """`auto` with the plausibility test (`verify_p`) replayed over one-round schedules and thresholds."""
+    from kvstitch.eval.calibrate import frontier_at, perfect_frontier
+
+    verify = {(r["task"], r["index"], r["m"]): r for r in verify_rows}
+    probs = {(r["task"], r["index"], r["m"]): r for r in prob_rows}
+    ks = sorted({r["m"] for r in prob_rows})
+    have = [row for row in mrows if all((row["task"], row["index"], k) in probs and (row["task"], row["index"], k)
+                                        in verify for k in ks)]
+    if not have:
+        return []
+    ratios = [r["ratio"] for r in have[0]["rounds"]]
+    front = perfect_frontier(frontier_rows(have), [f"r{x:.2f}" for x in ratios])
+    lines = ["", f"### {m}: verification by plausibility under the short prompt (`verify_p`, n = {len(have)})", "",
+             "A round is accepted when each of its probe's first tokens has probability >= p under the short "
+             "prompt (teacher-forced), not only when the short prompt's own greedy answer equals it.", "",
+             "| m | round | probe tokens | p | agreement | speed-up (work) | fallback | frontier at that agreement | share |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for k in ks:
+        for x in ratios[:2]:
+            for n_tok in (16, 64):
+                for tau in VERIFY_PS:
+                    v = replay_verify_p(have, verify, probs, (x,), k, tau, n_tok)
+                    speed = 1.0 / v["cost"]
+                    f = frontier_at(front, v["agreement"])
+                    lines.append(f"| {k} | {round(x, 2):g} | {n_tok} | {tau:g} | {v['agreement']:.2f} | {speed:.2f}x | "
+                                 f"{v['fallback']:.2f} | {'–' if f is None else f'{f:.2f}x'} | "
+                                 f"{'–' if not f else f'{speed / f:.2f}'} |")
+    return lines
 
 
 def verify_section(mrows: list[dict], verify_rows: list[dict], m: str, tokenizer) -> list[str]:
@@ -310,7 +393,8 @@ def signal_section(mrows: list[dict], m: str, out: Path) -> list[str]:
     return lines
 
 
-def report(rows: list[dict], args, verify_rows: list[dict] | None = None, tokenizer=None) -> str:
+def report(rows: list[dict], args, verify_rows: list[dict] | None = None, tokenizer=None,
+           prob_rows: list[dict] | None = None) -> str:
     lines = ["# auto: convergence-signal calibration", "",
              f"`python scripts/calibrate_auto.py "
              + (f"--model {args.model} " if args.model else "")
@@ -344,6 +428,8 @@ def report(rows: list[dict], args, verify_rows: list[dict] | None = None, tokeni
         lines += signal_section(mrows, m, Path(args.out))
         if verify_rows:
             lines += verify_section(mrows, verify_rows, m, tokenizer)
+            if prob_rows:
+                lines += verify_p_section(mrows, verify_rows, prob_rows, m)
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -374,6 +460,8 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="rewrite calibration.md from rounds.jsonl")
     ap.add_argument("--verify-chunks", default=None, help="comma-separated m: the verification's short prompts "
                     "(chunks kept) for every sample in rounds.jsonl, and its replay")
+    ap.add_argument("--verify-probs", action="store_true", help="with --verify-chunks: also the short prompts' "
+                    "probability of every logged probe token (verify_probs.jsonl), and the replay of `verify_p`")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="docs/results/auto-calibration")
     args = ap.parse_args()
@@ -391,7 +479,12 @@ def main() -> None:
         else:
             verify_rows = [json.loads(x) for x in Path(args.out, "verify.jsonl").read_text().splitlines()]
         tokenizer = engine.tokenizer if engine is not None else load_tokenizer(args.model)
-    text = report(rows, args, verify_rows, tokenizer)
+    prob_rows = None
+    if args.verify_probs and args.verify_chunks and not args.report_only:
+        prob_rows = collect_verify_probs(engine, args, rows)
+    elif Path(args.out, "verify_probs.jsonl").exists():
+        prob_rows = [json.loads(x) for x in Path(args.out, "verify_probs.jsonl").read_text().splitlines()]
+    text = report(rows, args, verify_rows, tokenizer, prob_rows)
     Path(args.out, "calibration.md").write_text(text)
     print(text)
 

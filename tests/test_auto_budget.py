@@ -239,3 +239,23 @@ def test_short_prompt_reads_a_guess_teacher_forced_and_answers_its_own_greedy_an
     for guess in guesses:
         assert short.greedy_given(guess) == own, guess
     assert short.greedy_given([]) == own  # the cache is left reusable
+
+
+def test_short_prompt_probability_of_a_guess_equals_a_full_prefill_of_prompt_and_guess(smollm_tokenizer):
+    """`ShortPrompt.probs_given(guess)` (what the `verify_p` calibration replays) is each guess token's
+    probability after a full prefill of the short prompt followed by the guess, and leaves the cache reusable."""
+    from kvstitch.engine.budget import ShortPrompt
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    short = ShortPrompt(eng, layout, 2, 6)
+    own = short.greedy_given([])
+    guess = [17, 93, 5, 250][:6]
+    p = short.probs_given(guess)
+    ids = torch.cat([short.layout.ids[:short.layout.n_total], torch.tensor(guess)])
+    with torch.no_grad():
+        logits = eng.model(ids.view(1, -1)).logits[0, short.layout.n_total - 1:-1].float()
+    want = torch.softmax(logits, -1).gather(1, torch.tensor(guess).view(-1, 1)).flatten()
+    assert p.shape == (len(guess),) and torch.allclose(p, want, rtol=1e-4, atol=1e-6)
+    assert short.probs_given([]).numel() == 0
+    assert short.greedy_given([]) == own  # the cache is left reusable

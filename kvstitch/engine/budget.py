@@ -242,6 +242,20 @@ class ShortPrompt:
                 return _greedy_probe(eng, self.cache, N, first, guess[:k] + [own], logits[:k + 1], self.n_probe).tokens
             k += 1
 
+    @torch.no_grad()
+    def probs_given(self, guess: list[int]) -> torch.Tensor:
+        """The short prompt's probability of each token of ``guess`` (teacher-forced, one forward) -> [len]."""
+        N, guess = self.layout.n_total, list(guess[:self.n_probe])
+        if not guess:
+            return torch.empty(0)
+        self.cache.truncate(N)
+        rows = [self.first]
+        if len(guess) > 1:
+            rows += list(self.engine.forward(self.cache, torch.tensor(guess[:-1]), torch.arange(N, N + len(guess) - 1),
+                                             logits_to_keep=len(guess) - 1).float().cpu())
+        self.cache.truncate(N)
+        return torch.softmax(torch.stack(rows), -1).gather(1, torch.tensor(guess).view(-1, 1)).flatten()
+
     def answer_given(self, guess: list[int]) -> str:
         """`greedy_given` as text."""
         return _text(self.engine, self.greedy_given(guess))
