@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--candidates", default=None)
     ap.add_argument("--settings", default="prophet@auto,prophet@0.2")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU)")
     ap.add_argument("--auto", default=None, help="options of the @auto settings, JSON (default: AutoBudget's)")
     args = ap.parse_args()
     if args.threads:
@@ -36,7 +37,7 @@ def main() -> None:
     src = open(args.candidates) if args.candidates else resources.files("kvstitch").joinpath(
         "data/samples/demo.json").open()
     demo = json.load(src)
-    eng = Engine.load(args.model)
+    eng = Engine.load(args.model, dtype=args.dtype)
     passages = demo["passages"]
     print(f"{len(passages)} passages, {eng.layout('q', passages).n_context} context tokens", flush=True)
     eng.generate(demo["questions"][0]["question"], passages, method="naive", max_new_tokens=1)  # warm + precompute

@@ -86,6 +86,9 @@ def test_demo_answers_bundled_questions_with_full_and_stitched():
     assert r.exit_code == 0, r.output
     assert max(len(x) for x in r.stdout.splitlines()) <= 80  # legible in an 80-column terminal (progress bars: stderr)
     assert "Larkspur" in r.output and "full prefill" in r.output and "recomputed" in r.output
+    from kvstitch.engine.engine import fast_dtype
+
+    assert f"smollm2 ({fast_dtype()})" in r.output  # the dtype it ran in: the CPU's fast one
     assert bundled[n - 1]["question"] in " ".join(r.output.split()) and bundled[n]["question"] not in r.output
     line = " ".join(r.output.split())
     full_right = int(line.split("answers containing the expected text: full ")[1].split("/")[0])
@@ -101,7 +104,8 @@ def test_demo_answers_bundled_questions_with_full_and_stitched():
 @pytest.mark.parametrize("args, message", [(["--auto-schedule", "0.1,x"], "--auto-schedule"),
                                            (["--auto-verify-chunks", "-1"], "verify_chunks"),
                                            (["--ratio", "2"], "recompute_ratio"),
-                                           (["--questions", "0"], "--questions")])
+                                           (["--questions", "0"], "--questions"),
+                                           (["--dtype", "int3"], "unknown dtype")])
 def test_demo_rejects_bad_options_before_loading(args, message):
     r = runner.invoke(app, ["demo", "--model", "/nowhere/model.gguf", *args])
     assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output

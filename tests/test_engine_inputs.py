@@ -63,3 +63,20 @@ def test_min_new_tokens_masks_eos_until_the_answer_is_that_long(tiny_engine):
             assert len(out) == 6 and not set(out) & tiny_engine.eos_ids
     finally:
         tiny_engine.eos_ids = eos
+
+
+def test_fast_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch):
+    """The demo's dtype: bfloat16 on a CPU with AVX512-BF16 or AMX, float32 without, or where torch's private
+    feature probes are gone (a CPU without native bf16 would emulate it, slower than float32)."""
+    import torch
+
+    from kvstitch.engine.engine import fast_dtype
+
+    cpu = torch.device("cpu")
+    for bf16, amx, want in ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert fast_dtype(cpu) == want
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert fast_dtype(cpu) == "float32"

@@ -238,6 +238,8 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
                                                      "rounds are compared with each other)"),
          questions: Optional[int] = typer.Option(None, "--questions", help="only the first N bundled questions"),
          model: str = typer.Option(DEMO_MODEL, "--model", "-m", help=ModelOpt.help),
+         dtype: Optional[str] = typer.Option(None, help="model dtype (default: bfloat16 where the CPU or GPU "
+                                                        "multiplies it natively, else float32)"),
          store: Optional[str] = StoreOpt) -> None:
     """The main job in one command: bundled passages and questions, answered with `full` prefill and with
     stitched reuse (by default kvstitch's own method with the adaptive budget, each round checked against a
@@ -245,6 +247,7 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
     side by side. The default setting was chosen on a calibration split (docs/results/demo/README.md)."""
     from kvstitch.core.errors import InputError
     from kvstitch.engine.budget import AutoBudget, parse_ratio
+    from kvstitch.engine.engine import fast_dtype
     from kvstitch.tasks.agreement import first_words_agree
 
     ratio = parse_ratio(ratio)
@@ -258,7 +261,7 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
         if questions < 1:
             raise InputError(f"--questions must be >= 1, got {questions}")
         data["questions"] = data["questions"][:questions]
-    eng = _load(model, store)
+    eng = _load(model, store, dtype or fast_dtype())
     passages = data["passages"]
     with console.status("precomputing the passages' KV caches (once; later questions reuse them) ..."):
         eng.generate(data["questions"][0]["question"], passages, method="naive", max_new_tokens=1)
@@ -271,8 +274,8 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
                   f"prefill")
     else:
         budget = "an adaptive budget of recomputed tokens"
-    console.print(f"[bold]{model}: {len(passages)} passages, {eng.layout('q', passages).n_context} context "
-                  f"tokens[/]; each question answered by full prefill and by {label} (stitched caches + {budget}).\n",
+    console.print(f"[bold]{model} ({str(eng.dtype).removeprefix('torch.')}): {len(passages)} passages, "
+                  f"{eng.layout('q', passages).n_context} context tokens[/]; each question answered by full prefill and by {label} (stitched caches + {budget}).\n",
                   highlight=False)
     same, speedups, right = 0, [], {"full": 0, "stitched": 0}
     fixed_same, fixed_speedups = 0, []  # the same method at a fixed 20%, for contrast

@@ -97,6 +97,19 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def fast_dtype(device: torch.device | None = None) -> str:
+    """The quicker model dtype on ``device``: bfloat16 where it multiplies bf16 natively (CUDA with bf16 support;
+    a CPU with AVX512-BF16 or AMX: on this project's CPU, 1.8x faster Qwen prefill than float32), else float32.
+    `Engine.load`'s default stays float32 on CPU (the exactness gates and the published runs use it); the demo
+    takes this one."""
+    dev = device or default_device()
+    if dev.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    # torch.cpu's feature probes are private: where one is missing, assume no native bf16
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return "bfloat16" if dev.type == "cpu" and any(p is not None and p() for p in probes) else "float32"
+
+
 class Engine:
     def __init__(self, model, tokenizer, weights_id: str, store: ChunkStore | None = None,
                  check_rope: bool = True, precompute: str = "shared_prefix", cold_path: str = "auto",
