@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -483,3 +484,31 @@ def test_a_run_can_gain_the_auto_ratio_on_resume_and_keeps_its_options(engine, t
         run_eval(engine, _cfg(**base, auto_methods=["prophet"], auto={**auto, "min_p": 0.9}), tmp_path, progress=False)
     assert len(read_jsonl(tmp_path / RESULTS)) == len(more)
     assert "min_p" not in EvalConfig(tasks=[], lengths=[], methods=[], ratios=["auto"]).protocol()["auto"]
+
+
+def test_dtype_flag_reaches_the_engine_and_a_run_keeps_one_dtype(engine, tmp_path, monkeypatch):
+    """`--dtype bfloat16` loads a bf16 engine; its run directory then refuses a float32 engine (the dtype is part
+    of the model fingerprint), with a message naming both dtypes."""
+    from kvstitch.engine import Engine
+    from kvstitch.cli.eval import eval_command
+    from kvstitch.store import MemoryStore
+
+    seen = []
+
+    def load(cls, *a, **k):
+        seen.append(k.get("dtype"))
+        model = copy.deepcopy(engine.model).to(torch.bfloat16) if k.get("dtype") == "bfloat16" else engine.model
+        return Engine(model, engine.tokenizer, weights_id="tiny-llama", store=MemoryStore(storage_dtype="float32"))
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    app = typer.Typer()
+    app.command("eval")(eval_command)
+    app.command("noop")(lambda: None)
+    args = ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64", "--methods", "random",
+            "--ratios", "0.2", "--n", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "bf")]
+    r = CliRunner().invoke(app, [*args, "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "bf" / "run.json").read_text())["model"]["dtype"] == "bfloat16"
+    r = CliRunner().invoke(app, args)
+    assert seen == ["bfloat16", None]
+    assert r.exit_code != 0 and "bfloat16" in str(r.exception) and "float32" in str(r.exception)

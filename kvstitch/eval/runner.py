@@ -555,7 +555,9 @@ def _check_protocol(out: Path, cfg: EvalConfig, model_desc: dict) -> None:
         raise InputError(f"{out} holds a run with protocol {old.get('protocol')}, this one is {cfg.protocol()}: "
                          f"use another --out directory (rows would not be comparable)")
     if old.get("model", {}).get("fingerprint") not in (None, model_desc.get("fingerprint")):
-        raise InputError(f"{out} holds a run of another model ({old['model'].get('weights')}); use another --out")
+        raise InputError(f"{out} holds a run of another model or model dtype (this one: {model_desc.get('family')}, "
+                         f"{model_desc.get('dtype')}; that one: {old['model'].get('family')}, "
+                         f"{old['model'].get('dtype', 'float32')}); use another --out")
 
 
 def _model_desc(engine) -> dict:
@@ -563,7 +565,8 @@ def _model_desc(engine) -> dict:
         desc = dict(engine.adapter.describe())
     except Exception:  # noqa: BLE001 - descriptive only
         desc = {}
-    desc["fingerprint"] = getattr(engine, "fingerprint", None)
+    desc["fingerprint"] = getattr(engine, "fingerprint", None)  # weights and dtype
+    desc["dtype"] = str(getattr(engine, "dtype", "")).removeprefix("torch.")
     return json.loads(json.dumps(desc, default=str))
 
 
