@@ -100,61 +100,57 @@ def _samples(engine, args, keys):
     return out
 
 
+def _per_short_prompt(engine, args, rows: list[dict], name: str, make) -> list[dict]:
+    """Resumable JSON lines ``name`` in ``--out``: one row per sample of ``rows`` and m in ``--verify-chunks``,
+    ``{task, index, m, **make(layout, task, index, m)}``."""
+    path = Path(args.out) / name
+    done = set()
+    if path.exists():
+        done = {(r["task"], r["index"], r["m"]) for r in map(json.loads, path.read_text().splitlines())}
+    ms = [int(x) for x in args.verify_chunks.split(",")]
+    todo = {(r["task"], r["index"]) for r in rows if any((r["task"], r["index"], m) not in done for m in ms)}
+    with path.open("a") as f:
+        for (task, i), (sample, cfg) in sorted(_samples(engine, args, todo).items()):
+            layout = sample_layout(engine, sample)
+            for m in ms:
+                if (task, i, m) in done:
+                    continue
+                row = {"task": task, "index": i, "m": m, **make(layout, task, i, m)}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(name, task, i, m, str(row)[:200], flush=True)
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
 def collect_verify(engine, args, rows: list[dict]) -> list[dict]:
     """verify.jsonl: per sample of ``rows`` and m in ``--verify-chunks``, the short prompt's greedy answer."""
     from kvstitch.engine.budget import reference_answer
 
-    path = Path(args.out) / "verify.jsonl"
-    done = set()
-    if path.exists():
-        done = {(r["task"], r["index"], r["m"]) for r in map(json.loads, path.read_text().splitlines())}
-    ms = [int(x) for x in args.verify_chunks.split(",")]
-    keys = {(r["task"], r["index"]) for r in rows}
-    todo = {k for k in keys for m in ms if (*k, m) not in done}
-    with path.open("a") as f:
-        for (task, i), (sample, cfg) in sorted(_samples(engine, args, todo).items()):
-            layout = sample_layout(engine, sample)
-            for m in ms:
-                if (task, i, m) in done:
-                    continue
-                t0 = time.perf_counter()
-                ref = reference_answer(engine, layout, m, args.probe_tokens)
-                row = {"task": task, "index": i, "m": m, "answer": ref.text, "chunks": ref.chunks,
-                       "n_context": ref.n_context, "seconds": time.perf_counter() - t0}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                print(task, i, m, repr(ref.text), flush=True)
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    def make(layout, task, i, m):
+        t0 = time.perf_counter()
+        ref = reference_answer(engine, layout, m, args.probe_tokens)
+        return {"answer": ref.text, "chunks": ref.chunks, "n_context": ref.n_context,
+                "seconds": time.perf_counter() - t0}
+
+    return _per_short_prompt(engine, args, rows, "verify.jsonl", make)
 
 
 def collect_verify_probs(engine, args, rows: list[dict]) -> list[dict]:
     """verify_probs.jsonl: per sample of ``rows`` and m in ``--verify-chunks``, the short prompt's probability of
-    every token of every logged round's probe (teacher-forced): what a "does the short prompt find the round's
-    answer plausible" test (`AutoBudget.verify_p`) would see."""
+    every token of every logged round's probe (teacher-forced): what a test "does the short prompt find the
+    round's answer plausible" would see (replayed as `verify_p`; not an `AutoBudget` option, see the README)."""
     from kvstitch.engine.budget import ShortPrompt
 
-    path = Path(args.out) / "verify_probs.jsonl"
-    done = set()
-    if path.exists():
-        done = {(r["task"], r["index"], r["m"]) for r in map(json.loads, path.read_text().splitlines())}
-    ms = [int(x) for x in args.verify_chunks.split(",")]
     by_key: dict[tuple, list[dict]] = {}
     for r in rows:
         by_key.setdefault((r["task"], r["index"]), []).append(r)
-    todo = {k for k in by_key for m in ms if (*k, m) not in done}
-    with path.open("a") as f:
-        for (task, i), (sample, cfg) in sorted(_samples(engine, args, todo).items()):
-            layout = sample_layout(engine, sample)
-            for m in ms:
-                if (task, i, m) in done:
-                    continue
-                short = ShortPrompt(engine, layout, m, args.probe_tokens)
-                probs = {row["method"]: {f"{r['ratio']:.4f}": [round(float(x), 6) for x in short.probs_given(r["probe"])]
-                                         for r in row["rounds"]} for row in by_key[(task, i)]}
-                f.write(json.dumps({"task": task, "index": i, "m": m, "probs": probs}) + "\n")
-                f.flush()
-                print(task, i, m, {k: {r: min(v) for r, v in d.items()} for k, d in probs.items()}, flush=True)
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def make(layout, task, i, m):
+        short = ShortPrompt(engine, layout, m, args.probe_tokens)
+        return {"probs": {row["method"]: {f"{r['ratio']:.4f}": [round(float(x), 6) for x in short.probs_given(r["probe"])]
+                                          for r in row["rounds"]} for row in by_key[(task, i)]}}
+
+    return _per_short_prompt(engine, args, rows, "verify_probs.jsonl", make)
 
 
 def _tally(outcomes: list[tuple[dict | None, float]]) -> dict:
@@ -206,9 +202,19 @@ def replay_verify_p(rows: list[dict], verify: dict, probs: dict, schedule: tuple
     return _tally(outcomes)
 
 
+def _frontier_row(cells: list, v: dict, front) -> str:
+    """A markdown row: ``cells``, then the replay ``v``'s agreement, work speed-up, fallback share, the
+    perfect-signal frontier's speed-up at that agreement and the share of it reached."""
+    from kvstitch.eval.calibrate import frontier_at
+
+    speed, f = 1.0 / v["cost"], frontier_at(front, v["agreement"])
+    return (f"| {' | '.join(map(str, cells))} | {v['agreement']:.2f} | {speed:.2f}x | {v['fallback']:.2f} | "
+            f"{'–' if f is None else f'{f:.2f}x'} | {'–' if not f else f'{speed / f:.2f}'} |")
+
+
 def verify_p_section(mrows: list[dict], verify_rows: list[dict], prob_rows: list[dict], m: str) -> list[str]:
     """`auto` with the plausibility test (`verify_p`) replayed over one-round schedules and thresholds."""
-    from kvstitch.eval.calibrate import frontier_at, perfect_frontier
+    from kvstitch.eval.calibrate import perfect_frontier
 
     verify = {(r["task"], r["index"], r["m"]): r for r in verify_rows}
     probs = {(r["task"], r["index"], r["m"]): r for r in prob_rows}
@@ -229,11 +235,7 @@ def verify_p_section(mrows: list[dict], verify_rows: list[dict], prob_rows: list
             for n_tok in (16, 64):
                 for tau in VERIFY_PS:
                     v = replay_verify_p(have, verify, probs, (x,), k, tau, n_tok)
-                    speed = 1.0 / v["cost"]
-                    f = frontier_at(front, v["agreement"])
-                    lines.append(f"| {k} | {round(x, 2):g} | {n_tok} | {tau:g} | {v['agreement']:.2f} | {speed:.2f}x | "
-                                 f"{v['fallback']:.2f} | {'–' if f is None else f'{f:.2f}x'} | "
-                                 f"{'–' if not f else f'{speed / f:.2f}'} |")
+                    lines.append(_frontier_row([k, f"{round(x, 2):g}", n_tok, f"{tau:g}"], v, front))
     return lines
 
 
@@ -242,7 +244,7 @@ def verify_section(mrows: list[dict], verify_rows: list[dict], m: str, tokenizer
     perfect-signal frontier at equal agreement."""
     from itertools import combinations
 
-    from kvstitch.eval.calibrate import frontier_at, perfect_frontier
+    from kvstitch.eval.calibrate import perfect_frontier
 
     verify = {(r["task"], r["index"], r["m"]): r for r in verify_rows}
     have = [row for row in mrows if all((row["task"], row["index"], k) in verify for k in {r["m"] for r in verify_rows})]
@@ -264,11 +266,7 @@ def verify_section(mrows: list[dict], verify_rows: list[dict], m: str, tokenizer
         for n_r in (1, 2):
             for sched in combinations(ratios, n_r):
                 v = replay_verify(have, verify, sched, k, tokenizer)
-                speed = 1.0 / v["cost"]
-                f = frontier_at(front, v["agreement"])
-                lines.append(f"| {k} | {'/'.join(f'{round(x, 2):g}' for x in sched)} | {v['agreement']:.2f} | "
-                             f"{speed:.2f}x | {v['fallback']:.2f} | {'–' if f is None else f'{f:.2f}x'} | "
-                             f"{'–' if not f else f'{speed / f:.2f}'} |")
+                lines.append(_frontier_row([k, "/".join(f"{round(x, 2):g}" for x in sched)], v, front))
     return lines
 
 

@@ -83,3 +83,19 @@ def test_verification_replay_accepts_the_first_round_agreeing_with_the_short_pro
     lines = cal.verify_section([{**r, "method": "m"} for r in rows],
                                [{"task": t, "index": i, "m": m, **x} for (t, i, m), x in verify.items()], "m", _Tok())
     assert any(line.startswith("| 2 | 0.1/0.2 | 1.00 |") for line in lines)
+
+
+def test_plausibility_replay_accepts_a_round_whose_first_tokens_the_short_prompt_finds_likely(cal):
+    """`verify_p`: the first round whose probe's first n tokens all have probability >= p under the short prompt
+    is accepted (tokens past n do not count), else full prefill; the short prompt's context is paid either way."""
+    rows = [{"task": "t", "index": i, "method": "m", "n_context": 1000,
+             "rounds": [{"ratio": 0.1, "agrees_full": agrees}]} for i, agrees in enumerate((True, False))]
+    verify = {("t", i, 2): {"n_context": 100} for i in range(2)}
+    probs = {("t", 0, 2): {"probs": {"m": {"0.1000": [0.9, 0.4, 0.01]}}},   # unlikely only past 2 tokens
+             ("t", 1, 2): {"probs": {"m": {"0.1000": [0.9, 0.15]}}}}
+    v = cal.replay_verify_p(rows, verify, probs, (0.1,), 2, tau=0.3, n_tokens=2)
+    assert v["agreement"] == 1.0 and v["fallback"] == 0.5  # 0 accepted (right), 1 sent to full prefill
+    assert v["cost"] == pytest.approx((0.2 + 1.2) / 2)
+    v = cal.replay_verify_p(rows, verify, probs, (0.1,), 2, tau=0.1, n_tokens=2)
+    assert v["agreement"] == 0.5 and v["fallback"] == 0  # a lower bar accepts the wrong round too
+    assert cal.replay_verify_p(rows, verify, probs, (0.1,), 2, tau=0.3, n_tokens=3)["fallback"] == 1.0
