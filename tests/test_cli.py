@@ -140,6 +140,7 @@ def test_ask_conversation_with_system_and_messages(tmp_path):
     (["--messages", "SYSTEM", "--system", "x"], "already starts with a system message"),
     (["--messages", "SYSTEM"], "no 'user' message"),
     (["Q?", "--system", "x", "--compare", "full"], "--compare needs passages"),
+    (["Q?", "--system", "x", "--dtype", "int3"], "unknown dtype"),  # --dtype reaches Engine.load, checked first
 ])
 def test_ask_conversation_errors_are_one_clear_line(args, message, tmp_path):
     (tmp_path / "bad.json").write_text("[{")

@@ -80,3 +80,24 @@ def test_fast_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkey
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     assert fast_dtype(cpu) == "float32"
+
+
+def test_engine_load_fast_dtype_resolves_before_the_model_loads(monkeypatch):
+    """``Engine.load(dtype="fast")`` loads the model in `fast_dtype` of the device; a bad dtype is refused first."""
+    import torch
+
+    import kvstitch.engine.engine as engine_mod
+
+    seen = []
+
+    def fake_load_model(model, dev, dtype):
+        seen.append(dtype)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_mod, "load_model", fake_load_model)
+    with pytest.raises(RuntimeError, match="stop here"):
+        engine_mod.Engine.load("smollm2", device="cpu", dtype="fast")
+    assert seen == [getattr(torch, engine_mod.fast_dtype(torch.device("cpu")))]
+    with pytest.raises(InputError, match="unknown dtype 'half-ish'.*fast"):
+        engine_mod.Engine.load("smollm2", device="cpu", dtype="half-ish")
+    assert len(seen) == 1

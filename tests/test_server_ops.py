@@ -271,12 +271,12 @@ def test_serve_config_flags_over_env_over_file(monkeypatch, tmp_path):
         store = MemoryStore()
         dtype = torch.float32
 
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: FakeEngine()))
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: seen.update(load=k) or FakeEngine()))
     monkeypatch.setattr(server, "create_app", lambda eng, **kw: seen.update(kw) or "app")
     monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(host=host, port=port))
     cfg = tmp_path / "kvstitch.toml"
     cfg.write_text('[serve]\nport = 7000\nmethod = "random"\nmax-queue = 3\nratio = 0.1\nhost = "0.0.0.0"\n'
-                   'api_key = ["file-key-123456"]\n')
+                   'api_key = ["file-key-123456"]\ndtype = "fast"\n')
     monkeypatch.setenv("KVSTITCH_PORT", "9000")
     monkeypatch.setenv("KVSTITCH_RATIO", "0.3")
     monkeypatch.delenv("KVSTITCH_API_KEY", raising=False)
@@ -285,6 +285,7 @@ def test_serve_config_flags_over_env_over_file(monkeypatch, tmp_path):
     assert seen["port"] == 9000 and seen["host"] == "0.0.0.0"  # env over file; file over default
     assert seen["default_ratio"] == 0.5 and seen["default_method"] == "random" and seen["max_queue"] == 3
     assert seen["security"].api_keys == ("file-key-123456",)  # the key let it bind 0.0.0.0
+    assert seen["load"]["dtype"] == "fast"  # the model dtype reaches Engine.load
     assert out.output.count("configuration (flag > env") == 1
     for part in ("port=9000 (env)", "ratio=0.5 (flag)", "method=random (file)", "api_key=<1 key> (file)",
                  "decode=full (default)"):

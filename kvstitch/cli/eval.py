@@ -143,9 +143,9 @@ def eval_command(
         out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
         store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
-        dtype: Optional[str] = typer.Option(None, help="model dtype: float32 (CPU default) or bfloat16 (CUDA "
-                                                       "default; on a CPU with AVX512-BF16 ~1.8x faster); part of "
-                                                       "the run's model fingerprint, one dtype per --out directory"),
+        dtype: Optional[str] = typer.Option(None, help="model dtype: float32 (CPU default), bfloat16 (CUDA "
+                                                       "default; on a CPU with AVX512-BF16 ~1.8x faster) or fast; "
+                                                       "part of the run's model fingerprint: one dtype per --out"),
         storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
                                                           "(KIVI; compare with a float16 run of the same samples)"),
         precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "

@@ -63,6 +63,8 @@ def serve_command(
                                         help="embedded name (smollm2, gemma3, qwen2.5-0.5b), HF directory or .gguf file"),
     store: Optional[str] = typer.Option(None, "--store",
                                         help="chunk store: a directory, redis://host:port/db, or none (memory)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="model dtype: float32 (CPU default), bfloat16 (CUDA "
+                                                              "default) or fast (bfloat16 where native, else float32)"),
     method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
     ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
     auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "
@@ -140,7 +142,7 @@ def serve_command(
         budget = parse_size(max_bytes)
         store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        eng = Engine.load(model, store=store_obj, cold_path=cold_path)
+        eng = Engine.load(model, store=store_obj, cold_path=cold_path, dtype=dtype)
     eng.default_auto = auto_options
     if eng.store.compute_dtype is None:
         eng.store.compute_dtype = eng.dtype

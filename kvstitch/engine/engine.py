@@ -101,7 +101,7 @@ def fast_dtype(device: torch.device | None = None) -> str:
     """The quicker model dtype on ``device``: bfloat16 where it multiplies bf16 natively (CUDA with bf16 support;
     a CPU with AVX512-BF16 or AMX: on this project's CPU, 1.8x faster Qwen prefill than float32), else float32.
     `Engine.load`'s default stays float32 on CPU (the exactness gates and the published runs use it); the demo
-    takes this one."""
+    takes this one (``dtype="fast"``)."""
     dev = device or default_device()
     if dev.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
@@ -148,13 +148,16 @@ class Engine:
         """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", "qwen2.5-0.5b" (the reference model), an HF
         directory or a .gguf file.
         ``store``: None (in-memory), a directory path, "redis://host:port/db" or "tiered:A,B"; chunk K/V
-        are kept in ``storage_dtype`` (float16, bfloat16, float32 or int8)."""
+        are kept in ``storage_dtype`` (float16, bfloat16, float32 or int8).
+        ``dtype``: the model's; default float32 on CPU, bfloat16 on CUDA; "fast" = `fast_dtype` of the device."""
         dev = torch.device(device) if device else default_device()
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        elif dtype == "fast":  # bfloat16 where the device multiplies it natively, else float32
+            dtype = getattr(torch, fast_dtype(dev))
         elif isinstance(dtype, str):
             if dtype not in _DTYPES:
-                raise InputError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
+                raise InputError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)} or fast")
             dtype = getattr(torch, dtype)
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
         check_precompute(kwargs.get("precompute", "shared_prefix"))
