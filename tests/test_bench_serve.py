@@ -41,6 +41,8 @@ def test_bench_serve_cli_help():
     r = CliRunner().invoke(app, ["bench", "serve", "--help"])
     assert r.exit_code == 0 and "--concurrency" in r.output and "--max-batch" in r.output
     assert "--decode" in r.output and "--context" in r.output and "--kv-pool-bytes" in r.output
+    r = CliRunner().invoke(app, ["bench", "serve", "--dtype", "int3", "--out", "/nowhere"])
+    assert r.exit_code == 2 and "unknown dtype" in r.output  # --dtype reaches Engine.load, checked before the model
 
 
 def test_bench_serve_long_context_sparse_vs_dense(smollm_tokenizer, tmp_path):

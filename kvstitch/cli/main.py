@@ -383,7 +383,7 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
                     kv_pool_bytes: Optional[str] = typer.Option(None, help="the server's KV pool limit, e.g. 2GiB"),
                     recall_sample: float = typer.Option(0.05, help="share of sparse decode passes whose recall is measured "
                                                                    "(those passes also attend densely: keep it small)"),
-                    threads: Optional[int] = ThreadsOpt,
+                    threads: Optional[int] = ThreadsOpt, dtype: Optional[str] = DtypeOpt,
                     out: Path = typer.Option(Path("docs/results"), help="output directory"),
                     model: Optional[str] = ModelOpt, store: Optional[str] = StoreOpt) -> None:
     """Load test of a real server on loopback: requests/s, tokens/s, TTFT and TPOT p50/p95, 429 rate, answers vs
@@ -397,7 +397,7 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
     _set_threads(threads)
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
     policies = tuple(DENSE if p == "dense" else p for p in _csv(decode))
-    eng = _load(model, store)
+    eng = _load(model, store, dtype)
     rows = bench_serve(eng, _csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
                        tuple(_csv(methods)), ratio, max_batch, serial=serial, log=console.print, decode=policies,
                        context=context, kv_budget=kv_budget, kv_pool_bytes=pool_bytes, recall_sample=recall_sample)
@@ -409,7 +409,7 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
                                                     "max_batch": max_batch, "decode": list(policies),
                                                     "context": context, "kv_budget": kv_budget,
                                                     "kv_pool_bytes": pool_bytes, "recall_sample": recall_sample,
-                                                    "threads": torch.get_num_threads()})
+                                                    "threads": torch.get_num_threads(), "dtype": str(eng.dtype)})
     console.print(table, highlight=False)
     console.print(f"written: {out / 'bench_serve.json'}, {out / 'bench_serve.md'}")
 
