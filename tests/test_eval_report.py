@@ -212,3 +212,19 @@ def test_the_summary_has_the_paired_section(tmp_path):
         rows.append(dict(common, method="infoflow", ratio=0.2, score=1.0, nll=1.5, agree_words=True))
     text = write_reports(rows, tmp_path)["summary"].read_text()
     assert "paired" in text and "| infoflow − prophet | 0.20 | 3 | 1.00 [1.00, 1.00] | 0.25 [0.25, 0.25] |" in text
+
+
+def test_auto_table_counts_answered_rounds_and_their_agreement_per_task():
+    """`auto` rows per task: a round that settled answered the sample (agreeing with full or not); a row that did
+    not settle at ratio_used 1 fell back to full prefill. Fixed-ratio rows are not in it."""
+    from kvstitch.eval.report import auto_table
+
+    rows = []
+    for i, (task, converged, used, agree) in enumerate([("a", True, 0.1, True), ("a", True, 0.1, False),
+                                                        ("a", False, 1.0, True), ("b", False, 1.0, True)]):
+        common = dict(task=task, index=i, method="deltaprop", agree_first=True)
+        rows.append(dict(common, ratio="auto", converged=converged, ratio_used=used, agree_words=agree))
+        rows.append(dict(common, ratio=0.2, agree_words=False))
+    lines = auto_table(rows).splitlines()
+    assert lines[2:] == ["| a | deltaprop | 3 | 2 | 1 | 1 |", "| b | deltaprop | 1 | 0 | 0 | 1 |"]
+    assert auto_table([r for r in rows if r["ratio"] != "auto"]) == ""

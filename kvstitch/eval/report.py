@@ -629,7 +629,7 @@ def agreement_table(rows: Sequence[dict]) -> str:
         ref = [full_score.get((x["task"], x["index"])) for x in g]
         pct = _ratio_of_means([x.get("score") for x in g], ref)
         falls = [x for x in g if x.get("converged") is not None]
-        fell = (f"{sum(1 for x in falls if not x['converged'] and (x.get('ratio_used') or 0) >= 1.0) / len(falls):.2f}"
+        fell = (f"{sum(1 for x in falls if _fell_back(x)) / len(falls):.2f}"
                 if falls else "–")
         lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | "
                      f"{fmt_ci(_mean(agree), bootstrap_mean_ci([agree]), 2)} | "
@@ -639,6 +639,29 @@ def agreement_table(rows: Sequence[dict]) -> str:
                      f"{_fmt(_mean(x.get('recompute_cost') or _used(x) for x in g), 3)} | "
                      f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
                      f"{fell} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fell_back(row: dict) -> bool:
+    """An ``auto`` row whose rounds did not settle and that answered with full prefill."""
+    return row.get("converged") is False and (row.get("ratio_used") or 0) >= 1.0
+
+
+def auto_table(rows: Sequence[dict]) -> str:
+    """Per task and ``auto`` method: how many samples a stitched round answered (accepted, not fallen back to full
+    prefill) and how many of those agree with full prefill; where `auto` pays and where its accepted rounds err."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("ratio") == "auto" and r.get("converged") is not None and r.get("agree_words") is not None:
+            groups[(r.get("task"), r.get("method"))].append(r)
+    if not groups:
+        return ""
+    lines = ["| task | method | n | answered by a round | of those, agree with full | fell back to full |",
+             "|---|---|---|---|---|---|"]
+    for (task, m), g in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), method_key(str(kv[0][1])))):
+        accepted = [x for x in g if not _fell_back(x)]
+        lines.append(f"| {task} | {m} | {len(g)} | {len(accepted)} | {sum(bool(x['agree_words']) for x in accepted)} | "
+                     f"{len(g) - len(accepted)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -776,6 +799,9 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, depth_bins: int 
             paired = paired_table(sub)
             if paired:
                 parts += ["Two methods on the same samples, paired (all tasks):", "", paired, ""]
+            auto = auto_table(sub)
+            if auto:
+                parts += ["`auto` per task: samples a stitched round answered, and whether it agreed:", "", auto, ""]
         if any(r.get("correct") is not None for r in sub):
             parts += ["Full prefill's answers kept (all tasks):", "", kept_table(sub), ""]
             written[f"pareto_{L}"] = plot_pareto(sub, out / f"pareto_{L}.png")
