@@ -35,6 +35,10 @@ VARIANTS = {  # name -> (method, options); deltaprop's options spelled out (its 
     "deltaprop v+k/2, probes/25": ("deltaprop", {"alpha_k": 0.5, "probe_stride": 25}),
     "deltaprop v+k, probes/25": ("deltaprop", {"alpha_k": 1.0, "probe_stride": 25}),
     "deltaprop(infoflow)": ("deltaprop", {"base": "infoflow"}),
+    # the per-token part (fit="linear"): a ridge regression of each token's departure from its chunk's mean shift
+    "deltaprop linear": ("deltaprop", {"fit": "linear"}),
+    "deltaprop linear, v+k/2": ("deltaprop", {"fit": "linear", "alpha_k": 0.5}),
+    "deltaprop linear, v+k": ("deltaprop", {"fit": "linear", "alpha_k": 1.0}),
 }
 
 
@@ -46,7 +50,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--ratio", type=float, default=0.2)
-    ap.add_argument("--variants", default="all", help="comma list of variant names (default all)")
+    ap.add_argument("--variants", default="all", help="variant names separated by ; (they contain commas; default all)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -101,7 +105,8 @@ def report(rows, names, args, out: Path) -> None:
     lines = [f"# deltaprop ablation: {args.model or 'SmolLM2-135M'}, NIAH {args.length}, seed {args.seed}, "
              f"ratio {args.ratio}, n = {len(keys)}", "",
              f"`python scripts/deltaprop_ablation.py --length {args.length} --n {args.n} --seed {args.seed} "
-             f"--ratio {args.ratio} --out {args.out}`" + (f" `--model {args.model}`" if args.model else ""), "",
+             f"--ratio {args.ratio}" + (f" --variants '{args.variants}'" if args.variants != "all" else "")
+             + (f" --model {args.model}" if args.model else "") + f" --out {args.out}`", "",
              "NLL rec. = pooled (naive - method) / (naive - full) answer NLL; agrees = greedy answer equals full "
              "prefill's (whole answer); speed-up = mean full-prefill time / mean prefill time (same process).", "",
              "| variant | NLL rec. (pooled) | agrees with full | speed-up vs full |", "|---|---|---|---|"]

@@ -76,17 +76,21 @@ def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_toke
     assert err_d < 0.9 * err_p, (err_d, err_p)
 
 
-def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer):
+@pytest.mark.parametrize("fit", ["mean", "linear"])
+def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer, fit):
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    opts = {"fit": fit}
     _, full = eng.full_prefill(layout)
-    got = eng.prefill(layout, "deltaprop", 1.0).logits[-1]
+    got = eng.prefill(layout, "deltaprop", 1.0, method_options=opts).logits[-1]
     assert torch.allclose(got, full[-1], atol=1e-3)
     naive = eng.prefill(layout, "naive", 0.0).logits[-1]
-    assert torch.equal(eng.prefill(layout, "deltaprop", 0.0).logits[-1], naive)
-    # and at 20% the correction changes the answer's logits (it is not a no-op)
-    assert not torch.allclose(eng.prefill(layout, "deltaprop", 0.2).logits[-1],
-                              eng.prefill(layout, "prophet", 0.2).logits[-1])
+    assert torch.equal(eng.prefill(layout, "deltaprop", 0.0, method_options=opts).logits[-1], naive)
+    # and at 20% the correction changes the answer's logits (it is not a no-op), the linear part too
+    at20 = eng.prefill(layout, "deltaprop", 0.2, method_options=opts).logits[-1]
+    assert not torch.allclose(at20, eng.prefill(layout, "prophet", 0.2).logits[-1])
+    if fit == "linear":
+        assert not torch.allclose(at20, eng.prefill(layout, "deltaprop", 0.2).logits[-1])
 
 
 def test_auto_rounds_start_from_the_stitched_cache(smollm_tokenizer):
@@ -101,7 +105,8 @@ def test_auto_rounds_start_from_the_stitched_cache(smollm_tokenizer):
 
 
 @pytest.mark.parametrize("opts", [{"base": "full"}, {"base": "ape"}, {"base": "nope"}, {"alpha_v": -1},
-                                  {"tau": "x"}, {"skip_first": -2}, {"base": "deltaprop"}])
+                                  {"tau": "x"}, {"skip_first": -2}, {"base": "deltaprop"},
+                                  {"fit": "quadratic"}, {"ridge_v": -1.0}, {"ridge_k": "x"}])
 def test_bad_options_are_typed_errors(opts):
     with pytest.raises(BadMethodOption):
         make_selector("deltaprop", **opts)
@@ -131,3 +136,37 @@ def test_probes_are_recomputed_and_alone_measure_the_shift(smollm_tokenizer):
     probes = (dc.offset % 8 == 4).nonzero().flatten()
     assert idx.numel() == 20 and set(probes.tolist()) <= set(idx.tolist())
     assert torch.equal(dc.estimate_from.nonzero().flatten(), probes)
+
+
+def test_linear_fit_recovers_a_shift_linear_in_the_stitched_vector(smollm_tokenizer):
+    """fit="linear": when every token's shift is its chunk's common shift plus a linear function of its stitched
+    vector (values; keys before RoPE), the stale tokens get exactly that shift. The chunk mean alone cannot."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    c0 = c1 = None
+    got = {}
+    for fit in ("mean", "linear"):
+        layout, cache = _setup(eng)
+        dc = DeltaCache(cache, layout, _rotate(eng), alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0, fit=fit,
+                        ridge_v=0.0, ridge_k=0.0)
+        c0, c1 = layout.context_start, layout.context_end
+        chunk = layout.chunk_index()
+        torch.manual_seed(2)
+        H, d = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
+        common_v, common_k = torch.randn(len(layout.chunk_ids), H, d), torch.randn(len(layout.chunk_ids), H, d)
+        W_v, W_k = 0.3 * torch.randn(H, d, d), 0.3 * torch.randn(H, d, d)
+        slots = torch.arange(c0, c1)
+        sk, sv = (x.clone() for x in dc.stitched[0])
+        pre_k = rerotate(sk, -slots.double(), eng.inv_freq[0]).float()
+        want_v = sv + common_v[chunk].permute(1, 0, 2) + sv @ W_v
+        want_k = sk + rerotate((common_k[chunk].permute(1, 0, 2) + pre_k @ W_k).contiguous(), slots.double(),
+                               eng.inv_freq[0])
+        sel = torch.tensor([i for i in range(c1 - c0) if i % 2 == 0])  # more fitted tokens than head dims
+        assert sel.numel() > d
+        with dc.mode(slots=sel + c0):
+            dc.update(want_k[None][:, :, sel], want_v[None][:, :, sel], 0)
+        stale = torch.tensor([i for i in range(c1 - c0) if i % 2 and chunk[i] > 0])
+        layer = cache.layers[0]
+        got[fit] = ((layer.values[0, :, c0 + stale] - want_v[:, stale]).abs().max(),
+                    (layer.keys[0, :, c0 + stale] - want_k[:, stale]).abs().max())
+    assert got["linear"][0] < 1e-3 and got["linear"][1] < 1e-3
+    assert got["mean"][0] > 0.1 and got["mean"][1] > 0.1

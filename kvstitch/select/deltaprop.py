@@ -16,6 +16,11 @@ nearby recomputed tokens counting more), keys un-rotated to pre-RoPE space for t
 to each token's own position. The queries of the same pass (the recomputed tokens and the suffix) then
 attend to corrected K/V in every layer, and decoding reads them too.
 
+``fit="linear"`` (off by default) adds a per-token part: per layer and head, a ridge regression of how a
+recomputed token's shift departs from its chunk's mean, linear in how its stitched vector departs from the chunk's
+mean one, applied to the stale tokens. It brings the stale K/V closer to full prefill's but not the answers
+(docs/results/own-method: measured on the tuning splits, not adopted).
+
 Cost: no extra forward. Per layer, a scatter of the shifts over the stale tokens: O(n_context · d) beside
 the pass's O(|S| · d_model²) projections and MLPs. The chunk's first chunk (already exact in shared-prefix
 precompute) measures a zero shift and is left as it is.
@@ -47,7 +52,7 @@ class DeltaCache(StitchCache):
     context tokens by their chunk's measured shift (module doc)."""
 
     def __init__(self, cache: StitchCache, layout, rotate: Callable, alpha_v: float, alpha_k: float,
-                 tau: float, skip_first: int):
+                 tau: float, skip_first: int, fit: str = "mean", ridge_v: float = 10.0, ridge_k: float = 0.1):
         super().__init__(cache.layers)
         self.slots, self.write, self.capture, self.captured, self.decoder = (
             cache.slots, cache.write, cache.capture, cache.captured, cache.decoder)
@@ -58,6 +63,7 @@ class DeltaCache(StitchCache):
         self.n_chunks = len(layout.chunk_ids)
         self.rotate = rotate  # SelectionContext.rotate: (keys, positions, layer) -> keys under RoPE
         self.alpha_v, self.alpha_k, self.tau, self.skip_first = alpha_v, alpha_k, tau, skip_first
+        self.fit, self.ridge_v, self.ridge_k = fit, ridge_v, ridge_k
         # the stitched context K/V: each correcting pass starts from them (idempotent across auto's rounds)
         self.stitched = [(l.keys[0, :, self.c0:self.c1].clone(), l.values[0, :, self.c0:self.c1].clone())
                          for l in self.layers]
@@ -96,18 +102,59 @@ class DeltaCache(StitchCache):
         if self.estimate_from is not None:
             use &= self.estimate_from[sel]
         src = sel[use]
+        # the tokens a linear fit learns from: every recomputed token outside the first chunk (exact already)
+        fit = self.chunk[sel] > 0 if self.fit == "linear" else None
         dv = fresh_v[:, use].float() - sv[:, src].float()  # [H, m, d]
         new_v = sv[:, tgt].float()
         if self.alpha_v:
-            new_v = new_v + self.alpha_v * self._spread(dv, src, tgt)
+            shift = self._spread(dv, src, tgt)
+            if fit is not None:
+                shift = shift + self._linear(sv.float(), fresh_v[:, fit].float(), dv, src, sel[fit], tgt, self.ridge_v)
+            new_v = new_v + self.alpha_v * shift
         layer.values[0, :, self.c0 + tgt] = new_v.to(layer.values.dtype)
         new_k = sk[:, tgt]
         if self.alpha_k:
             slots = (src + self.c0).to(torch.float64)
             dk = self.rotate(fresh_k[:, use].float() - sk[:, src].float(), -slots, li)  # pre-RoPE
             shift = self._spread(dk, src, tgt)
+            if fit is not None:
+                pos = torch.arange(self.c0, self.c1, device=sk.device, dtype=torch.float64)
+                xk = self.rotate(sk.float(), -pos, li)  # every stitched context key, pre-RoPE
+                fs = sel[fit]
+                fk = self.rotate(fresh_k[:, fit].float(), -(fs + self.c0).to(torch.float64), li)
+                shift = shift + self._linear(xk, fk, dk, src, fs, tgt, self.ridge_k)
             new_k = new_k.float() + self.alpha_k * self.rotate(shift, (tgt + self.c0).to(torch.float64), li)
         layer.keys[0, :, self.c0 + tgt] = new_k.to(layer.keys.dtype)
+
+    def _linear(self, x: torch.Tensor, fresh: torch.Tensor, delta: torch.Tensor, src: torch.Tensor,
+                fs: torch.Tensor, tgt: torch.Tensor, ridge: float) -> torch.Tensor:
+        """The per-token part of the shift (``fit="linear"``): how a token's shift departs from its chunk's mean
+        shift, as a linear function of how its stitched vector departs from the mean stitched vector of the same
+        tokens (``src``, whose shifts ``delta`` gave the mean), so a shift that is exactly linear in the stitched
+        vector is recovered exactly. One ridge regression per head, fitted on the recomputed tokens ``fs``
+        (``fresh`` [H, f, d] their fresh vectors), applied to the stale ``tgt``; chunks without a measured shift
+        get none. ``x`` [H, n_context, d]: stitched vectors (keys pre-RoPE). ``ridge``: lambda as a multiple of
+        the mean diagonal of X'X."""
+        H, _, d = x.shape
+        out = torch.zeros(H, tgt.numel(), d, dtype=x.dtype, device=x.device)
+        measured = torch.bincount(self.chunk[src], minlength=self.n_chunks) > 0
+        keep = measured[self.chunk[fs]]
+        fs, fresh = fs[keep], fresh[:, keep]
+        if fs.numel() == 0:
+            return out
+        x_src = x[:, src]
+        X = x[:, fs] - self._spread(x_src, src, fs)
+        Y = fresh - x[:, fs] - self._spread(delta, src, fs)
+        if ridge:
+            A = X.transpose(1, 2) @ X
+            lam = ridge * A.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)
+            A = A + lam[:, None, None] * torch.eye(d, dtype=x.dtype, device=x.device)
+            W = torch.linalg.solve(A, X.transpose(1, 2) @ Y)  # [H, d, d]
+        else:  # least squares (minimum norm where the fitted tokens do not determine W)
+            W = torch.linalg.lstsq(X.cpu(), Y.cpu(), driver="gelsd").solution.to(X.device)
+        on = measured[self.chunk[tgt]]
+        out[:, on] = (x[:, tgt[on]] - self._spread(x_src, src, tgt[on])) @ W
+        return out
 
     def _spread(self, delta: torch.Tensor, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """Shifts measured at ``src`` [H, m, d] -> estimated shifts at ``tgt`` [H, t, d]: the mean over the
@@ -142,6 +189,13 @@ class DeltaProp(Selector):
     # > 0: every probe_stride-th token of each chunk is recomputed too (out of the budget) and only these
     # evenly spread tokens measure the shift (the top-scored ones are needles, not typical of their chunk)
     probe_stride: int = 25
+    # "mean": every stale token of a chunk takes the chunk's mean shift. "linear": plus a per-token part, linear
+    # in how the token's stitched vector departs from its chunk's mean (ridge fit on the recomputed tokens)
+    fit: str = "mean"
+    # the linear fit's ridge lambda, a multiple of the mean diagonal of X'X; values need far more shrinkage than
+    # keys (stale-token error against full prefill on the tuning split, docs/results/own-method)
+    ridge_v: float = 10.0
+    ridge_k: float = 0.1
 
     _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -154,7 +208,9 @@ class DeltaProp(Selector):
             raise TypeError(f"base: {e}") from None  # make_selector reports it as BadMethodOption
         if self._base_selector.full_prefill or self._base_selector.zero_budget:
             raise TypeError(f"deltaprop needs a base that recomputes a budget, got {self.base!r}")
-        for k in ("alpha_v", "alpha_k", "tau"):
+        if self.fit not in ("mean", "linear"):
+            raise BadMethodOption(f"deltaprop: fit must be 'mean' or 'linear', got {self.fit!r}")
+        for k in ("alpha_v", "alpha_k", "tau", "ridge_v", "ridge_k"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise BadMethodOption(f"deltaprop: {k} must be a number >= 0, got {v!r}")
@@ -170,7 +226,8 @@ class DeltaProp(Selector):
     def prepare(self, ctx: SelectionContext) -> None:
         self._base_selector.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
         ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.rotate, float(self.alpha_v),
-                               float(self.alpha_k), float(self.tau), self.skip_first)
+                               float(self.alpha_k), float(self.tau), self.skip_first, self.fit,
+                               float(self.ridge_v), float(self.ridge_k))
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         return self._base_selector.score(ctx)
