@@ -190,7 +190,8 @@ class DeltaProp(Selector):
     # evenly spread tokens measure the shift (the top-scored ones are needles, not typical of their chunk)
     probe_stride: int = 25
     # "mean": every stale token of a chunk takes the chunk's mean shift. "linear": plus a per-token part, linear
-    # in how the token's stitched vector departs from its chunk's mean (ridge fit on the recomputed tokens)
+    # in how the token's stitched vector departs from the mean of the chunk's measuring tokens (ridge fit on the
+    # recomputed tokens; `DeltaCache._linear`)
     fit: str = "mean"
     # the linear fit's ridge lambda, a multiple of the mean diagonal of X'X; values need far more shrinkage than
     # keys (stale-token error against full prefill on the tuning split, docs/results/own-method)
