@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvstitch import Engine
+from kvstitch.select import SelectionContext
 from kvstitch.tasks import generate
 from kvstitch.tasks.metrics import answer_nll
 from kvstitch.eval.runner import EvalConfig, answer_budget, sample_layout
@@ -39,6 +40,9 @@ VARIANTS = {  # name -> (method, options); deltaprop's options spelled out (its 
     "deltaprop linear": ("deltaprop", {"fit": "linear"}),
     "deltaprop linear, v+k/2": ("deltaprop", {"fit": "linear", "alpha_k": 0.5}),
     "deltaprop linear, v+k": ("deltaprop", {"fit": "linear", "alpha_k": 1.0}),
+    # the budget as causal work (budget_unit="work"): the base's top tokens' work buys the most score per unit work
+    "deltaprop, work budget": ("deltaprop", {"budget_unit": "work"}),
+    "prophet, work budget": ("deltaprop", {"alpha_v": 0.0, "alpha_k": 0.0, "probe_stride": 0, "budget_unit": "work"}),
 }
 
 
@@ -73,6 +77,7 @@ def main() -> None:
                 if not todo:
                     continue
                 lay = sample_layout(eng, s)
+                work = SelectionContext(engine=eng, cache=None, layout=lay, budget=0).token_work()  # per token
                 b = answer_budget(eng, s, cfg)
                 eng.chunk_kvs(lay)
                 t0 = time.perf_counter()
@@ -86,7 +91,9 @@ def main() -> None:
                     dt = time.perf_counter() - t0
                     tf = eng.teacher_force(pre, ans)
                     row = {"task": task, "index": i, "variant": v, "nll": answer_nll(tf, ans),
-                           "agree": tf.argmax(-1).tolist() == ans.tolist(), "prefill_s": dt, "full_s": t_full}
+                           "agree": tf.argmax(-1).tolist() == ans.tolist(), "prefill_s": dt, "full_s": t_full,
+                           "recomputed": pre.indices.numel() / lay.n_context,
+                           "work": float(work[pre.indices.cpu()].sum() / work.sum())}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                 print(task, i, flush=True)
@@ -108,13 +115,20 @@ def report(rows, names, args, out: Path) -> None:
              f"--ratio {args.ratio}" + (f" --variants '{args.variants}'" if args.variants != "all" else "")
              + (f" --model {args.model}" if args.model else "") + f" --out {args.out}`", "",
              "NLL rec. = pooled (naive - method) / (naive - full) answer NLL; agrees = greedy answer equals full "
-             "prefill's (whole answer); speed-up = mean full-prefill time / mean prefill time (same process).", "",
-             "| variant | NLL rec. (pooled) | agrees with full | speed-up vs full |", "|---|---|---|---|"]
+             "prefill's (whole answer); speed-up = mean full-prefill time / mean prefill time (same process); "
+             "tokens / work = mean share of the context's tokens / of their causal work (`SelectionContext.token_work`) "
+             "recomputed.", "",
+             "| variant | NLL rec. (pooled) | agrees with full | speed-up vs full | tokens | work |",
+             "|---|---|---|---|---|---|"]
     for v in names:
         M = sum(by[k][v]["nll"] for k in keys)
         a = sum(by[k][v]["agree"] for k in keys) / max(len(keys), 1)
         t = sum(by[k][v]["prefill_s"] for k in keys)
-        lines.append(f"| {v} | {(N - M) / (N - F):.3f} | {a:.2f} | {tf / t:.2f} |")
+        share = []
+        for col in ("recomputed", "work"):  # older rows lack them: "-", not made up
+            fr = [by[k][v][col] for k in keys if col in by[k][v]]
+            share.append(f"{sum(fr) / len(fr):.3f}" if len(fr) == len(keys) and fr else "-")
+        lines.append(f"| {v} | {(N - M) / (N - F):.3f} | {a:.2f} | {tf / t:.2f} | {' | '.join(share)} |")
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

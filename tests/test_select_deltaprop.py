@@ -76,20 +76,20 @@ def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_toke
     assert err_d < 0.9 * err_p, (err_d, err_p)
 
 
-@pytest.mark.parametrize("fit", ["mean", "linear"])
-def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer, fit):
+@pytest.mark.parametrize("opts", [{"fit": "mean"}, {"fit": "linear"}, {"budget_unit": "work"}])
+def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer, opts):
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
-    opts = {"fit": fit}
     _, full = eng.full_prefill(layout)
     got = eng.prefill(layout, "deltaprop", 1.0, method_options=opts).logits[-1]
     assert torch.allclose(got, full[-1], atol=1e-3)
     naive = eng.prefill(layout, "naive", 0.0).logits[-1]
     assert torch.equal(eng.prefill(layout, "deltaprop", 0.0, method_options=opts).logits[-1], naive)
-    # and at 20% the correction changes the answer's logits (it is not a no-op), the linear part too
+    # and at 20% the correction changes the answer's logits (it is not a no-op), the linear part and the work
+    # budget's token set too
     at20 = eng.prefill(layout, "deltaprop", 0.2, method_options=opts).logits[-1]
     assert not torch.allclose(at20, eng.prefill(layout, "prophet", 0.2).logits[-1])
-    if fit == "linear":
+    if opts != {"fit": "mean"}:
         assert not torch.allclose(at20, eng.prefill(layout, "deltaprop", 0.2).logits[-1])
 
 
@@ -106,7 +106,8 @@ def test_auto_rounds_start_from_the_stitched_cache(smollm_tokenizer):
 
 @pytest.mark.parametrize("opts", [{"base": "full"}, {"base": "ape"}, {"base": "nope"}, {"alpha_v": -1},
                                   {"tau": "x"}, {"skip_first": -2}, {"base": "deltaprop"},
-                                  {"fit": "quadratic"}, {"ridge_v": -1.0}, {"ridge_k": "x"}])
+                                  {"fit": "quadratic"}, {"ridge_v": -1.0}, {"ridge_k": "x"},
+                                  {"budget_unit": "flops"}])
 def test_bad_options_are_typed_errors(opts):
     with pytest.raises(BadMethodOption):
         make_selector("deltaprop", **opts)
@@ -170,3 +171,36 @@ def test_linear_fit_recovers_a_shift_linear_in_the_stitched_vector(smollm_tokeni
                     (layer.keys[0, :, c0 + stale] - want_k[:, stale]).abs().max())
     assert got["linear"][0] < 1e-3 and got["linear"][1] < 1e-3
     assert got["mean"][0] > 0.1 and got["mean"][1] > 0.1
+
+
+def test_spend_work_buys_cheaper_tokens_within_the_same_work():
+    """budget_unit="work": the tokens of most score per unit of work, within the chosen set's total work."""
+    from kvstitch.select.deltaprop import spend_work
+
+    work = 100.0 + torch.arange(40, dtype=torch.float64)  # later tokens attend to more keys
+    scores = torch.ones(40)
+    scores[35] = 50.0  # a needle late in the context: worth its cost
+    chosen = torch.tensor([30, 31, 32, 33, 35])  # what a top-k by score picked (ties went late)
+    got = spend_work(scores, chosen, work)
+    assert float(work[got].sum()) <= float(work[chosen].sum())
+    assert 35 in got.tolist()  # the needle stays
+    assert got.numel() > chosen.numel()  # the work of four late ties buys more early tokens
+    assert got.tolist() == sorted(got.tolist()) and set(got.tolist()) - {35} == set(range(got.numel() - 1))
+    scores[3] = float("inf")  # a probe: always first
+    assert 3 in spend_work(scores, chosen, work).tolist()
+
+
+def test_work_budget_on_a_model_spends_no_more_work_than_the_token_budget(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    picks = {}
+    for unit in ("tokens", "work"):
+        sel = make_selector("deltaprop", budget_unit=unit)
+        ctx = SelectionContext(engine=eng, cache=eng.stitch(layout, eng.chunk_kvs(layout)), layout=layout,
+                               budget=int(0.2 * layout.n_context))
+        picks[unit], _ = sel.select(ctx)
+        assert sel.exact_budget == (unit == "tokens")
+    work = ctx.token_work()
+    assert work.shape == (layout.n_context,) and bool((work[1:] > work[:-1]).all())
+    assert float(work[picks["work"]].sum()) <= float(work[picks["tokens"]].sum()) * (1 + 1e-9)
+    assert picks["work"].numel() >= picks["tokens"].numel()

@@ -10,7 +10,8 @@ selection is split in three steps, `Selector.select` running them:
 2. `score(ctx)` -> per-context-token scores (higher = recompute first);
 3. `pick(scores, ctx)` -> sorted, unique context indices (0-based within the context): the top ``budget``
    by default; CacheClip's and `grouped`'s grouping windows override only this step (and may return
-   fewer than ``budget``: they are not `exact_budget`).
+   fewer than ``budget``: they are not `exact_budget`; so is `deltaprop` with ``budget_unit="work"``, which
+   spends the work of ``budget`` tokens on as many cheaper ones as it buys).
 
 The engine does the recompute.
 """
@@ -177,6 +178,17 @@ class SelectionContext:
     def attention_scaling(self, layer: int) -> float:
         attn = self.engine.adapter.backbone.layers[layer].self_attn
         return getattr(attn, "scaling", None) or self.head_dim ** -0.5
+
+    def token_work(self) -> torch.Tensor:
+        """[n_context] float64: what recomputing each context token costs per layer, in units of one key's
+        attention (2 x q heads x head dim multiply-adds): its linear layers (q/k/v/o projections and a gated
+        MLP, from the config) plus the keys it attends to (its position + 1, causal; every layer taken as
+        global). On Qwen2.5 0.5B the linear part is ~8.3K keys: a token at 8K costs twice one at the start."""
+        cfg = self.engine.adapter.config
+        d, hq, hkv, hd = cfg.hidden_size, self.num_q_heads, self.num_kv_heads, self.head_dim
+        linear = d * hd * (2 * hq + 2 * hkv) + 3 * d * getattr(cfg, "intermediate_size", 4 * d)
+        pos = torch.arange(self.layout.context_start, self.layout.context_end, dtype=torch.float64)
+        return linear / (2 * hq * hd) + pos + 1
 
     @property
     def tokenizer(self):

@@ -21,6 +21,10 @@ recomputed token's shift departs from its chunk's mean, linear in how its stitch
 mean one, applied to the stale tokens. It brings the stale K/V closer to full prefill's but not the answers
 (docs/results/own-method: measured on the tuning splits, not adopted).
 
+``budget_unit="work"`` (off by default) spends the base budget's *causal work* rather than its token count: a
+token's recompute costs its linear layers plus the keys it attends to, so early tokens are cheaper and the same
+time buys more of them, chosen by score per unit of work (`spend_work`; measured in docs/results/own-method).
+
 Cost: no extra forward. Per layer, a scatter of the shifts over the stale tokens: O(n_context · d) beside
 the pass's O(|S| · d_model²) projections and MLPs. The chunk's first chunk (already exact in shared-prefix
 precompute) measures a zero shift and is left as it is.
@@ -197,6 +201,10 @@ class DeltaProp(Selector):
     # keys (stale-token error against full prefill on the tuning split, docs/results/own-method)
     ridge_v: float = 10.0
     ridge_k: float = 0.1
+    # "tokens": the base's budget, ratio x n_context tokens. "work": the causal work of those tokens (the base's top
+    # ones, probes included) buys the tokens of most score per unit of work (`SelectionContext.token_work`, `spend_work`):
+    # an early token attends to fewer keys, so the same time recomputes more tokens, earlier ones
+    budget_unit: str = "tokens"
 
     _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -209,6 +217,8 @@ class DeltaProp(Selector):
             raise TypeError(f"base: {e}") from None  # make_selector reports it as BadMethodOption
         if self._base_selector.full_prefill or self._base_selector.zero_budget:
             raise TypeError(f"deltaprop needs a base that recomputes a budget, got {self.base!r}")
+        if self.budget_unit not in ("tokens", "work"):
+            raise BadMethodOption(f"deltaprop: budget_unit must be 'tokens' or 'work', got {self.budget_unit!r}")
         if self.fit not in ("mean", "linear"):
             raise BadMethodOption(f"deltaprop: fit must be 'mean' or 'linear', got {self.fit!r}")
         for k in ("alpha_v", "alpha_k", "tau", "ridge_v", "ridge_k"):
@@ -224,6 +234,10 @@ class DeltaProp(Selector):
     def needs_full_prefill(self) -> bool:  # deltaprop(oracle): analysis only
         return self._base_selector.needs_full_prefill
 
+    @property
+    def exact_budget(self) -> bool:  # budget_unit="work": the budget's work, in more (or fewer) tokens
+        return self.budget_unit == "tokens" and self._base_selector.exact_budget
+
     def prepare(self, ctx: SelectionContext) -> None:
         self._base_selector.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
         ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.rotate, float(self.alpha_v),
@@ -235,13 +249,30 @@ class DeltaProp(Selector):
 
     def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
         if not self.probe_stride or not isinstance(ctx.cache, DeltaCache):
-            return self._base_selector.pick(scores, ctx)
-        dc = ctx.cache
-        probes = (dc.offset.cpu() % self.probe_stride == self.probe_stride // 2).nonzero().flatten()
-        probes = probes[:ctx.budget]
-        boosted = scores.clone()
-        boosted[probes] = float("inf")  # the probes first, then the base's ranking fills the budget
-        idx = top_k_indices(boosted, ctx.budget)
-        dc.estimate_from = torch.zeros_like(dc.fresh)
-        dc.estimate_from[probes.to(dc.fresh.device)] = True
+            idx = self._base_selector.pick(scores, ctx)
+        else:
+            dc = ctx.cache
+            probes = (dc.offset.cpu() % self.probe_stride == self.probe_stride // 2).nonzero().flatten()
+            probes = probes[:ctx.budget]
+            scores = scores.clone()
+            scores[probes] = float("inf")  # the probes first, then the base's ranking fills the budget
+            idx = top_k_indices(scores, ctx.budget)
+            dc.estimate_from = torch.zeros_like(dc.fresh)
+            dc.estimate_from[probes.to(dc.fresh.device)] = True
+        if self.budget_unit == "work":
+            idx = spend_work(scores, idx, ctx.token_work())
         return idx
+
+
+def spend_work(scores: torch.Tensor, chosen: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """The tokens to recompute for the work of ``chosen`` (sorted indices): greedily by score per unit of work
+    (``work`` [n]: each token's cost; scores shifted to be >= 0, +inf first, ties by position) while the total
+    stays within ``chosen``'s. -> sorted indices. Cheap (early) tokens of fair score displace expensive ones of
+    slightly higher score, and the work left over buys more of them."""
+    s = scores.double()
+    finite = s[torch.isfinite(s)]
+    if finite.numel():
+        s = s - finite.min()
+    order = torch.sort(s / work, descending=True, stable=True).indices
+    take = order[work[order].cumsum(0) <= float(work[chosen].sum()) * (1 + 1e-12)]
+    return take.sort().values
