@@ -289,6 +289,24 @@ def test_haystack_flag_is_resolved_and_part_of_the_protocol(engine, tmp_path):
         run_eval(engine, _cfg(haystack="novels", n=0), tmp_path / "x", progress=False)
 
 
+def test_a_run_logged_to_a_file_prints_a_line_per_sample(engine, tmp_path):
+    """No live bar in a log file (nohup): one plain line per sample says where the run is and what is left."""
+    import io
+
+    from rich.console import Console
+
+    from kvstitch.eval.runner import sample_log_line
+
+    buf = io.StringIO()
+    cfg = _cfg(tasks=["niah_single_essay"], n=2, methods=["random"])
+    run_eval(engine, cfg, tmp_path, console=Console(file=buf, force_terminal=False, width=200))
+    lines = [l for l in buf.getvalue().splitlines() if l.startswith("eval: sample")]
+    assert [l.split(" (")[0] for l in lines] == ["eval: sample 1/2", "eval: sample 2/2"]
+    assert "niah_single_essay#0" in lines[0] and lines[1].endswith("~0m00s left")
+    assert sample_log_line(1, 4, "t#0", 75, 75) == "eval: sample 1/4 (t#0) done in 1m15s; elapsed 1m15s, ~3m45s left"
+    assert sample_log_line(2, 4, "t#1", 10, 3700).endswith("elapsed 1h01m40s, ~1h01m40s left")
+
+
 def test_fidelity_table_has_bootstrap_intervals():
     from kvstitch.eval.report import fidelity_table, pooled_recovery, pooled_recovery_ci
 

@@ -658,9 +658,13 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
             bar.update(pid, now=f"{sample.task}#{sample.meta['index']} L={sample.meta['length']} {m}"
                                 + ("" if r is None else f" r={r}"))
 
-        for sample, todo in plan:
+        # a live bar is invisible in a log file (nohup, CI): there, one plain line per sample instead
+        log_lines = progress and not console.is_terminal
+        started = time.monotonic()
+        for done, (sample, todo) in enumerate(plan, 1):
             key = (sample.task, sample.meta["seed"], sample.meta["index"], sample.meta["length"],
                    sample.meta["chunk_tokens"])
+            sample_started = time.monotonic()
             try:
                 eval_sample(engine, sample, todo, by_sample.get(key, {}), cfg, on_row, on_start)
             except KeyboardInterrupt:
@@ -673,12 +677,29 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
                     f.write(msg + "\n" + traceback.format_exc() + "\n")
                 done_now = len([r for r in rows if row_key(r)[:5] == key]) - len(by_sample.get(key, {}))
                 bar.advance(pid, max(0, len(todo) - done_now))
+            if log_lines:
+                console.print(sample_log_line(done, len(plan), f"{sample.task}#{sample.meta['index']}",
+                                              time.monotonic() - sample_started, time.monotonic() - started),
+                              highlight=False)
     write_reports(rows, out, cfg.depth_bins)
     _write_meta(out, cfg, model_desc, command, rows_before=None, rows_after=len(rows), errors=errors)
     if plan and len(errors) == len(plan):
         raise EvalError(f"every sample of this run failed ({len(errors)} of {len(plan)}; first: {errors[0]}); "
                         f"tracebacks in {out / 'errors.log'}")
     return rows
+
+
+def sample_log_line(done: int, total: int, name: str, took_s: float, elapsed_s: float) -> str:
+    """One line of a run logged to a file: where it is, what the sample took, the time left at the mean pace."""
+    left = elapsed_s / done * (total - done)
+    return (f"eval: sample {done}/{total} ({name}) done in {_hms(took_s)}; "
+            f"elapsed {_hms(elapsed_s)}, ~{_hms(left)} left")
+
+
+def _hms(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
 def _write_meta(out: Path, cfg: EvalConfig, model_desc: dict, command: str | None, rows_before: int | None,
