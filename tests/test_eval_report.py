@@ -228,3 +228,22 @@ def test_auto_table_counts_answered_rounds_and_their_agreement_per_task():
     lines = auto_table(rows).splitlines()
     assert lines[2:] == ["| a | deltaprop | 3 | 2 | 1 | 1 |", "| b | deltaprop | 1 | 0 | 0 | 1 |"]
     assert auto_table([r for r in rows if r["ratio"] != "auto"]) == ""
+
+
+def test_summary_names_the_machines_when_a_run_was_timed_on_several(tmp_path):
+    """A run resumed or sharded on another CPU pools TTFTs from both: the summary says which, by samples;
+    one CPU (or rows from before the field) adds nothing."""
+    from kvstitch.eval.report import machines_note, write_reports
+
+    rows = []
+    for index, cpu in ((0, "Intel Xeon"), (1, "Intel Xeon"), (2, "AMD EPYC")):
+        for method, ttft in (("full", 2.0), ("naive", 0.1)):
+            rows.append(dict(task="niah_single", seed=0, index=index, length=1024, chunk_tokens=128, depth=0.5,
+                             method=method, ratio=None if method == "full" else 0.0, score=1.0, kl=0.0,
+                             ttft_s=ttft, cpu=cpu))
+    note = machines_note(rows)
+    assert "Timed on 2 machines" in note and "AMD EPYC: 1 samples" in note and "Intel Xeon: 2 samples" in note
+    write_reports(rows, tmp_path)
+    assert note in (tmp_path / "summary.md").read_text()
+    assert machines_note([r for r in rows if r["cpu"] == "Intel Xeon"]) == ""
+    assert machines_note([{k: v for k, v in r.items() if k != "cpu"} for r in rows]) == ""

@@ -50,9 +50,12 @@ def test_tiny_end_to_end_resumes_and_reports(engine, tmp_path):
     keys = {(r["task"], r["index"], r["method"], r["ratio"]) for r in logged}
     assert len(keys) == len(logged)  # one row per (sample, method, ratio)
 
+    from kvstitch.engine.engine import cpu_name
+
     for r in logged:
         for f in ("score", "kl", "kl_first", "nll", "ttft_s", "recomputed", "answer_tokens", "depth", "n_tokens"):
             assert r.get(f) is not None, (f, r["method"])
+        assert r["cpu"] == cpu_name() and r["cpu"]  # the machine that timed it: runs resumed elsewhere mix them
         assert 0.0 <= r["score"] <= 1.0
         assert r["kl"] >= 0.0 and r["kl_first"] >= 0.0 and r["nll"] >= 0.0
         assert r["ttft_s"] > 0.0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import platform
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ from kvstitch.select import SelectionContext, check_method, make_selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
+log = logging.getLogger("kvstitch.engine")
 DEFAULT_METHOD = "prophet"
 _DTYPES = ("float32", "bfloat16", "float16")  # model dtypes Engine.load accepts by name
 STOP = object()  # `stream(...).send(STOP)`: end the generation after the token just yielded (stop sequences)
@@ -110,6 +113,19 @@ def fast_dtype(device: torch.device | None = None) -> str:
     return "bfloat16" if dev.type == "cpu" and any(p is not None and p() for p in probes) else "float32"
 
 
+def cpu_name() -> str:
+    """This machine's CPU model ("AMD EPYC", "Intel(R) Xeon(R) ..."): eval rows carry it, since a run resumed on
+    another machine times its samples there (TTFT ratios pool them)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 class Engine:
     def __init__(self, model, tokenizer, weights_id: str, store: ChunkStore | None = None,
                  check_rope: bool = True, precompute: str = "shared_prefix", cold_path: str = "auto",
@@ -159,6 +175,10 @@ class Engine:
             if dtype not in _DTYPES:
                 raise InputError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)} or fast")
             dtype = getattr(torch, dtype)
+        if dev.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and fast_dtype(dev) == "float32":
+            # emulated half precision: on an AVX2 CPU a Qwen prefill in bfloat16 measured 6.5x slower than float32
+            log.warning("%s on this CPU (%s) is emulated, not native (no AVX512-BF16/AMX): expect it several times "
+                        "slower than float32; use float32 or dtype 'fast'", str(dtype).removeprefix("torch."), cpu_name())
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
         check_precompute(kwargs.get("precompute", "shared_prefix"))
         model_, tok, weights_id = load_model(model, dev, dtype)

@@ -776,6 +776,20 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     return _save(fig, path)
 
 
+def machines_note(rows: Sequence[dict]) -> str:
+    """A line naming the CPUs a run's samples were timed on, when more than one (a run resumed or sharded on
+    other machines): its TTFT speed-ups then pool samples timed on each. '' for one CPU (or rows from before
+    rows recorded theirs)."""
+    samples: dict[str, set] = defaultdict(set)
+    for r in rows:
+        samples[r.get("cpu") or "not recorded"].add(sample_key(r))
+    if len(samples) < 2:
+        return ""
+    named = "; ".join(f"{cpu}: {len(keys)} samples" for cpu, keys in sorted(samples.items()))
+    return (f"**Timed on {len(samples)} machines** ({named}). Each sample's methods ran on one machine, so a "
+            "per-sample speed-up is like for like; the pooled TTFT speed-ups mix machines.")
+
+
 def write_reports(rows: Sequence[dict], out: str | os.PathLike, depth_bins: int = 5) -> dict[str, Path]:
     """summary.md + accuracy_vs_ratio_<L>.png per length + niah_heatmap.png (when NIAH rows with depths
     exist). -> written paths by name."""
@@ -807,6 +821,9 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, depth_bins: int 
             written[f"pareto_{L}"] = plot_pareto(sub, out / f"pareto_{L}.png")
         written[f"accuracy_{L}"] = plot_vs_ratio(sub, out / f"accuracy_vs_ratio_{L}.png", ("score",))
         written[f"fidelity_{L}"] = plot_vs_ratio(sub, out / f"fidelity_vs_ratio_{L}.png", ("kl", "nll_recovery"))
+    mixed = machines_note(rows)
+    if mixed:
+        parts += [mixed, ""]
     parts += ["## Full prefill itself (score x100)", "", full_prefill_table(rows), ""]
     niah = [r for r in rows if str(r.get("task", "")).startswith("niah") and r.get("depth") is not None]
     if niah:

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from kvstitch.engine.budget import AUTO
+from kvstitch.engine.engine import cpu_name
 from kvstitch.core.errors import EvalError, InputError
 from kvstitch.tasks.agreement import first_token_agree, first_words_agree
 from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
@@ -370,7 +371,7 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
     scorer = qa_f1 if qa else scorer_for(sample.task)
     base = {"task": sample.task, "seed": meta.get("seed"), "index": meta.get("index"), "length": meta.get("length"),
             "chunk_tokens": meta.get("chunk_tokens"), "depth": meta.get("depth"), "n_tokens": layout.n_context,
-            "prompt_tokens": layout.n_total, "n_chunks": len(layout.chunk_ids)}
+            "prompt_tokens": layout.n_total, "n_chunks": len(layout.chunk_ids), "cpu": cpu_name()}
     limit = engine.adapter.max_positions
     if layout.n_total + budget > limit:
         raise InputError(f"{sample.task}#{meta.get('index')}: prompt {layout.n_total} + {budget} tokens > "
