@@ -84,7 +84,7 @@ def test_fast_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkey
 
 def test_engine_load_fast_dtype_resolves_before_the_model_loads(monkeypatch, caplog):
     """``Engine.load(dtype="fast")`` loads the model in `fast_dtype` of the device; bfloat16 asked for where the
-    CPU only emulates it is loaded, with a warning (it measured 6.5x slower than float32); a bad dtype is
+    CPU only emulates it is loaded, with a warning (it measured 6x slower than float32); a bad dtype is
     refused first."""
     import torch
 

@@ -176,7 +176,7 @@ class Engine:
                 raise InputError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)} or fast")
             dtype = getattr(torch, dtype)
         if dev.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and fast_dtype(dev) == "float32":
-            # emulated half precision: on an AVX2 CPU a Qwen prefill in bfloat16 measured 6.5x slower than float32
+            # emulated half precision: on an AVX2 CPU a Qwen prefill in bfloat16 measured 6x slower than float32
             log.warning("%s on this CPU (%s) is emulated, not native (no AVX512-BF16/AMX): expect it several times "
                         "slower than float32; use float32 or dtype 'fast'", str(dtype).removeprefix("torch."), cpu_name())
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
