@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -113,16 +115,15 @@ def fast_dtype(device: torch.device | None = None) -> str:
     return "bfloat16" if dev.type == "cpu" and any(p is not None and p() for p in probes) else "float32"
 
 
+@functools.cache  # one machine per process
 def cpu_name() -> str:
     """This machine's CPU model ("AMD EPYC", "Intel(R) Xeon(R) ..."): eval rows carry it, since a run resumed on
     another machine times its samples there (TTFT ratios pool them)."""
-    try:
+    with contextlib.suppress(OSError):  # no /proc (macOS, Windows): platform's name
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine() or "unknown"
 
 
