@@ -21,6 +21,7 @@ from kvstitch.core.chunk import ChunkKV
 from kvstitch.core.errors import InputError, PromptTooLong, UnknownDecodePolicy
 from kvstitch.core.identity import register_model, tokenizer_fingerprint
 from kvstitch.models import adapter_for, cache_kwargs, load_model
+from kvstitch.models.half_cpu import multiplies_natively
 from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
 from kvstitch.core.prompt import PromptBuilder, PromptLayout
 from kvstitch.core.rope import inv_freq_table, rerotate, self_check
@@ -108,11 +109,7 @@ def fast_dtype(device: torch.device | None = None) -> str:
     `Engine.load`'s default stays float32 on CPU (the exactness gates and the published runs use it); the demo
     takes this one (``dtype="fast"``)."""
     dev = device or default_device()
-    if dev.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    # torch.cpu's feature probes are private: where one is missing, assume no native bf16
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return "bfloat16" if dev.type == "cpu" and any(p is not None and p() for p in probes) else "float32"
+    return "bfloat16" if multiplies_natively(torch.bfloat16, dev) else "float32"
 
 
 @functools.cache  # one machine per process
@@ -176,10 +173,11 @@ class Engine:
             if dtype not in _DTYPES:
                 raise InputError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)} or fast")
             dtype = getattr(torch, dtype)
-        if dev.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and fast_dtype(dev) == "float32":
-            # emulated half precision: on an AVX2 CPU a Qwen prefill in bfloat16 measured 6x slower than float32
-            log.warning("%s on this CPU (%s) is emulated, not native (no AVX512-BF16/AMX): expect it several times "
-                        "slower than float32; use float32 or dtype 'fast'", str(dtype).removeprefix("torch."), cpu_name())
+        if dev.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not multiplies_natively(dtype, dev):
+            # emulated half precision (kvstitch.models.half_cpu): same numbers, float32's speed, half the weights
+            log.info("%s on this CPU (%s) is emulated, not native (no AVX512-BF16/AMX): linear layers multiply in "
+                     "float32 and round to %s, at about float32's speed", str(dtype).removeprefix("torch."),
+                     cpu_name(), str(dtype).removeprefix("torch."))
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
         check_precompute(kwargs.get("precompute", "shared_prefix"))
         model_, tok, weights_id = load_model(model, dev, dtype)

@@ -27,6 +27,8 @@ import torch
 
 from kvstitch.core.errors import ModelLoadError
 
+from .half_cpu import HALF_DTYPES, multiplies_natively, upcast_linears
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
@@ -255,4 +257,8 @@ def load_model(spec: str | None, device: str | torch.device, dtype: torch.dtype)
     except Exception as e:
         raise ModelLoadError(f"cannot load model from {path}: {e}") from e
     model.to(device).eval()
+    dev = torch.device(device)
+    if dtype in HALF_DTYPES and dev.type == "cpu" and not multiplies_natively(dtype, dev):
+        n = upcast_linears(model)  # this CPU's half GEMM is a slow scalar kernel: same numbers at float32's speed
+        log.info("%s without native support on this CPU: %d linear layers multiply in float32", dtype, n)
     return model, tok, weights_id
