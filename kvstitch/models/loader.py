@@ -259,6 +259,5 @@ def load_model(spec: str | None, device: str | torch.device, dtype: torch.dtype)
     model.to(device).eval()
     dev = torch.device(device)
     if dtype in HALF_DTYPES and dev.type == "cpu" and not multiplies_natively(dtype, dev):
-        n = upcast_linears(model)  # this CPU's half GEMM is a slow scalar kernel: same numbers at float32's speed
-        log.info("%s without native support on this CPU: %d linear layers multiply in float32", dtype, n)
+        upcast_linears(model)  # this CPU's half GEMM is a slow scalar kernel: same numbers at float32's speed
     return model, tok, weights_id
