@@ -36,6 +36,10 @@ VARIANTS = {  # name -> (method, options); deltaprop's options spelled out (its 
     "deltaprop v+k/2, probes/25": ("deltaprop", {"alpha_k": 0.5, "probe_stride": 25}),
     "deltaprop v+k, probes/25": ("deltaprop", {"alpha_k": 1.0, "probe_stride": 25}),
     "deltaprop(infoflow)": ("deltaprop", {"base": "infoflow"}),
+    "deltaprop, tau=32": ("deltaprop", {"tau": 32.0}),  # nearby probes' shifts count more than the chunk's mean
+    "deltaprop v/2": ("deltaprop", {"alpha_v": 0.5}),  # half the measured value shift
+    # re-select after a first recompute: the probes' pass corrects the cache, then the base scores over it
+    "deltaprop, probes first": ("deltaprop", {"probe_first": True}),
     # the per-token part (fit="linear"): a ridge regression of each token's departure from its chunk's mean shift
     "deltaprop linear": ("deltaprop", {"fit": "linear"}),
     "deltaprop linear, v+k/2": ("deltaprop", {"fit": "linear", "alpha_k": 0.5}),

@@ -76,7 +76,7 @@ def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_toke
     assert err_d < 0.9 * err_p, (err_d, err_p)
 
 
-@pytest.mark.parametrize("opts", [{"fit": "mean"}, {"fit": "linear"}, {"budget_unit": "work"}])
+@pytest.mark.parametrize("opts", [{"fit": "mean"}, {"fit": "linear"}, {"budget_unit": "work"}, {"probe_first": True}])
 def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer, opts):
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
@@ -107,7 +107,8 @@ def test_auto_rounds_start_from_the_stitched_cache(smollm_tokenizer):
 @pytest.mark.parametrize("opts", [{"base": "full"}, {"base": "ape"}, {"base": "nope"}, {"alpha_v": -1},
                                   {"tau": "x"}, {"skip_first": -2}, {"base": "deltaprop"},
                                   {"fit": "quadratic"}, {"ridge_v": -1.0}, {"ridge_k": "x"},
-                                  {"budget_unit": "flops"}])
+                                  {"budget_unit": "flops"}, {"probe_first": "yes"},
+                                  {"probe_first": True, "probe_stride": 0}])
 def test_bad_options_are_typed_errors(opts):
     with pytest.raises(BadMethodOption):
         make_selector("deltaprop", **opts)
@@ -137,6 +138,35 @@ def test_probes_are_recomputed_and_alone_measure_the_shift(smollm_tokenizer):
     probes = (dc.offset % 8 == 4).nonzero().flatten()
     assert idx.numel() == 20 and set(probes.tolist()) <= set(idx.tolist())
     assert torch.equal(dc.estimate_from.nonzero().flatten(), probes)
+
+
+def test_probe_first_scores_over_the_corrected_cache(smollm_tokenizer):
+    """probe_first: the probes are recomputed before the base scores, so the base (prophet: the question's
+    attention) reads the probes' fresh K/V and the stale tokens' corrected ones; the budget still holds the probes
+    and the base's top tokens over those scores."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout, cache = _setup(eng)
+    sel = make_selector("deltaprop", probe_stride=8, probe_first=True)
+    ctx = SelectionContext(eng, cache, layout, 20)
+    sel.prepare(ctx)
+    dc = ctx.cache
+    scores = sel.score(ctx)
+    probes = (dc.offset % 8 == 4).nonzero().flatten()
+    assert torch.equal(dc.fresh.nonzero().flatten(), probes)  # the probe pass ran through every layer
+    c0, c1 = layout.context_start, layout.context_end
+    li = eng.adapter.num_layers - 1
+    stale = torch.ones(c1 - c0, dtype=torch.bool)
+    stale[probes] = False
+    stale[:layout.chunk_ids[0].numel()] = False  # the first chunk measures no shift
+    moved = (dc.layers[li].values[0, :, c0:c1] - dc.stitched[li][1]).abs().amax(dim=(0, 2))
+    assert bool((moved[stale] > 0).all())  # every stale token of a later chunk was corrected
+    # the scores are prophet's over that cache (the question's attention), not over the stitched one
+    want = make_selector("prophet").score(ctx)
+    assert torch.allclose(scores, want)
+    plain = make_selector("prophet").score(SelectionContext(eng, eng.stitch(layout, eng.chunk_kvs(layout)), layout, 20))
+    assert not torch.allclose(scores, plain)
+    idx = sel.pick(scores.float(), ctx)
+    assert idx.numel() == 20 and set(probes.tolist()) <= set(idx.tolist())
 
 
 def test_linear_fit_recovers_a_shift_linear_in_the_stitched_vector(smollm_tokenizer):

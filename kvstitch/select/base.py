@@ -221,6 +221,14 @@ class SelectionContext:
         return out
 
     @torch.no_grad()
+    def recompute(self, indices: torch.Tensor) -> None:
+        """Context tokens ``indices`` (sorted) and the suffix through every layer at their positions, their K/V
+        written into the cache: a pass before the engine's own recompute pass (deltaprop's ``probe_first``)."""
+        lay = self.layout
+        slots = torch.cat([indices.cpu() + lay.context_start, torch.arange(lay.context_end, lay.n_total)])
+        self.engine.forward(self.cache, lay.ids[slots], slots)
+
+    @torch.no_grad()
     def fresh_pass(self, layer: int, *, include_suffix: bool = False, queries: int = 0) -> FreshPass:
         """The low-layer pass: every context token (+ the suffix) through blocks 0..layer-1 out of place (the
         stitched cache is untouched), stopped as soon as ``layer``'s attention is entered (its O(q N)

@@ -25,8 +25,12 @@ mean one, applied to the stale tokens. It brings the stale K/V closer to full pr
 token's recompute costs its linear layers plus the keys it attends to, so early tokens are cheaper and the same
 time buys more of them, chosen by score per unit of work (`spend_work`; measured in docs/results/own-method).
 
-Cost: no extra forward. Per layer, a scatter of the shifts over the stale tokens: O(n_context · d) beside
-the pass's O(|S| · d_model²) projections and MLPs. The chunk's first chunk (already exact in shared-prefix
+``probe_first=True`` (off by default) is the issue's "re-select after a first recompute": the probes go through
+the model in a pass of their own before the base scores, so its selection reads corrected keys; one extra pass
+of ~4% of the context (measured in docs/results/own-method).
+
+Cost: no extra forward (``probe_first``: one). Per layer, a scatter of the shifts over the stale tokens:
+O(n_context · d) beside the pass's O(|S| · d_model²) projections and MLPs. The chunk's first chunk (already exact in shared-prefix
 precompute) measures a zero shift and is left as it is.
 
 Properties the tests check: a stale token whose chunk-mates' K/V are shifted by a common vector is
@@ -205,6 +209,11 @@ class DeltaProp(Selector):
     # ones, probes included) buys the tokens of most score per unit of work (`SelectionContext.token_work`, `spend_work`):
     # an early token attends to fewer keys, so the same time recomputes more tokens, earlier ones
     budget_unit: str = "tokens"
+    # True: the probes are recomputed in a pass of their own *before* the base scores the context, so the base's
+    # selection (prophet: the question's attention) reads keys the probes' shift already corrected; the budget
+    # pass then recomputes the probes again with the base's top tokens. Costs one extra pass of the probes (~4% of
+    # the context at stride 25). The issue's "re-select after a first recompute" (docs/results/own-method)
+    probe_first: bool = False
 
     _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -225,6 +234,10 @@ class DeltaProp(Selector):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise BadMethodOption(f"deltaprop: {k} must be a number >= 0, got {v!r}")
+        if not isinstance(self.probe_first, bool):
+            raise BadMethodOption(f"deltaprop: probe_first must be true or false, got {self.probe_first!r}")
+        if self.probe_first and not self.probe_stride:
+            raise BadMethodOption("deltaprop: probe_first needs probes (probe_stride > 0)")
         for k in ("skip_first", "probe_stride"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -245,15 +258,24 @@ class DeltaProp(Selector):
                                float(self.ridge_v), float(self.ridge_k))
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
+        if self.probe_first and isinstance(ctx.cache, DeltaCache) and ctx.budget > 0:
+            dc = ctx.cache
+            probes = self._probes(dc, ctx.budget)
+            dc.estimate_from = torch.zeros_like(dc.fresh)
+            dc.estimate_from[probes.to(dc.fresh.device)] = True
+            ctx.recompute(probes)  # probes fresh, every stale token corrected by their shift
         return self._base_selector.score(ctx)
+
+    def _probes(self, dc: DeltaCache, budget: int) -> torch.Tensor:
+        """Every probe_stride-th token of each chunk (its middle one first), at most ``budget`` of them."""
+        return (dc.offset.cpu() % self.probe_stride == self.probe_stride // 2).nonzero().flatten()[:budget]
 
     def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
         if not self.probe_stride or not isinstance(ctx.cache, DeltaCache):
             idx = self._base_selector.pick(scores, ctx)
         else:
             dc = ctx.cache
-            probes = (dc.offset.cpu() % self.probe_stride == self.probe_stride // 2).nonzero().flatten()
-            probes = probes[:ctx.budget]
+            probes = self._probes(dc, ctx.budget)
             scores = scores.clone()
             scores[probes] = float("inf")  # the probes first, then the base's ranking fills the budget
             idx = top_k_indices(scores, ctx.budget)
