@@ -133,6 +133,17 @@ def report(rows, names, args, out: Path) -> None:
             fr = [by[k][v][col] for k in keys if col in by[k][v]]
             share.append(f"{sum(fr) / len(fr):.3f}" if len(fr) == len(keys) and fr else "-")
         lines.append(f"| {v} | {(N - M) / (N - F):.3f} | {a:.2f} | {tf / t:.2f} | {' | '.join(share)} |")
+    # per task, and paired against deltaprop (the first variant when deltaprop is not in the table)
+    ref = "deltaprop" if "deltaprop" in names else names[0]
+    tasks = sorted({k[0] for k in keys})
+    lines += ["", f"Agreement with full prefill per task (samples agreeing / samples), and paired against {ref}: "
+              f"samples where the variant agrees and {ref} does not (won) and the reverse (lost).", "",
+              f"| variant | {' | '.join(tasks)} | won / lost vs {ref} |", "|---|" + "---|" * (len(tasks) + 1)]
+    for v in names:
+        per = [f"{sum(by[k][v]['agree'] for k in keys if k[0] == t)} / {sum(k[0] == t for k in keys)}" for t in tasks]
+        won = sum(by[k][v]["agree"] and not by[k][ref]["agree"] for k in keys)
+        lost = sum(by[k][ref]["agree"] and not by[k][v]["agree"] for k in keys)
+        lines.append(f"| {v} | {' | '.join(per)} | {'' if v == ref else f'{won} / {lost}'} |")
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -32,3 +32,6 @@ def test_report_pools_the_nll_gap_and_skips_incomplete_samples(tmp_path):
     # pooled: naive 7, full 1; x 3 -> (7 - 3) / 6; y 1.5 -> 5.5 / 6
     assert "| x | 0.667 | 0.50 | 4.00 | 0.250 | 0.500 |" in table
     assert "| y | 0.917 | 0.50 | 2.00 | - | - |" in table  # rows without the share: not made up
+    # per task and paired against the first variant (no deltaprop here): y agrees on #1 where x does not, and
+    # the reverse on #0
+    assert "| x | 1 / 2 |  |" in table and "| y | 1 / 2 | 1 / 1 |" in table
