@@ -150,3 +150,15 @@ def test_ask_conversation_errors_are_one_clear_line(args, message, tmp_path):
     r = runner.invoke(app, ["ask", *[paths.get(a, a) for a in args]])
     assert r.exit_code == 2, r.output
     assert message in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--dataset", "squad", "--samples", "100:120", "--n", "50"], "give one"),
+    (["--dataset", "musique", "--passages", "10"], "--passages builds"),
+    (["--passages", "10"], "generated tasks take --n"),
+    (["--samples", "0:5"], "generated tasks take --n"),
+    (["--dataset", "squad", "--samples", "20000:"], "outside"),
+])
+def test_eval_sample_flags_fail_before_the_model_loads(args, says):
+    r = runner.invoke(app, ["eval", "--model", "/nowhere/model.gguf", *args])
+    assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output

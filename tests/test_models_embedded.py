@@ -59,11 +59,14 @@ def test_wrong_size_and_wrong_hash_are_refused_and_leave_nothing(tmp_path, monke
     assert not target.exists() and list(target.parent.iterdir()) == []
 
 
-def test_the_installed_qwen_parts_have_the_published_size():
-    split = _SPLIT["qwen2.5-0.5b"]
+@pytest.mark.parametrize("name, parts, size", [("qwen2.5-0.5b", 6, 491_400_064),
+                                               ("qwen2.5-1.5b", 22, 1_117_320_768)])
+def test_the_installed_qwen_parts_have_the_published_size(name, parts, size):
+    split = _SPLIT[name]
     sizes = [(_package_dir(p) / "data" / f"part{i:02d}.bin").stat().st_size
              for i, p in enumerate(split.packages, start=1)]
-    assert sum(sizes) == split.size == 491_400_064
+    assert len(split.packages) == len(split.pip_names) == parts
+    assert sum(sizes) == split.size == size
 
 
 @pytest.mark.slow

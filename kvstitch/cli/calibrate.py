@@ -16,7 +16,7 @@ def calibrate_command(
     dataset: str = typer.Option(..., "--dataset", help="your questions and passages: a JSON/JSONL file in the eval's "
                                                        "shapes (question/answers/ctxs or LongBench's), or 'musique'"),
     samples: str = typer.Option("", "--samples", help="records START:STOP of the file (default: all)"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b), "
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), "
                                                                      "HF directory or .gguf file"),
     methods: str = typer.Option("prophet,deltaprop", "--methods", help="selection methods to compare"),
     ratios: str = typer.Option("0.05,0.1,0.2,0.4", "--ratios", help="fixed recompute ratios to compare"),

@@ -135,7 +135,8 @@ def eval_command(
         auto_verify_chunks: Optional[int] = typer.Option(None, help="'auto': accept a round only if a full prefill "
                                                                     "of the question over this many best-matching "
                                                                     "chunks gives the same answer (e.g. 2)"),
-        n: int = typer.Option(20, help="samples per task and length"),
+        n: Optional[int] = typer.Option(None, help="samples per task and length (default 20); with --dataset, the "
+                                                   "first n records of --samples (default: all)"),
         seed: int = typer.Option(0, help="task generator seed"),
         max_new_tokens: Optional[int] = typer.Option(None, help="answer cap (default: gold answer tokens + 8)"),
         answer_prefix: bool = typer.Option(True, help="append RULER's answer prefix after the assistant header"),
@@ -158,11 +159,17 @@ def eval_command(
         shard: str = typer.Option("", help="k/n: run only every n-th sample from the k-th, into its own --out "
                                            "(n processes or machines share one run; join them with "
                                            "`kvstitch eval-merge`)"),
-        dataset: Optional[str] = typer.Option(None, help="real RAG questions instead of --tasks: 'musique' (bundled, "
+        dataset: Optional[str] = typer.Option(None, help="real RAG questions instead of --tasks: 'squad' / 'squad2' "
+                                                         "(bundled SQuAD dev v1.1 / v2.0, each question over "
+                                                         "--passages paragraphs of its article), 'musique' (bundled, "
                                                          "150 samples) or a JSON / JSONL file (question, answers, "
                                                          "ctxs: [{title, text}]; or LongBench's input, context, "
-                                                         "answers); one chunk per passage, scored by QA F1"),
-        samples: str = typer.Option("", help="with --dataset: the records START:STOP (e.g. 0:50, 50:)"),
+                                                         "answers); one chunk per passage"),
+        samples: str = typer.Option("", help="with --dataset: the records START:STOP (e.g. 0:50, 50:); SQuAD's "
+                                             "tuning split is 0:100, its report split 100:"),
+        passages: Optional[int] = typer.Option(None, help="squad / squad2: paragraphs a question, the gold one and "
+                                                          "others of its article (default 10)"),
+        merge_passages: int = typer.Option(1, help="with --dataset: join this many adjacent passages into one chunk"),
         auto_methods: str = typer.Option("", help="methods also run at the 'auto' ratio (e.g. prophet), without "
                                                   "running every method at 'auto'"),
 ) -> None:
@@ -186,14 +193,16 @@ def eval_command(
     from kvstitch.tasks.haystack import resolve_haystack
 
     check_precompute(precompute_mode)  # before the model loads
-    sample_range = (0, None)
+    records = (0, None)
     if dataset:
-        from kvstitch.tasks.datasets import load_dataset, parse_range
+        from kvstitch.tasks.datasets import load_dataset, sample_range
 
-        sample_range = parse_range(samples)
-        load_dataset(dataset, *sample_range)  # a malformed file fails before the model loads
-    elif samples:
-        raise InputError("--samples selects records of a --dataset")
+        records = sample_range(samples, n)
+        # a malformed file fails before the model loads
+        load_dataset(dataset, *records, passages=passages, merge=merge_passages, seed=seed)
+    elif samples or passages is not None or merge_passages != 1:
+        raise InputError("--samples, --passages and --merge-passages select and shape the records of a --dataset; "
+                         "generated tasks take --n")
     shard_kn = parse_shard(shard)
     try:
         haystack = resolve_haystack(haystack)
@@ -210,10 +219,10 @@ def eval_command(
                               ("verify_chunks", auto_verify_chunks)) if v is not None} or None
     AutoBudget.of(auto)  # bad auto options fail before the model loads
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
-                     n=n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
+                     n=20 if n is None else n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
                      answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
                      precompute_mode=precompute_mode, haystack=haystack, auto=auto, dataset=dataset,
-                     samples=sample_range, auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
+                     samples=records, passages=passages, merge=merge_passages, auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
     args = sys.argv[1:]
     if args[:1] != ["eval"]:  # `python -m kvstitch.cli.eval ...` runs the same command
         args = ["eval", *args]

@@ -24,7 +24,7 @@ app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True)
 
-ModelOpt = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b), HF directory or .gguf file")
+ModelOpt = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), HF directory or .gguf file")
 StoreOpt = typer.Option(None, "--store", help="chunk store: a directory, redis://host:port/db, or none (memory)")
 
 

@@ -25,7 +25,7 @@ def index_command(
     docs_dir: Path = typer.Argument(..., help="directory of .txt / .md documents"),
     collection: str = typer.Option(..., "--collection", help="collection name"),
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="embedded name (smollm2, gemma3, qwen2.5-0.5b), HF directory or .gguf file"),
+                                        help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), HF directory or .gguf file"),
     store: Optional[str] = typer.Option(None, "--store", help="chunk store: a directory or redis://host:port/db"),
     collections_dir: Optional[Path] = typer.Option(
         None, "--collections-dir", help="where collections live (default: STORE/collections or "

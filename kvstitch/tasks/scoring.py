@@ -97,6 +97,44 @@ def answer_correct(pred: str, refs: Sequence[str]) -> bool:
     return any(f" {normalize_answer(r)} " in p for r in refs if normalize_answer(r))
 
 
+# ---- SQuAD's official EM / F1 (evaluate-v2.0.py), an abstention being the empty answer ------------------
+
+def _squad_pred(pred: str) -> str:
+    from .squad import abstains
+
+    return "" if abstains(pred) else normalize_answer(first_line(pred))
+
+
+def _squad_f1_one(pred: str, gold: str) -> float:
+    p, g = pred.split(), normalize_answer(gold).split()
+    if not p or not g:  # unanswerable gold (or an empty reply): right only when both are empty
+        return float(p == g)
+    return _f1(p, g)
+
+
+def squad_f1(pred: str, refs: Sequence[str]) -> float:
+    """SQuAD's F1 on the answer's first line, best over the gold answers; no gold answers = unanswerable,
+    where only an abstention scores 1."""
+    p = _squad_pred(pred)
+    return max(_squad_f1_one(p, r) for r in (refs or [""]))
+
+
+def squad_em(pred: str, refs: Sequence[str]) -> float:
+    """SQuAD's exact match on the answer's first line (no gold answers: 1 for an abstention)."""
+    p = _squad_pred(pred)
+    return float(any(p == normalize_answer(r) for r in (refs or [""])))
+
+
+def squad_correct(pred: str, refs: Sequence[str]) -> bool:
+    """Right: a gold answer as whole words in the first line (`answer_correct`), or, for an unanswerable
+    question, an abstention."""
+    from .squad import abstains
+
+    if not refs:
+        return abstains(pred)
+    return not abstains(pred) and answer_correct(pred, refs)
+
+
 def scorer_for(task: str) -> Scorer:
     """The registered scorer, else RULER's rule by family: `qa*`/`two_hop*` -> part, everything else -> all."""
     if task in SCORERS:

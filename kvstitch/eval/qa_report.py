@@ -1,0 +1,170 @@
+"""What a RAG user asks of the fast path on questions the model can answer (SQuAD rows, `kvstitch.tasks.squad`).
+
+- `answers_table`: per method and ratio, of the questions full prefill answers correctly, the share the method
+  still answers correctly ("answers kept"), with a 95% bootstrap interval; the same answer as full prefill's
+  (SQuAD-normalised first line, on every question); F1 and EM as % of full prefill's; the TTFT speed-up.
+- `abstention_table` (SQuAD v2.0): where full prefill abstains on an unanswerable question, how often the method
+  abstains too, and how often it invents an answer.
+- `paired_kept_table`: every two methods at one ratio, on the questions full prefill answers correctly and both
+  ran: the difference in answers kept, paired, with its interval (a method "ahead" needs the interval above 0).
+- `plot_kept_by_position`: answers kept against the gold passage's position (lost in the middle).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstitch.tasks.scoring import first_line, normalize_answer
+
+from .report import (REFERENCES, _figure, _fmt, _mean, _palette, _ratio_cell, _ratio_of_means, _save,
+                     bootstrap_mean_ci, fmt_ci, method_key, norm_ratio, ratio_key, sample_key)
+
+
+def is_squad(rows: Sequence[dict]) -> bool:
+    return any("answerable" in r for r in rows)
+
+
+def same_answer(pred: str, reference: str) -> bool:
+    """The same answer once SQuAD-normalised (first line: case, punctuation, articles, spaces)."""
+    return normalize_answer(first_line(pred)) == normalize_answer(first_line(reference))
+
+
+def _by_method(rows: Sequence[dict]) -> tuple[dict, dict[tuple, list[dict]]]:
+    full = {sample_key(r): r for r in rows if r.get("method") == "full"}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("correct") is not None and sample_key(r) in full:
+            groups[(r.get("method"), norm_ratio(str(r.get("method")), r.get("ratio")))].append(r)
+    return full, groups
+
+
+def _order(groups):
+    return sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1])))
+
+
+def _pct_of_full(g: list[dict], full: dict, field: str) -> str:
+    ours = _mean(x.get(field) for x in g)
+    theirs = _mean(full[sample_key(x)].get(field) for x in g)
+    return "–" if not theirs or math.isnan(theirs) else f"{100 * ours / theirs:.0f}%"
+
+
+def answers_table(rows: Sequence[dict]) -> str:
+    full, groups = _by_method([r for r in rows if r.get("answerable", True)])
+    lines = ["| method | ratio | n | full right | answers kept | same answer as full | F1 % of full | EM % of full | "
+             "TTFT speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+    for key in _order(groups):
+        g = groups[key]
+        m, ratio = key
+        right = [x for x in g if full[sample_key(x)].get("correct")]
+        kept = [float(bool(x["correct"])) for x in right]
+        same = [float(same_answer(x.get("pred", ""), full[sample_key(x)].get("pred", ""))) for x in g]
+        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | {len(right)} | "
+                     f"{fmt_ci(_mean(kept), bootstrap_mean_ci([kept]), 2)} | "
+                     f"{fmt_ci(_mean(same), bootstrap_mean_ci([same]), 2)} | {_pct_of_full(g, full, 'score')} | "
+                     f"{_pct_of_full(g, full, 'em')} | "
+                     f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+def abstention_table(rows: Sequence[dict]) -> str:
+    """'' when the rows hold no unanswerable question."""
+    unans = [r for r in rows if r.get("answerable") is False]
+    if not unans:
+        return ""
+    full, groups = _by_method(unans)
+    lines = ["| method | ratio | unanswerable | full abstains | abstentions kept | answers invented |",
+             "|---|---|---|---|---|---|"]
+    for key in _order(groups):
+        g = groups[key]
+        m, ratio = key
+        abstained = [x for x in g if full[sample_key(x)].get("abstained")]
+        kept = [float(bool(x.get("abstained"))) for x in abstained]
+        invented = [1.0 - k for k in kept]
+        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | {len(abstained)} | "
+                     f"{fmt_ci(_mean(kept), bootstrap_mean_ci([kept]), 3)} | "
+                     f"{fmt_ci(_mean(invented), bootstrap_mean_ci([invented]), 3)} |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_kept_table(rows: Sequence[dict]) -> str:
+    """A - B in answers kept at each fixed ratio, paired on the questions full prefill gets right."""
+    full, groups = _by_method([r for r in rows if r.get("answerable", True)])
+    by = {k: {sample_key(x): float(bool(x["correct"])) for x in g if full[sample_key(x)].get("correct")}
+          for k, g in groups.items() if k[0] not in REFERENCES}
+    lines = ["| ratio | A | B | n | kept A | kept B | A - B |", "|---|---|---|---|---|---|---|"]
+    keys = _order(by)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            if a[1] != b[1] or a[1] == "auto":
+                continue
+            common = sorted(set(by[a]) & set(by[b]))
+            if len(common) < 2:
+                continue
+            diff = [by[a][s] - by[b][s] for s in common]
+            lines.append(f"| {_ratio_cell(a[1])} | {a[0]} | {b[0]} | {len(common)} | "
+                         f"{_mean(by[a][s] for s in common):.2f} | {_mean(by[b][s] for s in common):.2f} | "
+                         f"{fmt_ci(_mean(diff), bootstrap_mean_ci([diff]), 2)} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
+def plot_kept_by_position(rows: Sequence[dict], path: str | os.PathLike, bins: int = 5) -> Path:
+    """Answers kept (of full prefill's right answers) against the gold passage's relative position, one line per
+    method at its lowest fixed ratio and at 0.2, full prefill's own accuracy by position beside them."""
+    full, groups = _by_method([r for r in rows if r.get("answerable", True) and r.get("depth") is not None])
+    if not groups:
+        raise ValueError("no SQuAD rows with a gold position to plot")
+
+    def b(d: float) -> int:
+        return min(bins - 1, int(float(d) * bins))
+
+    fig = _figure(6.4, 4.2)
+    ax = fig.subplots()
+    xs = [(i + 0.5) / bins for i in range(bins)]
+    acc = defaultdict(list)
+    for x in full.values():
+        if x.get("depth") is not None and x.get("answerable", True):
+            acc[b(x["depth"])].append(float(bool(x["correct"])))
+    ax.plot(xs, [_mean(acc[i]) for i in range(bins)], color="black", linestyle="--", marker="s",
+            label="full prefill: accuracy")
+    palette = _palette()
+    for k, key in enumerate(_order(groups)):
+        m, ratio = key
+        if m in REFERENCES and m != "naive":
+            continue
+        cells = defaultdict(list)
+        for x in groups[key]:
+            if full[sample_key(x)].get("correct"):
+                cells[b(x["depth"])].append(float(bool(x["correct"])))
+        label = m if ratio is None else f"{m} {ratio if ratio == 'auto' else f'{ratio:g}'}"
+        ax.plot(xs, [_mean(cells[i]) for i in range(bins)], marker="o", color=palette[k % len(palette)],
+                label=label, linewidth=1.2)
+    ax.set_xlabel("gold passage position (0 = first, 1 = last)")
+    ax.set_ylabel("answers kept (of full prefill's right answers)")
+    ax.set_ylim(-0.03, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def squad_sections(rows: Sequence[dict], out: Path, name: str) -> tuple[list[str], dict[str, Path]]:
+    """The summary's SQuAD sections and the position plot."""
+    parts = ["Answers kept: of the questions full prefill answers correctly, the share the method still answers "
+             "correctly. Same answer: SQuAD-normalised first line equal to full prefill's, over every answerable "
+             "question. F1 / EM: SQuAD's official scores, as % of full prefill's on the same questions.", "",
+             answers_table(rows), ""]
+    ab = abstention_table(rows)
+    if ab:
+        parts += ["Unanswerable questions (SQuAD v2.0): where full prefill abstains, does the method abstain too, "
+                  "or invent an answer?", "", ab, ""]
+    paired = paired_kept_table(rows)
+    if paired:
+        parts += ["Answers kept, two methods paired on the questions full prefill gets right:", "", paired, ""]
+    written = {}
+    if any(r.get("depth") is not None and r.get("method") == "full" for r in rows):
+        written[f"kept_by_position_{name}"] = plot_kept_by_position(rows, out / f"kept_by_position_{name}.png")
+        parts += [f"![answers kept by gold position](kept_by_position_{name}.png)", ""]
+    return parts, written
