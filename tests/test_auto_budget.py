@@ -259,3 +259,65 @@ def test_short_prompt_probability_of_a_guess_equals_a_full_prefill_of_prompt_and
     assert p.shape == (len(guess),) and torch.allclose(p, want, rtol=1e-4, atol=1e-6)
     assert short.probs_given([]).numel() == 0
     assert short.greedy_given([]) == own  # the cache is left reusable
+
+
+def test_verification_chunks_by_attention_and_by_order(smollm_tokenizer):
+    """``verify_by="attention"``: the chunks holding most of the tokens the stitched pass selected (ties: the
+    earlier one), in prompt order; ``"order"``: the first m (a retriever's best); pinned chunks always kept."""
+    from kvstitch.core.prompt import PromptLayout
+    from kvstitch.engine.budget import verification_chunks
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    starts = torch.tensor([0] + [c.numel() for c in layout.chunk_ids]).cumsum(0)
+    picked = torch.cat([starts[5] + torch.arange(3), starts[1] + torch.arange(2), starts[3] + torch.arange(1),
+                        starts[6] - 1 + torch.arange(1)])  # 3 in chunk 5, 2 in 1, 1 in 3, 1 at chunk 5's end
+    assert verification_chunks(eng, layout, 1, "attention", picked) == [5]
+    assert verification_chunks(eng, layout, 2, "attention", picked) == [1, 5]
+    assert verification_chunks(eng, layout, 2, "order") == [0, 1]
+    pinned = PromptLayout(layout.prefix_ids, layout.chunk_ids, layout.suffix_ids, pinned=1, question=layout.question)
+    assert verification_chunks(eng, pinned, 1, "order") == [0, 1]
+    assert verification_chunks(eng, pinned, 1, "attention", picked) == [0, 5]
+    with pytest.raises(InputError, match="verify_by"):
+        AutoBudget(verify_by="bm26")
+    with pytest.raises(InputError, match="accept"):
+        AutoBudget(accept="maybe")
+
+
+def test_attention_verification_prefills_the_chunks_the_first_round_selects(smollm_tokenizer, monkeypatch):
+    import kvstitch.engine.budget as budget
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    seen = {}
+    real = budget.verification_chunks
+
+    def spy(engine, layout, m, by="bm25", selected=None):
+        seen.update(by=by, selected=None if selected is None else selected.clone(), n=layout.n_context)
+        return real(engine, layout, m, by, selected)
+
+    monkeypatch.setattr(budget, "verification_chunks", spy)
+    opts = {"min_context": 0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 2, "verify_by": "attention"}
+    res = _gen(eng, auto=opts)
+    assert seen["by"] == "attention" and seen["selected"].numel() == round(0.2 * seen["n"])
+    layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
+    fixed = eng.prefill(layout, "prophet", 0.2, 8)
+    assert torch.equal(seen["selected"].sort().values, fixed.indices.cpu().sort().values)
+    assert res.stats["verify"]["chunks"] == real(eng, layout, 2, "attention", seen["selected"])
+
+
+def test_answer_level_acceptance_ignores_wording(smollm_tokenizer, monkeypatch):
+    """``accept="answer"``: a round is verified when the SQuAD-normalised first lines agree ("The Reyne Tower."
+    and "reyne tower"), which the 12-word test refuses when the wording after the first line differs."""
+    import kvstitch.engine.budget as budget
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    opts = {"min_context": 0, "tol": 0.0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 1}
+    probe_text = budget._text(eng, _gen(eng, auto={**opts, "verify_chunks": 0}).stats["round_log"][0]["probe"])
+    first = probe_text.strip().splitlines()[0] if probe_text.strip() else ""
+    says = f"{first.upper()}!\nsomething else entirely, said at length"
+    monkeypatch.setattr(budget.ShortPrompt, "answer_given", lambda self, guess: says)
+    words = _gen(eng, auto=opts).stats["round_log"][0]["verified"]
+    answer = _gen(eng, auto={**opts, "accept": "answer"}).stats["round_log"][0]["verified"]
+    from kvstitch.tasks.agreement import first_words_agree, same_answer
+    assert answer is same_answer(probe_text, says) and words is first_words_agree(probe_text, says)
+    assert same_answer("The Reyne Tower.", "reyne tower\nbuilt in 1887") and not same_answer("Reyne", "Tower")

@@ -49,16 +49,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
 
 from kvstitch.core.errors import BadRatio, InputError
-from kvstitch.tasks.agreement import first_words_agree
+from kvstitch.tasks.agreement import first_words_agree, same_answer
 
 AUTO = "auto"
 MODES = ("incremental", "refresh")
+VERIFY_BY = ("bm25", "attention", "order")  # how the verification's short prompt picks its chunks
+ACCEPT = ("words", "answer")  # what "the same answer" means for verification
 DEFAULT_SCHEDULE = (0.05, 0.1)  # probe cheaply, then stitched or full prefill: docs/design.md
 
 
@@ -75,10 +77,15 @@ class AutoBudget:
     min_context: int = 1024  # shorter contexts: full prefill directly (rounds + probe would cost more than it)
     min_p: float | None = None  # confidence signal: accept a round whose probe tokens all have p >= min_p
     verify_chunks: int = 0  # > 0: accept a round only if a full prefill over this many top chunks agrees
+    verify_by: str = "bm25"  # those chunks: BM25 against the question, the stitched pass's own selection
+    #                          ("attention": the chunks holding most of the first round's recomputed tokens),
+    #                          or the first ones in prompt order ("order": a retriever's ranking)
+    accept: str = "words"  # verified when the first 12 words agree, or ("answer") the SQuAD-normalised first
+    #                        lines are equal: the answer, not its wording
 
     # options added after the first eval logs, with the value that switches them off: an eval's protocol leaves
     # them out when off, so those logs resume (kvstitch.eval.runner.EvalConfig.protocol)
-    OFF: ClassVar[dict] = {"min_p": None, "verify_chunks": 0}
+    OFF: ClassVar[dict] = {"min_p": None, "verify_chunks": 0, "verify_by": "bm25", "accept": "words"}
 
     def __post_init__(self):
         sched = tuple(float(r) for r in self.schedule)
@@ -101,6 +108,10 @@ class AutoBudget:
             raise InputError(f"auto verify_chunks must be an integer >= 0, got {self.verify_chunks!r}")
         if self.mode not in MODES:
             raise InputError(f"auto mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.verify_by not in VERIFY_BY:
+            raise InputError(f"auto verify_by must be one of {', '.join(VERIFY_BY)}, got {self.verify_by!r}")
+        if self.accept not in ACCEPT:
+            raise InputError(f"auto accept must be one of {', '.join(ACCEPT)}, got {self.accept!r}")
 
     @classmethod
     def of(cls, value: "AutoBudget | dict | None") -> "AutoBudget":
@@ -109,8 +120,7 @@ class AutoBudget:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {"schedule", "max_ratio", "tol", "probe_tokens", "patience", "mode", "min_context", "min_p",
-                     "verify_chunks"}
+            known = {f.name for f in fields(cls)}
             if set(value) - known:
                 raise InputError(f"unknown auto option(s) {sorted(set(value) - known)}; known: {', '.join(sorted(known))}")
             return cls(**{k: tuple(v) if k == "schedule" else v for k, v in value.items()})
@@ -187,15 +197,26 @@ class Reference:
     n_context: int  # context tokens prefilled
 
 
-def verification_chunks(engine, layout, m: int) -> list[int]:
-    """The pinned chunks plus the ``m`` others whose text scores highest by BM25 against the question,
-    in prompt order."""
-    from kvstitch.core.bm25 import BM25
-
-    question = layout.question or engine.tokenizer.decode(layout.suffix_ids, skip_special_tokens=True)
+def verification_chunks(engine, layout, m: int, by: str = "bm25", selected: torch.Tensor | None = None) -> list[int]:
+    """The pinned chunks plus ``m`` others, in prompt order: those whose text scores highest by BM25 against
+    the question (``by="bm25"``), those holding most of the context indices ``selected`` (``"attention"``: the
+    tokens the stitched pass chose to recompute, i.e. where the question's attention went), or the first ``m``
+    (``"order"``: the retriever's ranking, when it put its best first)."""
     free = list(range(layout.pinned, len(layout.chunk_ids)))
-    texts = [engine.tokenizer.decode(layout.chunk_ids[i], skip_special_tokens=True) for i in free]
-    scores = BM25(texts).scores(question)
+    if by == "order":
+        return list(range(layout.pinned)) + free[:m]
+    if by == "attention":
+        if selected is None:
+            raise ValueError("verification by attention needs the selected context indices")
+        ends = torch.tensor([c.numel() for c in layout.chunk_ids]).cumsum(0)
+        owner = torch.bucketize(selected.cpu(), ends, right=True)
+        scores = torch.bincount(owner, minlength=len(layout.chunk_ids))[layout.pinned:].float()
+    else:
+        from kvstitch.core.bm25 import BM25
+
+        question = layout.question or engine.tokenizer.decode(layout.suffix_ids, skip_special_tokens=True)
+        texts = [engine.tokenizer.decode(layout.chunk_ids[i], skip_special_tokens=True) for i in free]
+        scores = BM25(texts).scores(question)
     top = torch.argsort(scores, descending=True, stable=True)[:m].tolist()  # ties: the earlier chunk
     return list(range(layout.pinned)) + sorted(free[j] for j in top)
 
@@ -209,11 +230,11 @@ class ShortPrompt:
     of decoding the short prompt's answer token by token."""
 
     @torch.no_grad()
-    def __init__(self, engine, layout, m: int, n_probe: int):
+    def __init__(self, engine, layout, m: int, n_probe: int, chunks: list[int] | None = None):
         from kvstitch.core.prompt import PromptLayout
 
         self.engine, self.n_probe = engine, n_probe
-        self.chunks = verification_chunks(engine, layout, m)
+        self.chunks = verification_chunks(engine, layout, m) if chunks is None else chunks
         self.layout = PromptLayout(layout.prefix_ids, [layout.chunk_ids[i] for i in self.chunks], layout.suffix_ids,
                                    [layout.order[i] for i in self.chunks], layout.pinned, layout.question)
         self.cache, logits = engine.full_prefill(self.layout, extra=n_probe)
@@ -286,20 +307,23 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
     rounds = auto.rounds()
     short: ShortPrompt | None = None
-    if auto.verify_chunks:
-        if len(layout.chunk_ids) - layout.pinned <= auto.verify_chunks:  # the short prompt would be the whole
-            stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
-            return None
-        t0 = time.perf_counter()
-        short = ShortPrompt(engine, layout, auto.verify_chunks, n_probe)
-        stats["verify"] = {"chunks": [layout.order[i] for i in short.chunks], "answer": None,
-                           "seconds": time.perf_counter() - t0}
+    if auto.verify_chunks and len(layout.chunk_ids) - layout.pinned <= auto.verify_chunks:
+        # the short prompt would be the whole prompt
+        stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
+        return None
     kvs = engine.chunk_kvs(layout, stats)
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
                            precompute=engine.precompute_mode)
     ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
     layout, cache = ctx.layout, ctx.cache
+    if auto.verify_chunks:
+        t0 = time.perf_counter()
+        chunks = verification_chunks(engine, layout, auto.verify_chunks, auto.verify_by,
+                                     ranking(round(rounds[0] * n)) if auto.verify_by == "attention" else None)
+        short = ShortPrompt(engine, layout, auto.verify_chunks, n_probe, chunks)
+        stats["verify"] = {"chunks": [layout.order[i] for i in short.chunks], "answer": None,
+                           "seconds": time.perf_counter() - t0}
     plan = recompute_plan(ctx) if recompute_plan is not None else None
     c0, c1 = layout.context_start, layout.context_end
     # refresh mode restores the stitched K/V of earlier rounds' tokens before recomputing them again
@@ -358,7 +382,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
             ref = short.answer_given(probe.tokens)  # the short prompt's greedy answer
             stats["verify"].update(answer=ref, seconds=round(stats["verify"]["seconds"] + time.perf_counter() - t0, 4))
             entry["answer"] = _text(engine, probe.tokens)
-            entry["verified"] = first_words_agree(entry["answer"], ref)
+            entry["verified"] = same_answer(entry["answer"], ref) if auto.accept == "answer" \
+                else first_words_agree(entry["answer"], ref)
         log.append(entry)
         prev = probe
         if entry["verified"] if short is not None else (streak >= auto.patience or confident):

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstitch.tasks.scoring import first_line, normalize_answer
+from kvstitch.tasks.agreement import same_answer
 
 from .report import (REFERENCES, _figure, _fmt, _mean, _palette, _ratio_cell, _ratio_of_means, _save,
                      bootstrap_mean_ci, fmt_ci, method_key, norm_ratio, ratio_key, sample_key)
@@ -26,11 +26,6 @@ from .report import (REFERENCES, _figure, _fmt, _mean, _palette, _ratio_cell, _r
 
 def is_squad(rows: Sequence[dict]) -> bool:
     return any("answerable" in r for r in rows)
-
-
-def same_answer(pred: str, reference: str) -> bool:
-    """The same answer once SQuAD-normalised (first line: case, punctuation, articles, spaces)."""
-    return normalize_answer(first_line(pred)) == normalize_answer(first_line(reference))
 
 
 def _by_method(rows: Sequence[dict]) -> tuple[dict, dict[tuple, list[dict]]]:

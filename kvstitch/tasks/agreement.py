@@ -2,7 +2,8 @@
 
 `first_words_agree`: the first ``words`` (12) whitespace words match exactly, after normalising case and
 surrounding punctuation — the check a user would make reading both answers side by side. Answers shorter
-than ``words`` must match whole. `first_token_agree`: the first generated token ids are equal.
+than ``words`` must match whole. `same_answer`: the SQuAD-normalised first lines are equal (short answers).
+`first_token_agree`: the first generated token ids are equal.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ def _words(text: str, n: int) -> list[str]:
 
 def first_words_agree(text: str, reference: str, words: int = WORDS) -> bool:
     return _words(text, words) == _words(reference, words)
+
+
+def same_answer(text: str, reference: str) -> bool:
+    """The same answer once SQuAD-normalised: the first lines equal after lower-casing and dropping
+    punctuation, articles and extra spaces (a short answer judged by what it says, not how)."""
+    from .scoring import first_line, normalize_answer
+
+    return normalize_answer(first_line(text)) == normalize_answer(first_line(reference))
 
 
 def first_token_agree(tokens, reference_tokens) -> bool:
