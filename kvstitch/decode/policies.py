@@ -149,7 +149,8 @@ class BoundPolicy(DecodePolicy):
             return per_head.amax(dim=-2)
         if self.group_reduce == "softmax":
             scale = scaling if scaling is not None else head_dim ** -0.5
-            return (per_head * scale).softmax(dim=-1).mean(dim=-2)
+            # log of the group's summed softmax: ranks as the mean does, without ties where exp underflows
+            return (per_head * scale).log_softmax(dim=-1).logsumexp(dim=-2)
         return per_head.mean(dim=-2) if self.group_reduce == "mean" else per_head.sum(dim=-2)
 
     def page_scores(self, q, kmin, kmax, first_page, scaling=None):
