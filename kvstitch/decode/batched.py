@@ -22,6 +22,7 @@ working-set layers, and rows whose shapes differ from the first row's.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -160,12 +161,24 @@ def _page_table(rows: list[_Row], q: torch.Tensor, dev) -> torch.Tensor:
     return torch.where(j < n_pages, table, 0)
 
 
+_BUFFERS = threading.local()  # per thread (a server worker, a bench): its gather buffer, reused
+
+
+def _buffer(numel: int, dtype, dev) -> torch.Tensor:
+    """A reused flat buffer of at least ``numel`` elements: a fresh multi-MB tensor per layer and step would be
+    an mmap and its page faults each time (CPU), costing more than the gather itself."""
+    buf = getattr(_BUFFERS, "buf", None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(dev):
+        buf = _BUFFERS.buf = torch.empty(numel, dtype=dtype, device=dev)
+    return buf[:numel]
+
+
 def _gather(rows: list[_Row], pages: torch.Tensor, H: int, M: int, P: int, D: int, dtype, dev):
     """K and V ``[B * Hkv, M * P, D]`` of every row's page table: one ``index_select`` per row and kind,
     from the host pool (``direct``) or, after fetching the misses, the device pool (``pool``)."""
     B = len(rows)
-    keys = torch.empty(B, H * M, P, D, dtype=dtype, device=dev)
-    values = torch.empty_like(keys)
+    buf = _buffer(2 * B * H * M * P * D, dtype, dev).view(2, B, H * M, P, D)
+    keys, values = buf[0], buf[1]
     heads = torch.arange(H, device=dev).view(1, H, 1)
     index = (pages * H + heads).view(B, H * M)
     table = None
