@@ -113,6 +113,19 @@ def test_mixed_policies_in_one_batch_with_fallback_rows():
     tw.check_stats()
 
 
+def test_rows_copied_on_several_threads_equal_the_reference():
+    """With several intra-op threads the rows' gathers are split over threads (tiny sizes: a correctness
+    check, not a timing)."""
+    have = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tw = Twins([("prkv", {}), ("quest", {"offload": "pool"}), ("quest", {})], [45, 60, 80], seed=5)
+        assert tw.run([4, 4, 4]) < 1e-5
+    finally:
+        torch.set_num_threads(have)
+    tw.check_stats()
+
+
 def test_diagnostic_rows_record_the_same_recall():
     tw = Twins([("prkv", {}), ("quest", {}), ("full", {})], [50, 70, 90], seed=3)
     for dec in tw.ref + tw.bat:

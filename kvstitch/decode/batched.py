@@ -181,18 +181,47 @@ def _gather(rows: list[_Row], pages: torch.Tensor, H: int, M: int, P: int, D: in
     keys, values = buf[0], buf[1]
     heads = torch.arange(H, device=dev).view(1, H, 1)
     index = (pages * H + heads).view(B, H * M)
-    table = None
-    for r in rows:
-        dec, st = r.dec, r.st
+    table = pages.cpu() if any(not r.dec.direct for r in rows) else None
+
+    def copy(row: _Row) -> None:
+        dec, st = row.dec, row.st
         if dec.direct:
-            src_k, src_v, idx = st.host.flat(K), st.host.flat(V), index[r.index]
+            src_k, src_v, idx = st.host.flat(K), st.host.flat(V), index[row.index]
         else:  # the pool tier: the row's distinct pages resident first (one batched transfer of the misses)
-            table = pages.cpu() if table is None else table
             dec._clock += 1
-            slots = st.device.fetch(table[r.index, :, : r.n_pages], st.host, dec.transfer, dec._clock)
-            slots = torch.cat([slots, slots[:, :1].expand(H, M - r.n_pages)], dim=1).to(dev)
+            slots = st.device.fetch(table[row.index, :, : row.n_pages], st.host, dec.transfer, dec._clock)
+            slots = torch.cat([slots, slots[:, :1].expand(H, M - row.n_pages)], dim=1).to(dev)
             idx = (slots * H + heads[0]).flatten()
             src_k, src_v = (st.device.data[:, :, kind].flatten(0, 1) for kind in (K, V))
-        torch.index_select(src_k, 0, idx, out=keys[r.index])
-        torch.index_select(src_v, 0, idx, out=values[r.index])
+        torch.index_select(src_k, 0, idx, out=keys[row.index])
+        torch.index_select(src_v, 0, idx, out=values[row.index])
+
+    _each_row(rows, copy, dev)
     return keys.view(B * H, M * P, D), values.view(B * H, M * P, D)
+
+
+def _each_row(rows: list[_Row], fn, dev) -> None:
+    """``fn(row)`` for every row; on a CPU with several intra-op threads the rows are split over that many
+    threads, each single-threaded (one row's copy is too small to split well; the rows write disjoint
+    slices of the buffers), as `decoder.attend_rows` splits whole rows."""
+    from .decoder import _row_pool
+
+    threads = torch.get_num_threads()
+    if len(rows) < 2 or threads < 2 or torch.device(dev).type != "cpu":
+        for r in rows:
+            fn(r)
+        return
+    workers = min(threads, len(rows))
+
+    def run(share):
+        for r in share:
+            fn(r)
+
+    torch.set_num_threads(1)
+    try:
+        futures = [_row_pool(workers - 1).submit(run, rows[w::workers]) for w in range(1, workers)]
+        run(rows[::workers])
+        for f in futures:
+            f.result()
+    finally:
+        torch.set_num_threads(threads)
