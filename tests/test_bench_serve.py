@@ -70,8 +70,13 @@ def test_bench_serve_long_context_sparse_vs_dense(smollm_tokenizer, tmp_path):
     assert dense["recall"] != dense["recall"] and dense["selected_fraction"] != dense["selected_fraction"]  # NaN
     assert 0.0 < sparse["recall"] <= 1.0 + 1e-6 and 0.0 < sparse["selected_fraction"] < 1.0
     assert rows[0]["vs_dense"] == 1.0 and rows[4]["decode_batch"] >= 1.0
+    # the bytes-read bound beside each sparse row: its mean batch, context + half the answer, k + window
+    assert "bound" not in dense and sparse["bound_batch"] == sparse["decode_batch"] and sparse["bound_context"] == 603
+    assert sparse["bound_attended"] == 128 + 64 and sparse["bound"] > 1.0
+    assert sparse["bound"] == pytest.approx(sparse["bound_dense_bytes"] / sparse["bound_sparse_bytes"])
     table = serve_table(rows)
     assert table.count("\n") == 1 + len(rows) and "prkv" in table and "recall" in table.splitlines()[0]
+    assert "bytes bound" in table.splitlines()[0] and f"| {sparse['bound']:.2f} |" in table
 
 
 def test_bench_serve_refuses_bad_sweeps(smollm_tokenizer):

@@ -42,6 +42,11 @@ def test_rows_for_every_policy_and_budget_and_dense_budget_recall_is_one(family,
             assert r["recall"] < 1.0 and r["mean_selected_tokens"] <= 96 + 64  # k + the local window
             assert r["tpot_ms"] > 0 and r["tpot_vs_full"] > 0 and r["niah_n"] == 2
             assert r["tpot_vs_full"] == pytest.approx(r["tpot_ms"] / r["full_tpot_ms"])
+            # the TPOT-ratio floor of the bytes read: weights + k + window tokens over weights + the cache
+            assert r["bound_attended"] == 96 + 64 and 0 < r["bound_tpot"] < 1
+            assert r["bound_context"] == meta["prompt_tokens"] + 2  # + half the 4 decode steps
+    assert rows[1]["bound_tpot"] == pytest.approx(rows[2]["bound_tpot"])  # the floor row attends as many
+    assert "bytes bound" in decode_table(rows, meta)
     assert "| prkv | 96 |" in decode_table(rows, meta) and "counted as the PRKV paper counts it" in decode_table(rows, meta)
     assert meta["observation_window"] == 64 and meta["page_size"] == 8
     assert len(meta["reference_tokens"]) == 5

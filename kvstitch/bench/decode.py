@@ -358,6 +358,22 @@ def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], 
     return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
 
 
+def _add_bounds(engine, rows: list[dict], plan: _Plan, context: int) -> None:
+    """The bytes-read floor of each sparse row's TPOT ratio (`kvstitch.bench.bound`, batch 1, a cache of the
+    prompt + half the decode): ``bound_tpot`` (and the ``bound_*`` bytes) beside ``tpot_vs_full``."""
+    from .bound import bytes_bound, model_bytes
+
+    m = model_bytes(engine)
+    for r in rows:
+        if r["policy"] == "full":
+            continue
+        if r["policy"] == "floor":
+            cap = r["mean_selected_tokens"]
+        else:
+            cap = _probe(engine, r["policy"], r["budget"], plan.opts[r["policy"]]).cap
+        r.update(bytes_bound(m, context, 1, cap, plan.opts.get(r["policy"], {}).get("page_size", 32)))
+
+
 def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEFAULT_BUDGETS,
                        policies: Sequence[str] = DEFAULT_POLICIES, n_niah: int = 5,
                        new_tokens: int = DEFAULT_NEW_TOKENS, *,
@@ -409,6 +425,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
         steps.advance(sum(caps[:n_niah]) * len(policies) * len(dense))
 
     rows = _rows(s, new_tokens, budgets, policies, dense, n_max, times, recall, niah, plan.on_top)
+    _add_bounds(engine, rows, plan, s.n + new_tokens // 2)
     limit = engine.adapter.max_positions
     meta = {"model": engine.adapter.describe(), "device": str(engine.device), "dtype": str(engine.dtype),
             "context_requested": context, "context_tokens": s.layout.n_context, "prompt_tokens": s.n,
@@ -444,20 +461,23 @@ def decode_table(rows: list[dict], meta: dict) -> str:
                  + "; ".join(f"{', '.join(ps)}: {phrase}" for phrase, ps in groups.items()) + ".")
     lines = [head, "",
              "| policy | budget | context | attended | recall | oracle | min | top-1 agree | refreshes | TPOT ms | "
-             "vs full | NIAH | note |",
-             "|" + "---|" * 13]
+             "vs full | bytes bound | NIAH | note |",
+             "|" + "---|" * 14]
     for r in rows:
         lines.append(
             f"| {r['policy']} | {_f(r['budget'], 'd')} | {r['context_tokens']} | "
             f"{_f(r.get('mean_selected_tokens'), '.0f')} | {_f(r['recall'], '.3f')} | "
             f"{_f(r['oracle_recall'], '.3f')} | {_f(r['recall_min'], '.3f')} | {_f(r['top1_agreement'], '.2f')} | "
             f"{_f(r.get('static_refreshes'), 'd')} | "
-            f"{_f(r['tpot_ms'], '.1f')} | {_f(r['tpot_vs_full'], '.2f')} | "
+            f"{_f(r['tpot_ms'], '.1f')} | {_f(r['tpot_vs_full'], '.2f')} | {_f(r.get('bound_tpot'), '.2f')} | "
             f"{_f(r['niah_acc'], '.2f')}{' (%d)' % r['niah_n'] if r['niah_n'] else ''} | {r['note']} |")
     lines += ["", "attended: mean tokens attended per layer and KV head in the recall pass (k + local window at "
               "most); refreshes: static-set re-selections (all layers) during the decode (every T steps); "
               "recall / oracle / min: attention recall (PRKV Eq. 3) of the selection, of the ideal top-k with as "
               "many tokens, and the lowest step x layer x head value, over the layers that select; top-1 agree: "
               "steps where the policy's greedy token equals dense decode's (teacher-forced); TPOT: median decode "
-              "step; vs full: ratio to dense decode measured in the same lockstep pass; NIAH: mean score (samples)."]
+              "step; vs full: ratio to dense decode measured in the same lockstep pass; bytes bound: the lowest vs full "
+              "a step reading only the weights and the attended K/V could reach (weights + k + window tokens over "
+              "weights + the whole cache, float bytes; page boxes, activations and gathers left out); NIAH: mean "
+              "score (samples)."]
     return "\n".join(lines)

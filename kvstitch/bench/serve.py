@@ -19,7 +19,9 @@ decoded alone *with that policy* (its concurrency-1 row when the sweep has one).
 side: TPOT p50/p95 (client side: the time between the first and the last streamed token over the tokens
 between them), the attention recall the server sampled (``recall_sample`` of the sparse passes), the
 selected-token fraction, the peak resident memory of the process during the row and the KV pool's peak
-reservation, and ``vs_dense``: completion tokens/s over dense decode's at the same concurrency.
+reservation, and ``vs_dense``: completion tokens/s over dense decode's at the same concurrency. Beside
+``decode_vs_dense`` stands ``bound``: the bytes-read bound of that speed-up for the row's model, mean decode
+batch, context (+ half the answer) and budget (`kvstitch.bench.bound`; its bytes in the ``bound_*`` fields).
 """
 
 from __future__ import annotations
@@ -306,6 +308,7 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
             for r in rows[:-1]:
                 if r["decode"] == policy and r["concurrency"] == max(concurrency) and base > 0:
                     r["speedup_vs_serial"] = r["completion_tokens_per_s"] / base
+    _add_bounds(engine, rows, context or docs_per_request * doc_tokens, max_tokens, kv_budget)
     dense = {r["concurrency"]: r for r in rows if r["decode"] == DENSE and r["server"].startswith("batched")}
     for r in rows:
         d = dense.get(r["concurrency"])
@@ -315,13 +318,31 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
     return rows
 
 
+def _add_bounds(engine, rows: list[dict], context: int, max_tokens: int, kv_budget: int | None) -> None:
+    """Each sparse row's bytes-read bound (`bench.bound`): at the row's mean decode batch, a cache of the
+    context plus half the answer (its mean length over the decode) and the policy's ``k + window``."""
+    from .bound import bytes_bound, model_bytes
+
+    m = model_bytes(engine)
+    caps: dict[str, int] = {}
+    for r in rows:
+        policy = r.get("decode", DENSE)
+        if policy == DENSE:
+            continue
+        if policy not in caps:
+            caps[policy] = engine._new_decoder(policy, kv_budget).cap
+        batch = r.get("decode_batch")
+        batch = batch if batch is not None and batch == batch else r["concurrency"]
+        r.update(bytes_bound(m, context + max_tokens // 2, batch, caps[policy]))
+
+
 def serve_table(rows: list[dict]) -> str:
     sparse = any(r.get("decode", DENSE) != DENSE for r in rows)
     head = ("| server | decode | concurrency | requests | answered | req/s | completion tok/s | TTFT p50 (s) | "
             "TTFT p95 (s) | TPOT p50 (s) | TPOT p95 (s) | 429 rate | prefill batch | decode batch | equal to alone | "
             "vs serial |")
     extra = (" decode tok/s | recall | selected | peak RSS (GiB) | KV pool peak (GiB) | pool waits | vs dense | "
-             "decode vs dense |") if sparse else ""
+             "decode vs dense | bytes bound |") if sparse else ""
     cols = head.count("|") - 1 + extra.count("|")
     lines = [head + extra, "|" + "---|" * cols]
 
@@ -342,6 +363,7 @@ def serve_table(rows: list[dict]) -> str:
             line += (f" {num(r.get('decode_tok_per_s'), '.2f')} | {num(r.get('recall'), '.3f')} | "
                      f"{num(r.get('selected_fraction'), '.3f')} | {num(gib(r.get('peak_rss_bytes')), '.2f')} | "
                      f"{num(gib(r.get('kv_pool_peak_bytes')), '.2f')} | {r.get('kv_pool_waits', 0)} | "
-                     f"{num(r.get('vs_dense'), '.2f')} | {num(r.get('decode_vs_dense'), '.2f')} |")
+                     f"{num(r.get('vs_dense'), '.2f')} | {num(r.get('decode_vs_dense'), '.2f')} | "
+                     f"{num(r.get('bound'), '.2f')} |")
         lines.append(line)
     return "\n".join(lines)

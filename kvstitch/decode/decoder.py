@@ -321,7 +321,8 @@ class SparseDecoder:
         if plan.n_dynamic == 0:
             return torch.cat([front, local], dim=1)
         box = st.bounds.boxes(plan.front, plan.local_start)
-        scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front)
+        scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front,
+                                         self.scaling)
         dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
         return torch.cat([front, dynamic, local], dim=1)
 

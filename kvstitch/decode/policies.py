@@ -29,6 +29,7 @@ from kvstitch.core.errors import BadDecodeOption, UnknownDecodePolicy
 from .scoring import bound_scores, box_scores, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
+GROUP_REDUCES = ("max", "mean", "sum", "softmax")
 
 
 def register(cls: type["DecodePolicy"]) -> type["DecodePolicy"]:
@@ -75,11 +76,40 @@ class DecodePolicy:
         grouped by KV head), boxes ``[Hkv, C, D]`` -> scores ``[Hkv, C]``, higher = attend."""
         raise NotImplementedError
 
-    def box_scores(self, q: torch.Tensor, box: torch.Tensor, first_page: int) -> torch.Tensor:
+    def box_scores(self, q: torch.Tensor, box: torch.Tensor, first_page: int,
+                   scaling: float | None = None) -> torch.Tensor:
         """`page_scores` from `PageBounds.boxes` ``(kmax | -kmin)`` ``[Hkv, C, 2D]`` (what the decoder calls;
-        policies override it with a faster equivalent)."""
+        policies override it with a faster equivalent). ``scaling``: the model's attention scaling (only
+        rankings that pass bounds through a softmax use it; default ``D ** -0.5``)."""
         D = box.shape[-1] // 2
         return self.page_scores(q, -box[..., D:], box[..., :D], first_page)
+
+    def rank_pages(self, q: torch.Tensor, boxes: list[torch.Tensor], first_pages: list[int],
+                   scaling: float | None = None) -> torch.Tensor:
+        """`box_scores` of several rows at once (a batched decode step, `batched.attend_batch`): ``q [b, Hkv,
+        G, D]``, row i's candidate boxes ``boxes[i] [Hkv, C_i, 2D]`` from page ``first_pages[i]`` ->
+        ``[b, Hkv, max C_i]``, ``-inf`` past a row's candidates. Each row's scores are its `box_scores`
+        (this default calls it per row; policies override it with batched ops)."""
+        out = _padded(q, boxes, 1)[:, :, 0]
+        for i, (box, first) in enumerate(zip(boxes, first_pages)):
+            out[i, :, : box.shape[1]] = self.box_scores(q[i], box, first, scaling)
+        return out
+
+
+def _padded(q: torch.Tensor, boxes: list[torch.Tensor], rows_per_head: int) -> torch.Tensor:
+    """``-inf`` scores ``[b, Hkv, rows_per_head, max C_i]`` to fill row by row."""
+    C = max(box.shape[1] for box in boxes)
+    return torch.full((q.shape[0], q.shape[1], rows_per_head, C), float("-inf"), device=q.device)
+
+
+def bound_matmuls(q2: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
+    """`scoring.box_scores` of every row: signed queries ``q2 [b, Hkv, G, 2D]`` (G may be 1: pre-reduced)
+    and row i's boxes ``[Hkv, C_i, 2D]`` -> ``[b, Hkv, G, max C_i]`` (``-inf`` past C_i), one matmul per row
+    written in place (each row's numbers are its own matmul's)."""
+    out = _padded(q2, boxes, q2.shape[2])
+    for i, box in enumerate(boxes):
+        torch.bmm(q2[i], box.transpose(1, 2), out=out[i, :, :, : box.shape[1]])
+    return out
 
 
 @register
@@ -95,29 +125,55 @@ class FullPolicy(DecodePolicy):
 
 @dataclass
 class BoundPolicy(DecodePolicy):
-    """Pages ranked by the bounding-box upper bound Σ max(q·kmin, q·kmax), combined over the query heads
-    of a KV group by ``group_reduce`` ("max": the bound of the group's best head; "mean"; "sum")."""
+    """Pages ranked by the bounding-box upper bound Σ max(q·kmin, q·kmax), one choice per KV head combined
+    over the query heads of its group by ``group_reduce``:
+
+    - "max": the bound of the group's best head (Quest's bound taken over the group);
+    - "mean" / "sum": the mean / sum of the heads' bounds (linear in the query: one matmul);
+    - "softmax": each query head's softmax over the candidate pages (of ``scaling x`` bound, the page's
+      estimated share of that head's attention), averaged over the group: the GQA rule PRKV gives for its
+      static set (Sec. 4.1: score per query head, normalise, then average), applied to the dynamic pages,
+      so a head with large logits cannot outvote the others."""
 
     group_reduce: str = "max"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.group_reduce not in ("max", "mean", "sum"):
-            raise BadDecodeOption(f"{self.name}: group_reduce must be max, mean or sum, got {self.group_reduce!r}")
+        if self.group_reduce not in GROUP_REDUCES:
+            raise BadDecodeOption(f"{self.name}: group_reduce must be one of {', '.join(GROUP_REDUCES)}, "
+                                  f"got {self.group_reduce!r}")
 
-    def page_scores(self, q, kmin, kmax, first_page):
-        per_head = bound_scores(q, kmin, kmax)  # [Hkv, G, C]
+    def reduce_group(self, per_head: torch.Tensor, scaling: float | None, head_dim: int) -> torch.Tensor:
+        """``[..., G, C]`` per query head bounds -> ``[..., C]`` per KV head scores."""
         if self.group_reduce == "max":
-            return per_head.amax(dim=1)
-        return per_head.mean(dim=1) if self.group_reduce == "mean" else per_head.sum(dim=1)
+            return per_head.amax(dim=-2)
+        if self.group_reduce == "softmax":
+            scale = scaling if scaling is not None else head_dim ** -0.5
+            # log of the group's summed softmax: ranks as the mean does, without ties where exp underflows
+            return (per_head * scale).log_softmax(dim=-1).logsumexp(dim=-2)
+        return per_head.mean(dim=-2) if self.group_reduce == "mean" else per_head.sum(dim=-2)
 
-    def box_scores(self, q, box, first_page):
-        q2 = signed_query(q)  # [Hkv, G, 2D]
-        if self.group_reduce == "max":
-            return box_scores(q2, box).amax(dim=1)  # one matmul for every head of the group
-        # the bound is linear in the signed query: reduce the group first, then one [1, 2D] x [2D, C] matmul
-        q2 = q2.mean(dim=1, keepdim=True) if self.group_reduce == "mean" else q2.sum(dim=1, keepdim=True)
-        return box_scores(q2, box)[:, 0]
+    def page_scores(self, q, kmin, kmax, first_page, scaling=None):
+        return self.reduce_group(bound_scores(q, kmin, kmax), scaling, q.shape[-1])  # [Hkv, G, C] -> [Hkv, C]
+
+    def _signed(self, q: torch.Tensor) -> torch.Tensor:
+        """``(relu(q) | relu(-q))`` ``[..., G, 2D]``; for mean / sum already reduced over the group (``G`` = 1):
+        the bound is linear in the signed query, so one ``[1, 2D] x [2D, C]`` matmul per KV head does."""
+        q2 = signed_query(q)
+        if self.group_reduce == "mean":
+            return q2.mean(dim=-2, keepdim=True)
+        return q2.sum(dim=-2, keepdim=True) if self.group_reduce == "sum" else q2
+
+    def _from_bounds(self, per_head: torch.Tensor, scaling: float | None, head_dim: int) -> torch.Tensor:
+        if self.group_reduce in ("mean", "sum"):
+            return per_head[..., 0, :]
+        return self.reduce_group(per_head, scaling, head_dim)
+
+    def box_scores(self, q, box, first_page, scaling=None):
+        return self._from_bounds(box_scores(self._signed(q), box), scaling, q.shape[-1])
+
+    def rank_pages(self, q, boxes, first_pages, scaling=None):
+        return self._from_bounds(bound_matmuls(self._signed(q), boxes), scaling, q.shape[-1])
 
 
 @register
@@ -144,18 +200,22 @@ class ArkValePolicy(BoundPolicy):
     def fixed_tokens(self, page_size):
         return self.sink_pages * page_size, self.window
 
-    def page_scores(self, q, kmin, kmax, first_page):
-        return self._share(super().page_scores(q, kmin, kmax, first_page))
+    def page_scores(self, q, kmin, kmax, first_page, scaling=None):
+        return self._share(super().page_scores(q, kmin, kmax, first_page, scaling))
 
-    def box_scores(self, q, box, first_page):
-        return self._share(super().box_scores(q, box, first_page))
+    def box_scores(self, q, box, first_page, scaling=None):
+        return self._share(super().box_scores(q, box, first_page, scaling))
+
+    def rank_pages(self, q, boxes, first_pages, scaling=None):
+        return self._share(super().rank_pages(q, boxes, first_pages, scaling))
 
     def _share(self, per_kv_head: torch.Tensor) -> torch.Tensor:
-        Hkv, C = per_kv_head.shape  # [Hkv, C] -> the sum over each group of KV heads, repeated
-        if Hkv % self.kv_head_groups:
-            raise BadDecodeOption(f"arkvale: kv_head_groups={self.kv_head_groups} does not divide {Hkv} KV heads")
-        shared = per_kv_head.view(self.kv_head_groups, -1, C).sum(dim=1, keepdim=True)
-        return shared.expand(self.kv_head_groups, Hkv // self.kv_head_groups, C).reshape(Hkv, C)
+        *lead, Hkv, C = per_kv_head.shape  # [..., Hkv, C] -> the sum over each group of KV heads, repeated
+        groups = self.kv_head_groups
+        if Hkv % groups:
+            raise BadDecodeOption(f"arkvale: kv_head_groups={groups} does not divide {Hkv} KV heads")
+        shared = per_kv_head.reshape(*lead, groups, -1, C).sum(dim=-2, keepdim=True)
+        return shared.expand(*lead, groups, Hkv // groups, C).reshape(*lead, Hkv, C)
 
 
 @dataclass
@@ -198,8 +258,16 @@ class SnapKVPolicy(StaticSet, DecodePolicy):
         recency = torch.arange(first_page, first_page + C, device=kmin.device, dtype=torch.float32)
         return recency.expand(kmin.shape[0], C)
 
-    def box_scores(self, q, box, first_page):
+    def box_scores(self, q, box, first_page, scaling=None):
         return self.page_scores(q, box, box, first_page)  # recency only needs the shape
+
+    def rank_pages(self, q, boxes, first_pages, scaling=None):
+        C = max(box.shape[1] for box in boxes)
+        first = torch.tensor(first_pages, device=q.device, dtype=torch.float32).view(-1, 1, 1)
+        count = torch.tensor([box.shape[1] for box in boxes], device=q.device).view(-1, 1, 1)
+        c = torch.arange(C, device=q.device)
+        recency = (first + c).masked_fill(c >= count, float("-inf"))
+        return recency.expand(q.shape[0], q.shape[1], C)
 
 
 @register
@@ -210,7 +278,9 @@ class PRKVPolicy(StaticSet, BoundPolicy):
     T = 128 steps) + dynamic pages by the bounding box + local window (64) + sinks. ``static_ratio="auto"`` chooses S per layer at prefill (App. G)."""
 
     name: ClassVar[str] = "prkv"
-    group_reduce: str = "mean"  # the paper's GQA rule (Sec. 4.1): score per query head, average in the group
+    # per query head bounds averaged in the group (Sec. 4.1 averages per-head scores; "softmax" also
+    # normalises each head's scores first, as the paper does for the static set)
+    group_reduce: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 from kvstitch.core.attention import ForwardPlan, kvstitch_attention
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import InputError
+from kvstitch.decode.batched import attend_batch
 from kvstitch.decode.decoder import attend_rows
 from kvstitch.models import cache_kwargs
 
@@ -54,9 +55,10 @@ class DecodeStep:
 class BatchCache(Cache):
     """A transformers `Cache` over B per-request `StitchCache`s for one batched decode step."""
 
-    def __init__(self, caches: list[StitchCache]):
+    def __init__(self, caches: list[StitchCache], batched_sparse: bool = True):
         super().__init__(layers=caches[0].layers)  # protocol only: every call below is routed per row
         self.caches = caches
+        self.batched_sparse = batched_sparse  # False: each sparse row's lone attend (the reference)
         self.row_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -72,11 +74,12 @@ class BatchCache(Cache):
         tokens its policy selects), as a lone decode step computes it."""
         outs: list = [None] * len(self.row_kv)
         sparse = [i for i, c in enumerate(self.caches) if c.decoder is not None]
-        if sparse:  # the lone path's attention (`kvstitch_attention` with ForwardPlan(decoder=dec)), rows in parallel
+        if sparse:  # one batched sparse attention for the sparse rows (or each row's lone attend)
             scaling = kwargs.get("scaling")
             scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-            got = attend_rows([self.caches[i].decoder for i in sparse], module.layer_idx,
-                              [query[i] for i in sparse], scaling)
+            attend = attend_batch if self.batched_sparse else attend_rows
+            got = attend([self.caches[i].decoder for i in sparse], module.layer_idx,
+                         [query[i] for i in sparse], scaling)
             for i, o in zip(sparse, got):
                 outs[i] = o[None].transpose(1, 2)
         for i, (k, v) in enumerate(self.row_kv):
@@ -89,10 +92,11 @@ class BatchCache(Cache):
 
 
 @torch.no_grad()
-def decode_batch(engine, steps: list[DecodeStep]) -> list[torch.Tensor]:
+def decode_batch(engine, steps: list[DecodeStep], batched_sparse: bool = True) -> list[torch.Tensor]:
     """Run B pending decode steps in one forward -> each step's next-token logits ``[1, V]`` (float32).
-    Steps with a sparse decoder (``step.decoder``) append to it and attend through it; the caller ends the
-    decoder's step (``decoder.end_step()``), as after a lone step."""
+    Steps with a sparse decoder (``step.decoder``) append to it and attend through it, all of them in one
+    batched sparse attention per layer (`kvstitch.decode.batched`; ``batched_sparse=False``: each row's lone
+    attend); the caller ends the decoder's step (``decoder.end_step()``), as after a lone step."""
     for s in steps:
         if s.cache.decoder is not s.decoder:
             raise InputError("a decode step's decoder must be the one its cache hands its K/V to (cache.decoder)")
@@ -104,7 +108,7 @@ def decode_batch(engine, steps: list[DecodeStep]) -> list[torch.Tensor]:
     dev = engine.device
     ids = torch.tensor([[s.token] for s in steps], device=dev)
     pos = torch.tensor([[s.cache.length] for s in steps], device=dev)
-    batch = BatchCache([s.cache for s in steps])
+    batch = BatchCache([s.cache for s in steps], batched_sparse)
     out = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, batch), use_cache=True, logits_to_keep=1,
                        kvstitch_plan=ForwardPlan(batch=batch))
     logits = out.logits[:, -1:].float()

@@ -700,10 +700,11 @@ class Engine:
             cache.decoder = None
 
     @torch.no_grad()
-    def decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
+    def decode_batch(self, steps: list[DecodeStep], batched_sparse: bool = True) -> list[torch.Tensor]:
         """Run the pending dense decode steps of several requests in one forward (continuous batching;
-        see `kvstitch.engine.batch`) -> each step's next-token logits ``[1, V]``, in order."""
-        return decode_batch(self, steps)
+        see `kvstitch.engine.batch`) -> each step's next-token logits ``[1, V]``, in order.
+        ``batched_sparse=False``: sparse rows attend one by one (the reference of the batched attention)."""
+        return decode_batch(self, steps, batched_sparse)
 
     @torch.no_grad()
     def decode_step(self, cache: StitchCache, token: int, decoder=None) -> torch.Tensor:

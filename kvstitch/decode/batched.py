@@ -1,0 +1,227 @@
+"""One sparse attention per layer for every row of a batched decode step (the server's decode passes).
+
+`SparseDecoder.attend` (the per-row reference) spends a few dozen small ops per row and layer; here the
+rows of a step share them. Per layer and step:
+
+1. per row, in Python: the static-set bookkeeping (`SparseDecoder._observe`) and the `PagePlan`;
+2. page ranking: each row's candidate boxes live in its own `PageBounds`, so the bound is one matmul per
+   row, written into a padded ``[B, Hkv, C_max]`` score tensor (``-inf`` past a row's candidates); every
+   other step of the policy (signed query, group reduction, top-k) runs once over the batch
+   (`DecodePolicy.rank_pages`);
+3. one page table ``[B, Hkv, M_max]`` for all rows (front, dynamic, local pages in the reference's order;
+   short rows padded with masked pages), then one ``index_select`` per row and K / V from that row's host
+   pool (``direct``) or device pool (``pool``: its misses fetched first, as `SparseDecoder._gather` does);
+4. one masked GQA attention over ``[B * Hkv, M_max * P]`` keys (two ``bmm`` and a softmax): the mask drops
+   pad pages, the unfilled end of the last page and the tokens before a sliding window.
+
+Every row selects exactly the pages its lone `attend` would (same scores, same top-k order); its output
+equals the lone one up to float rounding (the softmax and the value matmul run over the padded length).
+Rows this path does not cover run the per-row path (`attend_rows`): other decoder classes (ShadowKV),
+working-set layers, and rows whose shapes differ from the first row's.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .plan import PagePlan, plan_step
+from .pool import K, V
+
+
+@dataclass
+class _Row:
+    """One row of the batched step: its decoder, layer state, query and plan."""
+
+    index: int
+    dec: object
+    st: object
+    q: torch.Tensor
+    plan: PagePlan
+
+    @property
+    def n_local(self) -> int:
+        return self.plan.n_pages - self.plan.local_start
+
+    @property
+    def n_pages(self) -> int:  # pages the row attends: front + dynamic + local
+        return self.plan.front + self.plan.n_dynamic + self.n_local
+
+    @property
+    def scored(self) -> bool:  # the row ranks its candidates (else it takes none or all of them)
+        return 0 < self.plan.n_dynamic < self.plan.n_candidates
+
+
+def batchable(dec, layer: int, like=None) -> bool:
+    """Whether ``dec``'s attend at ``layer`` can join a batched step (with the row ``like``, if given)."""
+    from .decoder import SparseDecoder
+
+    if type(dec) is not SparseDecoder or dec.layers[layer] is None or dec.layers[layer].ws is not None:
+        return False
+    if like is None:
+        return True
+    return ((dec.num_q_heads, dec.num_kv_heads, dec.head_dim, dec.page_size, dec.dtype, dec.device)
+            == (like.num_q_heads, like.num_kv_heads, like.head_dim, like.page_size, like.dtype, like.device))
+
+
+def attend_batch(decoders: list, layer: int, queries: list[torch.Tensor], scaling: float) -> list[torch.Tensor]:
+    """``decoders[i].attend(layer, queries[i], scaling)`` for every row of one batched decode step
+    (``queries[i] [Hq, 1, D]`` -> ``[Hq, 1, D]``), the rows sharing their ops (module docstring)."""
+    from .decoder import attend_rows
+
+    first = next((d for d in decoders if batchable(d, layer)), None)
+    mine = [i for i, d in enumerate(decoders) if first is not None and batchable(d, layer, first)]
+    out: list[torch.Tensor | None] = [None] * len(decoders)
+    if mine:
+        for i, o in zip(mine, _attend_rows_batched([decoders[i] for i in mine], layer,
+                                                   [queries[i] for i in mine], scaling)):
+            out[i] = o
+    rest = [i for i in range(len(decoders)) if out[i] is None]
+    if rest:
+        for i, o in zip(rest, attend_rows([decoders[i] for i in rest], layer, [queries[i] for i in rest], scaling)):
+            out[i] = o
+    return out
+
+
+def _plan_rows(decoders: list, layer: int, queries: list[torch.Tensor], scaling: float) -> list[_Row]:
+    rows = []
+    for i, (dec, q) in enumerate(zip(decoders, queries)):
+        st = dec._layer(layer)
+        dec.scaling = scaling
+        if st.obs_q is not None:
+            dec._observe(st, q)
+        plan = plan_step(st.host.n_tokens, dec.page_size, dec.cap, st.front, dec.window,
+                         select_all=dec.policy.select_all(), sliding_window=st.sliding_window)
+        rows.append(_Row(i, dec, st, q, plan))
+    return rows
+
+
+def _attend_rows_batched(decoders: list, layer: int, queries: list[torch.Tensor],
+                         scaling: float) -> list[torch.Tensor]:
+    d0 = decoders[0]
+    H, D, P, dev = d0.num_kv_heads, d0.head_dim, d0.page_size, d0.device
+    rows = _plan_rows(decoders, layer, queries, scaling)
+    q = torch.stack([r.q for r in rows]).to(dev)  # [B, Hq, 1, D]
+    B, Hq = q.shape[0], q.shape[1]
+    pages = _page_table(rows, q.view(B, H, Hq // H, D), dev)  # [B, H, M]
+    M = pages.shape[2]
+    keys, values = _gather(rows, pages, H, M, P, D, d0.dtype, dev)
+    tokens = pages.unsqueeze(-1) * P + torch.arange(P, device=dev)  # [B, H, M, P] storage indices
+    ints = torch.tensor([[r.n_pages, r.plan.n_tokens, r.plan.lo] for r in rows], device=dev).view(B, 3, 1, 1, 1)
+    valid = ((torch.arange(M, device=dev).view(1, 1, M, 1) < ints[:, 0]) & (tokens < ints[:, 1])
+             & (tokens >= ints[:, 2])).view(B * H, 1, M * P)
+    f32 = torch.float32
+    qf = q.view(B * H, Hq // H, D)
+    logits = torch.bmm(qf if qf.dtype == f32 else qf.float(),
+                       (keys if keys.dtype == f32 else keys.float()).transpose(1, 2)).mul_(scaling)
+    logits.masked_fill_(~valid, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    out = torch.bmm(probs, values if values.dtype == f32 else values.float()).view(B, Hq, 1, D).to(q.dtype)
+    table = pages.cpu()
+    for r, o in zip(rows, out):
+        dec, m = r.dec, r.n_pages
+        r.st.selected = table[r.index, :, :m]
+        dec._pages_read += H * m
+        dec._count(r.plan)
+        if dec.diagnostic:
+            valid_r = valid[r.index * H:(r.index + 1) * H, 0, : m * P]
+            dec._record_recall(layer, r.st, r.plan, r.q, scaling, o, tokens[r.index, :, :m].flatten(1), valid_r)
+    return list(out)
+
+
+def _page_table(rows: list[_Row], q: torch.Tensor, dev) -> torch.Tensor:
+    """Pages ``[B, Hkv, M_max]`` of every row, in the per-row order (front, dynamic by rank, local); pad
+    entries repeat page 0 (masked by the caller)."""
+    B, H = q.shape[:2]
+    M = max(r.n_pages for r in rows)
+    n_dyn = max(r.plan.n_dynamic for r in rows)
+    dyn = torch.arange(max(1, n_dyn), device=dev).expand(B, H, -1).clone()  # relative to the row's front
+    scored = [r for r in rows if r.scored]
+    if scored:  # rows of one policy (equal settings) rank together
+        groups: dict[int, list[_Row]] = {}
+        for r in scored:
+            key = next((k for k, g in groups.items() if g[0].dec.policy == r.dec.policy), id(r))
+            groups.setdefault(key, []).append(r)
+        for g in groups.values():
+            idx = torch.tensor([r.index for r in g], device=dev)
+            boxes = [r.st.bounds.boxes(r.plan.front, r.plan.local_start) for r in g]
+            scores = g[0].dec.policy.rank_pages(q.index_select(0, idx), boxes, [r.plan.front for r in g],
+                                                g[0].dec.scaling)
+            k = max(r.plan.n_dynamic for r in g)
+            dyn[idx, :, :k] = scores.topk(k, dim=-1).indices
+    ints = torch.tensor([[r.plan.front, r.plan.front + r.plan.n_dynamic, r.n_pages, r.plan.local_start]
+                         for r in rows], device=dev).view(B, 4, 1, 1)
+    front, end_dyn, n_pages, local = ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3]
+    j = torch.arange(M, device=dev).view(1, 1, M)
+    dynamic = front + dyn.gather(2, (j - front).clamp(0, dyn.shape[2] - 1).expand(B, H, M))
+    table = torch.where(j < end_dyn, dynamic, local + (j - end_dyn))
+    table = torch.where(j < front, j, table)
+    return torch.where(j < n_pages, table, 0)
+
+
+_BUFFERS = threading.local()  # per thread (a server worker, a bench): its gather buffer, reused
+
+
+def _buffer(numel: int, dtype, dev) -> torch.Tensor:
+    """A reused flat buffer of at least ``numel`` elements: a fresh multi-MB tensor per layer and step would be
+    an mmap and its page faults each time (CPU), costing more than the gather itself."""
+    buf = getattr(_BUFFERS, "buf", None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(dev):
+        buf = _BUFFERS.buf = torch.empty(numel, dtype=dtype, device=dev)
+    return buf[:numel]
+
+
+def _gather(rows: list[_Row], pages: torch.Tensor, H: int, M: int, P: int, D: int, dtype, dev):
+    """K and V ``[B * Hkv, M * P, D]`` of every row's page table: one ``index_select`` per row and kind,
+    from the host pool (``direct``) or, after fetching the misses, the device pool (``pool``)."""
+    B = len(rows)
+    buf = _buffer(2 * B * H * M * P * D, dtype, dev).view(2, B, H * M, P, D)
+    keys, values = buf[0], buf[1]
+    heads = torch.arange(H, device=dev).view(1, H, 1)
+    index = (pages * H + heads).view(B, H * M)
+    table = pages.cpu() if any(not r.dec.direct for r in rows) else None
+
+    def copy(row: _Row) -> None:
+        dec, st = row.dec, row.st
+        if dec.direct:
+            src_k, src_v, idx = st.host.flat(K), st.host.flat(V), index[row.index]
+        else:  # the pool tier: the row's distinct pages resident first (one batched transfer of the misses)
+            dec._clock += 1
+            slots = st.device.fetch(table[row.index, :, : row.n_pages], st.host, dec.transfer, dec._clock)
+            slots = torch.cat([slots, slots[:, :1].expand(H, M - row.n_pages)], dim=1).to(dev)
+            idx = (slots * H + heads[0]).flatten()
+            src_k, src_v = (st.device.data[:, :, kind].flatten(0, 1) for kind in (K, V))
+        torch.index_select(src_k, 0, idx, out=keys[row.index])
+        torch.index_select(src_v, 0, idx, out=values[row.index])
+
+    _each_row(rows, copy, dev)
+    return keys.view(B * H, M * P, D), values.view(B * H, M * P, D)
+
+
+def _each_row(rows: list[_Row], fn, dev) -> None:
+    """``fn(row)`` for every row; on a CPU with several intra-op threads the rows are split over that many
+    threads, each single-threaded (one row's copy is too small to split well; the rows write disjoint
+    slices of the buffers), as `decoder.attend_rows` splits whole rows."""
+    from .decoder import _row_pool
+
+    threads = torch.get_num_threads()
+    if len(rows) < 2 or threads < 2 or torch.device(dev).type != "cpu":
+        for r in rows:
+            fn(r)
+        return
+    workers = min(threads, len(rows))
+
+    def run(share):
+        for r in share:
+            fn(r)
+
+    torch.set_num_threads(1)
+    try:
+        futures = [_row_pool(workers - 1).submit(run, rows[w::workers]) for w in range(1, workers)]
+        run(rows[::workers])
+        for f in futures:
+            f.result()
+    finally:
+        torch.set_num_threads(threads)
