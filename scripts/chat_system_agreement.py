@@ -1,4 +1,4 @@
-"""What caching chunks once for every system prompt costs in agreement with full prefill (issue 17).
+"""What caching chunks once for every system prompt costs in agreement with full prefill.
 
 Two layouts of the same conversation prompt (identical token ids, so one full prefill is the reference):
 

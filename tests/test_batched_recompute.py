@@ -1,4 +1,4 @@
-"""Batched recompute passes (#14 item 2): several requests' recompute passes packed on the sequence axis as one
+"""Batched recompute passes: several requests' recompute passes packed on the sequence axis as one
 forward (`Engine.recompute_batch`, `kvstitch.engine.batch.PackedCache`), each request's logits, cache and answer equal
 to the ones it gets alone; the server's worker packs the passes of the jobs it admits in one round."""
 

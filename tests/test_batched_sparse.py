@@ -1,4 +1,4 @@
-"""Batched sparse decode (#28): decode steps of several requests, each with its own sparse policy state, run in
+"""Batched sparse decode: decode steps of several requests, each with its own sparse policy state, run in
 one forward (`Engine.decode_batch`); every batched answer equals the same request decoded alone."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Continuous batching (#14): requests in flight share decode passes (`Engine.decode_batch`, the server's
+"""Continuous batching: requests in flight share decode passes (`Engine.decode_batch`, the server's
 `EngineWorker`), and every request's answer equals the one it gets alone."""
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Conversations (issue 17): the chat template over every message with the passages after the system prompt,
+"""Conversations: the chat template over every message with the passages after the system prompt,
 token-exact; the system prompt cached as a stitched segment; exactness at 100% recompute; the server's
 conversation handling (usage, plain chat, stop sequences, refused parameters)."""
 

@@ -1,5 +1,5 @@
 """Locks what sparse decode selects and recalls on a fixed synthetic stream, so that speed work on the
-decoder (issue #14) cannot change results: the page tables of every step and layer (hashed) and the
+decoder cannot change results: the page tables of every step and layer (hashed) and the
 per-step recall must equal the recorded ones; outputs must match to float tolerance.
 
 The golden file was recorded with the decoder before the CPU fast path; regenerate it only for an

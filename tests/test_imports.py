@@ -60,8 +60,8 @@ ALLOWED_FORBIDDEN: dict[tuple[str, str], str] = {}
 ALLOWED_TYPER: dict[str, str] = {
 }
 
-# Calls into Engine's private members from other modules: #16 item 2 (the lead) moves these callers onto
-# the public request path (Engine.prefill / GenerationRequest). (module, member) pairs.
+# Calls into Engine's private members from other modules (none: callers use the public request path,
+# Engine.prefill / GenerationRequest). (module, member) pairs.
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
 }
 

@@ -1,4 +1,4 @@
-"""The selector seam (#16): selectors work through `SelectionContext` (no engine import, no engine calls),
+"""The selector seam: selectors work through `SelectionContext` (no engine import, no engine calls),
 selection is prepare -> score -> pick, and wrappers pass every capability on."""
 
 import ast

@@ -1,4 +1,4 @@
-"""The server batches sparse decode (#28): ``"decode": "prkv"`` (and the other policies) share decode passes with
+"""The server batches sparse decode: ``"decode": "prkv"`` (and the other policies) share decode passes with
 every other request, answers equal the same request alone, /metrics reports the KV pool, offload, the selected
 fraction and sampled recall, and the KV pool limit makes requests wait instead of failing."""
 

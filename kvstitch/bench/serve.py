@@ -1,4 +1,4 @@
-"""`kvstitch bench serve`: a real server on loopback under concurrent load (continuous batching, #14).
+"""`kvstitch bench serve`: a real server on loopback under concurrent load (continuous batching).
 
 A fixed request mix over a shared document set (RULER-style passages, ``docs`` chunks; request i asks one
 of a few questions over ``docs_per_request`` of them, methods cycling over ``methods``), the store warmed
@@ -11,7 +11,7 @@ against a serial server (``max_batch=1``) on the same engine: ``speedup_vs_seria
 server's completion tokens/s over the serial server's. ``prefill_batch`` / ``decode_batch``: the mean number of
 requests per packed recompute pass / per batched decode pass during the row (the server's own histograms).
 
-Long contexts and sparse decode (#28): with ``context`` every request has documents of its own (a RULER-style
+Long contexts and sparse decode: with ``context`` every request has documents of its own (a RULER-style
 sample of ``context`` tokens, seeded by the request's index, so nothing is shared across requests) and asks
 for a long answer of ``max_tokens``; with several ``decode`` policies (``full`` is dense decode) each runs
 the whole concurrency sweep on a server of its own, and its answers are compared with the same request

@@ -14,8 +14,13 @@ DEFAULT_AUTOS = ("schedule=0.05/0.1,tol=0.01", "schedule=0.1/0.2,tol=0.01", "sch
 
 def calibrate_command(
     dataset: str = typer.Option(..., "--dataset", help="your questions and passages: a JSON/JSONL file in the eval's "
-                                                       "shapes (question/answers/ctxs or LongBench's), or 'musique'"),
-    samples: str = typer.Option("", "--samples", help="records START:STOP of the file (default: all)"),
+                                                       "shapes (question/answers/ctxs or LongBench's), or 'musique', "
+                                                       "'squad', 'squad2'"),
+    samples: str = typer.Option("", "--samples", help="records START:STOP of the file (default: all; SQuAD's tuning "
+                                                      "split is 0:100)"),
+    passages: Optional[int] = typer.Option(None, "--passages", help="squad / squad2: paragraphs a question (default 10)"),
+    merge_passages: int = typer.Option(1, "--merge-passages", help="join this many adjacent passages into one chunk"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="model dtype: float32, bfloat16 or fast"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), "
                                                                      "HF directory or .gguf file"),
     methods: str = typer.Option("prophet,deltaprop", "--methods", help="selection methods to compare"),
@@ -49,7 +54,8 @@ def calibrate_command(
     cfgs = configs([m.strip() for m in methods.split(",") if m.strip()], ratio_list,
                    [parse_auto(a) for a in (auto or DEFAULT_AUTOS)])
     start, stop = parse_range(samples)
-    data = load_dataset(dataset, start, stop)  # a file it cannot parse fails here, before the model loads
+    # a file it cannot parse fails here, before the model loads
+    data = load_dataset(dataset, start, stop, passages=passages, merge=merge_passages)
     if threads:
         import torch
 
@@ -57,7 +63,7 @@ def calibrate_command(
     from kvstitch.engine import Engine
 
     with console.status(f"loading {model or 'the embedded model'} ..."):
-        eng = Engine.load(model, store=store)
+        eng = Engine.load(model, store=store, dtype=dtype)
     command = "kvstitch calibrate " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else ""
     rep = calibrate(eng, data, cfgs, out, target, config, model=model, dataset=dataset, command=command,
                     progress=lambda s, c: console.print(f"[dim]{s} {c}[/]", highlight=False))

@@ -297,7 +297,11 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
                   f"expected text: full {right['full']}/{n}, {label} {right['stitched']}/{n}.", highlight=False)
     console.print(f"For contrast, {method} at a fixed 20%: says what full prefill says in {fixed_same}/{n} answers, "
                   f"median TTFT speed-up {statistics.median(fixed_speedups):.1f}x.", highlight=False)
-    console.print(f"chunk store: {eng.store.stats()}", highlight=False)
+    st = eng.store.stats()
+    console.print(f"Chunk store: {len(passages)} passages precomputed once, then reused {st.get('hits', 0)} times "
+                  f"({st.get('bytes_loaded', 0) / 2**20:.0f} MiB of KV read, {st.get('storage_dtype')})"
+                  + (f"; {st['problems']} unreadable entries recomputed" if st.get("problems") else "") + ".",
+                  highlight=False)
 
 
 def _demo_block(i: int, q: dict, full, ours, label: str, agree: bool, speedup: float, right: dict):

@@ -1,4 +1,4 @@
-"""The KV memory of a serving worker's requests in flight: one byte budget shared by all of them (#28).
+"""The KV memory of a serving worker's requests in flight: one byte budget shared by all of them.
 
 A worker admits a request only when the K/V it can ever hold fits under the limit: its prompt plus its
 ``max_new_tokens`` answer tokens, in every layer (the stitched cache of a dense request, or the paged host

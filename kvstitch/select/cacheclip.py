@@ -212,7 +212,7 @@ class CacheClip(Selector):
 @dataclass
 class CacheClipRefill(CacheClip):
     """CacheClip with the dropped windows' budget refilled window-wise (exactly ``budget`` tokens recomputed):
-    kvstitch's earlier rule, kept as a named variant next to the paper's `cacheclip`."""
+    a variant kept next to the paper's `cacheclip` for comparison."""
 
     name: ClassVar[str] = "cacheclip_refill"
     refill: bool = True

@@ -25,7 +25,7 @@ mean one, applied to the stale tokens. It brings the stale K/V closer to full pr
 token's recompute costs its linear layers plus the keys it attends to, so early tokens are cheaper and the same
 time buys more of them, chosen by score per unit of work (`spend_work`; measured in docs/results/own-method).
 
-``probe_first=True`` (off by default) is the issue's "re-select after a first recompute": the probes go through
+``probe_first=True`` (off by default) is "re-select after a first recompute": the probes go through
 the model in a pass of their own before the base scores, so its selection reads corrected keys; one extra pass
 of ~4% of the context (measured in docs/results/own-method).
 
