@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvstitch.core.errors import InputError
 from kvstitch.eval.compare import compare_runs, compare_table, write_comparison
-from kvstitch.eval.report import append_jsonl
+from kvstitch.eval.rows import append_jsonl
 
 
 def _row(index, method, ratio, score, nll, nll_full, kl, pred, task="niah_multikey"):

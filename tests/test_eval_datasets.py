@@ -9,7 +9,7 @@ import pytest
 
 from kvstitch.core.errors import InputError
 from kvstitch.tasks.datasets import (SHORT_ANSWER, load_dataset, parse_range, split_passages, to_sample)
-from kvstitch.eval.report import read_jsonl
+from kvstitch.eval.rows import read_jsonl
 from kvstitch.eval.runner import RESULTS, EvalConfig, run_eval
 
 from .conftest import make_tiny_engine

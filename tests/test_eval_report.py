@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from kvstitch.eval.report import (append_jsonl, plot_accuracy_vs_ratio, plot_niah_heatmap, read_jsonl,
+from kvstitch.eval.rows import append_jsonl, read_jsonl
+from kvstitch.eval.report import (plot_accuracy_vs_ratio, plot_niah_heatmap,
                                   summary_table)
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -120,7 +121,7 @@ def test_jsonl_corruption_in_the_middle_raises(tmp_path):
 def test_bootstrap_intervals():
     import numpy as np
 
-    from kvstitch.eval.report import bootstrap_mean_ci, bootstrap_ratio_ci, fmt_ci
+    from kvstitch.eval.rows import bootstrap_mean_ci, bootstrap_ratio_ci, fmt_ci
 
     x = [0, 1] * 20  # mean 0.5, sd 0.5, n = 40: the normal 95% interval is about 0.5 +- 0.155
     lo, hi = bootstrap_mean_ci([x])

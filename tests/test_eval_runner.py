@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 import kvstitch
-from kvstitch.eval.report import read_jsonl
+from kvstitch.eval.rows import read_jsonl
 from kvstitch.eval.runner import (RESULTS, EvalConfig, combos, run_eval, run_method, sample_layout,
                                   to_original_order)
 from kvstitch.tasks.tasks import generate

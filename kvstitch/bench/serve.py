@@ -330,7 +330,7 @@ def _add_bounds(engine, rows: list[dict], context: int, max_tokens: int, kv_budg
         if policy == DENSE:
             continue
         if policy not in caps:
-            caps[policy] = engine._new_decoder(policy, kv_budget).cap
+            caps[policy] = engine.new_decoder(policy, kv_budget).cap
         batch = r.get("decode_batch")
         batch = batch if batch is not None and batch == batch else r["concurrency"]
         r.update(bytes_bound(m, context + max_tokens // 2, batch, caps[policy]))

@@ -56,7 +56,7 @@ def report_command(
     e.g. runs of one task each made side by side; the commands of the runs are listed in it."""
     import json
 
-    from kvstitch.eval.report import read_jsonl
+    from kvstitch.eval.rows import read_jsonl
 
     rows, commands = [], []
     for run in runs:

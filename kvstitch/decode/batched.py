@@ -204,7 +204,7 @@ def _each_row(rows: list[_Row], fn, dev) -> None:
     """``fn(row)`` for every row; on a CPU with several intra-op threads the rows are split over that many
     threads, each single-threaded (one row's copy is too small to split well; the rows write disjoint
     slices of the buffers), as `decoder.attend_rows` splits whole rows."""
-    from .decoder import _row_pool
+    from .decoder import row_pool
 
     threads = torch.get_num_threads()
     if len(rows) < 2 or threads < 2 or torch.device(dev).type != "cpu":
@@ -219,7 +219,7 @@ def _each_row(rows: list[_Row], fn, dev) -> None:
 
     torch.set_num_threads(1)
     try:
-        futures = [_row_pool(workers - 1).submit(run, rows[w::workers]) for w in range(1, workers)]
+        futures = [row_pool(workers - 1).submit(run, rows[w::workers]) for w in range(1, workers)]
         run(rows[::workers])
         for f in futures:
             f.result()

@@ -411,7 +411,7 @@ _ROW_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool): thre
 _ROW_POOL_LOCK = threading.Lock()
 
 
-def _row_pool(workers: int) -> ThreadPoolExecutor:
+def row_pool(workers: int) -> ThreadPoolExecutor:
     global _ROW_POOL
     with _ROW_POOL_LOCK:
         if _ROW_POOL is None or _ROW_POOL[0] < workers:
@@ -442,7 +442,7 @@ def attend_rows(decoders: list["SparseDecoder"], layer: int, queries: list[torch
     out: list[torch.Tensor | None] = [None] * n
     torch.set_num_threads(1)  # this thread's share runs single-threaded too; the pool's threads start at 1
     try:
-        futures = [_row_pool(workers - 1).submit(run, rows) for rows in groups[1:]]
+        futures = [row_pool(workers - 1).submit(run, rows) for rows in groups[1:]]
         done = run(groups[0])
         for f in futures:
             done += f.result()

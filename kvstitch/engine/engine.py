@@ -390,7 +390,7 @@ class Engine:
         if decode_options is not None and (decode == "full" or not isinstance(decode_options, dict)):
             raise InputError("decode_options (a dict) configure a sparse decoder; decode='full' (dense) takes none")
         if decode != "full":
-            self._new_decoder(decode, kv_budget, decode_options)  # bad options / a too-small budget fail here
+            self.new_decoder(decode, kv_budget, decode_options)  # bad options / a too-small budget fail here
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         limit = self.adapter.max_positions
@@ -737,7 +737,7 @@ class Engine:
                              **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
         return out.logits[0].float()
 
-    def _new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):
+    def new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):
         """An empty `SparseDecoder` sized for this model (``options``: see `stream`'s ``decode_options``)."""
         from kvstitch.decode import make_decoder
 
@@ -775,7 +775,7 @@ class Engine:
         for that many decoded tokens in the decoder's pools (a server's memory accounting counts them).
         ``release``: the cache gives up its K/V layer by layer as the decoder takes them (it then only
         counts the length; the K/V of a request are never held twice: the batching server)."""
-        dec = self._new_decoder(policy, kv_budget, {**options, "diagnostic": diagnostic})
+        dec = self.new_decoder(policy, kv_budget, {**options, "diagnostic": diagnostic})
         if reserve_tokens is not None:
             dec.reserve_tokens = reserve_tokens
         if obs_queries is None:

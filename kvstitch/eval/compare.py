@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstitch.core.errors import InputError
-from .report import method_key, ratio_key, read_jsonl
+from .rows import method_key, ratio_key, read_jsonl
 
 SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")
 IDENTICAL_TOL = 1e-5  # absolute, on the answer NLL and KL: two processes running the same float32 prefill

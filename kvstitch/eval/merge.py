@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstitch.core.errors import InputError
-from .report import json_default, norm_ratio, sample_key, read_jsonl
+from .rows import json_default, norm_ratio, sample_key, read_jsonl
 from .runner import RESULTS, combos, row_key
 
 NLL_TOL = 1e-4  # the same row computed twice (another machine, another thread count) may differ this much

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvstitch.tasks.agreement import same_answer
 
-from .report import (REFERENCES, _figure, _fmt, _mean, _palette, _ratio_cell, _ratio_of_means, _save,
+from .rows import (REFERENCES, new_figure, fmt_num, mean_of, colour_cycle, ratio_cell, ratio_of_means, save_png,
                      bootstrap_mean_ci, fmt_ci, method_key, norm_ratio, ratio_key, sample_key)
 
 
@@ -42,8 +42,8 @@ def _order(groups):
 
 
 def _pct_of_full(g: list[dict], full: dict, field: str) -> str:
-    ours = _mean(x.get(field) for x in g)
-    theirs = _mean(full[sample_key(x)].get(field) for x in g)
+    ours = mean_of(x.get(field) for x in g)
+    theirs = mean_of(full[sample_key(x)].get(field) for x in g)
     return "–" if not theirs or math.isnan(theirs) else f"{100 * ours / theirs:.0f}%"
 
 
@@ -57,11 +57,11 @@ def answers_table(rows: Sequence[dict]) -> str:
         right = [x for x in g if full[sample_key(x)].get("correct")]
         kept = [float(bool(x["correct"])) for x in right]
         same = [float(same_answer(x.get("pred", ""), full[sample_key(x)].get("pred", ""))) for x in g]
-        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | {len(right)} | "
-                     f"{fmt_ci(_mean(kept), bootstrap_mean_ci([kept]), 2)} | "
-                     f"{fmt_ci(_mean(same), bootstrap_mean_ci([same]), 2)} | {_pct_of_full(g, full, 'score')} | "
+        lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | {len(right)} | "
+                     f"{fmt_ci(mean_of(kept), bootstrap_mean_ci([kept]), 2)} | "
+                     f"{fmt_ci(mean_of(same), bootstrap_mean_ci([same]), 2)} | {_pct_of_full(g, full, 'score')} | "
                      f"{_pct_of_full(g, full, 'em')} | "
-                     f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
+                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -79,9 +79,9 @@ def abstention_table(rows: Sequence[dict]) -> str:
         abstained = [x for x in g if full[sample_key(x)].get("abstained")]
         kept = [float(bool(x.get("abstained"))) for x in abstained]
         invented = [1.0 - k for k in kept]
-        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | {len(abstained)} | "
-                     f"{fmt_ci(_mean(kept), bootstrap_mean_ci([kept]), 3)} | "
-                     f"{fmt_ci(_mean(invented), bootstrap_mean_ci([invented]), 3)} |")
+        lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | {len(abstained)} | "
+                     f"{fmt_ci(mean_of(kept), bootstrap_mean_ci([kept]), 3)} | "
+                     f"{fmt_ci(mean_of(invented), bootstrap_mean_ci([invented]), 3)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -100,9 +100,9 @@ def paired_kept_table(rows: Sequence[dict]) -> str:
             if len(common) < 2:
                 continue
             diff = [by[a][s] - by[b][s] for s in common]
-            lines.append(f"| {_ratio_cell(a[1])} | {a[0]} | {b[0]} | {len(common)} | "
-                         f"{_mean(by[a][s] for s in common):.2f} | {_mean(by[b][s] for s in common):.2f} | "
-                         f"{fmt_ci(_mean(diff), bootstrap_mean_ci([diff]), 2)} |")
+            lines.append(f"| {ratio_cell(a[1])} | {a[0]} | {b[0]} | {len(common)} | "
+                         f"{mean_of(by[a][s] for s in common):.2f} | {mean_of(by[b][s] for s in common):.2f} | "
+                         f"{fmt_ci(mean_of(diff), bootstrap_mean_ci([diff]), 2)} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
@@ -116,16 +116,16 @@ def plot_kept_by_position(rows: Sequence[dict], path: str | os.PathLike, bins: i
     def b(d: float) -> int:
         return min(bins - 1, int(float(d) * bins))
 
-    fig = _figure(6.4, 4.2)
+    fig = new_figure(6.4, 4.2)
     ax = fig.subplots()
     xs = [(i + 0.5) / bins for i in range(bins)]
     acc = defaultdict(list)
     for x in full.values():
         if x.get("depth") is not None and x.get("answerable", True):
             acc[b(x["depth"])].append(float(bool(x["correct"])))
-    ax.plot(xs, [_mean(acc[i]) for i in range(bins)], color="black", linestyle="--", marker="s",
+    ax.plot(xs, [mean_of(acc[i]) for i in range(bins)], color="black", linestyle="--", marker="s",
             label="full prefill: accuracy")
-    palette = _palette()
+    palette = colour_cycle()
     for k, key in enumerate(_order(groups)):
         m, ratio = key
         if m in REFERENCES and m != "naive":
@@ -135,14 +135,14 @@ def plot_kept_by_position(rows: Sequence[dict], path: str | os.PathLike, bins: i
             if full[sample_key(x)].get("correct"):
                 cells[b(x["depth"])].append(float(bool(x["correct"])))
         label = m if ratio is None else f"{m} {ratio if ratio == 'auto' else f'{ratio:g}'}"
-        ax.plot(xs, [_mean(cells[i]) for i in range(bins)], marker="o", color=palette[k % len(palette)],
+        ax.plot(xs, [mean_of(cells[i]) for i in range(bins)], marker="o", color=palette[k % len(palette)],
                 label=label, linewidth=1.2)
     ax.set_xlabel("gold passage position (0 = first, 1 = last)")
     ax.set_ylabel("answers kept (of full prefill's right answers)")
     ax.set_ylim(-0.03, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def squad_sections(rows: Sequence[dict], out: Path, name: str) -> tuple[list[str], dict[str, Path]]:

@@ -7,156 +7,16 @@ are skipped in means, so rows from runs that measured different things can be mi
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REFERENCE_METHODS = ("full", "naive")
-REFERENCES = REFERENCE_METHODS  # always run, once per sample (they have no ratio)
-ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
-_METHOD_ORDER = ("full", "naive", "random", "epic", "cacheblend", "kvshare", "a3", "prophet", "infoflow",
-                 "cacheclip", "oracle", "oracle_ideal")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Small helpers
-# ---------------------------------------------------------------------------------------------------
-
-def _num(v: Any) -> float | None:
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(x) else x
-
-
-def _mean(values: Iterable[Any]) -> float:
-    xs = [x for x in map(_num, values) if x is not None]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _median(values: Iterable[Any]) -> float:
-    """Times are summarised by their median: one row slowed by a paused or contended process (a long eval
-    shares the machine) must not move a cell, as it does a mean."""
-    xs = sorted(x for x in map(_num, values) if x is not None)
-    if not xs:
-        return math.nan
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
-def method_key(method: str) -> tuple[int, str]:
-    return (_METHOD_ORDER.index(method) if method in _METHOD_ORDER else len(_METHOD_ORDER), method)
-
-
-def ratio_key(ratio: Any) -> float:
-    if ratio == "auto":
-        return 2.0  # after every fixed ratio
-    x = _num(ratio)
-    return -1.0 if x is None else x
-
-
-def _ratio_cell(ratio: Any) -> str:
-    return "auto" if ratio == "auto" else _fmt(_num(ratio), 2)
-
-
-def _fmt(x: float, digits: int = 1) -> str:
-    return "–" if x is None or math.isnan(x) else f"{x:.{digits}f}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Bootstrap confidence intervals (percentile method, fixed seed: a table is reproducible)
-# ---------------------------------------------------------------------------------------------------
-
-BOOTSTRAP_RESAMPLES = 2000
-CI_LEVEL = 0.95
-_SAMPLE_FIELDS = ("seed", "index", "length", "chunk_tokens", "depth")  # what names one sample within a task
-
-
-def _finite(values: Iterable[Any]):
-    import numpy as np
-
-    return np.asarray([x for x in map(_num, values) if x is not None and math.isfinite(x)], dtype=np.float64)
-
-
-def _percentiles(stat, level: float) -> tuple[float, float]:
-    import numpy as np
-
-    stat = stat[np.isfinite(stat)]
-    if stat.size == 0:
-        return math.nan, math.nan
-    tail = 50.0 * (1.0 - level)
-    lo, hi = np.percentile(stat, [tail, 100.0 - tail])
-    return float(lo), float(hi)
-
-
-def bootstrap_mean_ci(strata: Sequence[Iterable[Any]], n_resamples: int = BOOTSTRAP_RESAMPLES,
-                      level: float = CI_LEVEL, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of per-stratum means (one stratum: of the plain mean;
-    several: e.g. RULER's average over tasks, each task resampled on its own). None / NaN values are
-    skipped. (nan, nan) when no stratum has 2 values (no spread to resample)."""
-    import numpy as np
-
-    arrays = [a for a in (_finite(s) for s in strata) if a.size]
-    if not arrays or max(a.size for a in arrays) < 2:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    stat = np.zeros(n_resamples)
-    for a in arrays:
-        stat += a[rng.integers(0, a.size, (n_resamples, a.size))].mean(axis=1)
-    return _percentiles(stat / len(arrays), level)
-
-
-def bootstrap_ratio_ci(strata: Sequence[tuple[Sequence[float], Sequence[float]]],
-                       n_resamples: int = BOOTSTRAP_RESAMPLES, level: float = CI_LEVEL,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of sum_s mean(num_s) / sum_s mean(den_s), the (num, den) pairs of a
-    stratum resampled together (paired: e.g. a method's score and full prefill's on the same sample, or
-    the naive-minus-method and naive-minus-full NLL of pooled gap recovery)."""
-    import numpy as np
-
-    pairs = []
-    for num, den in strata:
-        num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
-        ok = np.isfinite(num) & np.isfinite(den)
-        if ok.any():
-            pairs.append((num[ok], den[ok]))
-    if not pairs or max(n.size for n, _ in pairs) < 2:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    top, bottom = np.zeros(n_resamples), np.zeros(n_resamples)
-    for num, den in pairs:
-        idx = rng.integers(0, num.size, (n_resamples, num.size))
-        top += num[idx].mean(axis=1)
-        bottom += den[idx].mean(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        stat = np.where(np.abs(bottom) > 1e-12, top / bottom, np.nan)
-    return _percentiles(stat, level)
-
-
-def fmt_ci(x: float, ci: tuple[float, float], digits: int = 1, scale: float = 1.0) -> str:
-    """``x [lo, hi]`` (the 95% bootstrap interval) or just ``x`` when there is no interval."""
-    if x is None or math.isnan(x):
-        return "–"
-    lo, hi = ci
-    if math.isnan(lo) or math.isnan(hi):
-        return f"{scale * x:.{digits}f}"
-    return f"{scale * x:.{digits}f} [{scale * lo:.{digits}f}, {scale * hi:.{digits}f}]"
-
-
-def _sample_id(r: dict) -> tuple:
-    return tuple(r.get(k) for k in ("task", *_SAMPLE_FIELDS))
-
-
-def _group(rows: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        groups[tuple(r.get(k) for k in keys)].append(r)
-    return groups
+from .rows import (REFERENCES, as_number, mean_of, median_of, method_key, ratio_key, ratio_cell, fmt_num,
+                   bootstrap_mean_ci, bootstrap_ratio_ci, fmt_ci, sample_id, group_rows, new_figure, save_png, norm_ratio,
+                   sample_key, colour_cycle, ratio_of_means, REFERENCE_METHODS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,29 +29,29 @@ def summary_table(rows: Sequence[dict]) -> str:
     bootstrap interval over the samples (`bootstrap_mean_ci`; % full paired with full prefill's score on
     the same samples, `bootstrap_ratio_ci`). A final `avg` block averages the per-task means (RULER's
     "Avg." column), with % of full taken over the same tasks; its intervals resample each task apart."""
-    groups = _group(rows, "task", "method", "ratio")
-    full_rows = _group((r for r in rows if r.get("method") == "full"), "task")
-    full_score = {task: 100 * _mean(r.get("score") for r in g) for (task,), g in full_rows.items()}
+    groups = group_rows(rows, "task", "method", "ratio")
+    full_rows = group_rows((r for r in rows if r.get("method") == "full"), "task")
+    full_score = {task: 100 * mean_of(r.get("score") for r in g) for (task,), g in full_rows.items()}
     full_by_sample: dict[tuple, float | None] = {}
     for g in full_rows.values():
         for r in g:
-            sid = _sample_id(r)
-            full_by_sample[sid] = None if sid in full_by_sample else _num(r.get("score"))  # None: ambiguous
+            sid = sample_id(r)
+            full_by_sample[sid] = None if sid in full_by_sample else as_number(r.get("score"))  # None: ambiguous
 
     def paired(g: list[dict]):
         """(method scores, full scores) on the same samples, or None when not every row has its full row."""
         m, f = [], []
         for r in g:
-            ref, x = full_by_sample.get(_sample_id(r)), _num(r.get("score"))
+            ref, x = full_by_sample.get(sample_id(r)), as_number(r.get("score"))
             if ref is None or x is None:
                 return None
             m.append(x)
             f.append(ref)
         return m, f
 
-    cells = {k: {"n": len(g), "score": 100 * _mean(r.get("score") for r in g),
-                 "kl": _mean(r.get("kl") for r in g), "rec": _mean(r.get("nll_recovery") for r in g),
-                 "ttft": _median(r.get("ttft_s") for r in g), "rows": g, "pairs": paired(g)}
+    cells = {k: {"n": len(g), "score": 100 * mean_of(r.get("score") for r in g),
+                 "kl": mean_of(r.get("kl") for r in g), "rec": mean_of(r.get("nll_recovery") for r in g),
+                 "ttft": median_of(r.get("ttft_s") for r in g), "rows": g, "pairs": paired(g)}
              for k, g in groups.items()}
 
     def pct(score: float, ref: float | None) -> float:
@@ -207,10 +67,10 @@ def summary_table(rows: Sequence[dict]) -> str:
 
         pairs = [p["pairs"] for p in parts]
         pct_ci = bootstrap_ratio_ci(pairs) if all(pr is not None for pr in pairs) else (math.nan, math.nan)
-        lines.append(f"| {task} | {method} | {_ratio_cell(ratio)} | {c['n']} | "
+        lines.append(f"| {task} | {method} | {ratio_cell(ratio)} | {c['n']} | "
                      f"{fmt_ci(c['score'] / 100, ci('score'), 1, 100)} | "
                      f"{fmt_ci(pct(c['score'], ref) / 100, pct_ci, 1, 100)} | {fmt_ci(c['kl'], ci('kl'), 4)} | "
-                     f"{fmt_ci(c['rec'], ci('nll_recovery'), 2)} | {_fmt(c['ttft'], 3)} |")
+                     f"{fmt_ci(c['rec'], ci('nll_recovery'), 2)} | {fmt_num(c['ttft'], 3)} |")
 
     order = sorted(cells, key=lambda k: (str(k[0]), method_key(str(k[1])), ratio_key(k[2])))
     for task, method, ratio in order:
@@ -224,10 +84,10 @@ def summary_table(rows: Sequence[dict]) -> str:
         for method, ratio in sorted(by_combo, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
             tasks = by_combo[(method, ratio)]
             per = [cells[(t, method, ratio)] for t in tasks]
-            avg = {"n": sum(c["n"] for c in per), **{f: _mean(c[f] for c in per) for f in ("score", "kl", "rec")},
-                   "ttft": _median(r.get("ttft_s") for c in per for r in c["rows"])}
+            avg = {"n": sum(c["n"] for c in per), **{f: mean_of(c[f] for c in per) for f in ("score", "kl", "rec")},
+                   "ttft": median_of(r.get("ttft_s") for c in per for r in c["rows"])}
             ref_tasks = [full_score[t] for t in tasks if t in full_score]
-            ref = _mean(ref_tasks) if len(ref_tasks) == len(tasks) else None
+            ref = mean_of(ref_tasks) if len(ref_tasks) == len(tasks) else None
             emit("avg", str(method), ratio, avg, ref, per)
     return "\n".join(lines) + "\n"
 
@@ -236,49 +96,33 @@ def summary_table(rows: Sequence[dict]) -> str:
 # Plots (matplotlib Figure + Agg canvas: no pyplot global state, safe in workers and tests)
 # ---------------------------------------------------------------------------------------------------
 
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=120)
-    return path
-
-
 def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     """ProphetKV Fig. 8 style: one panel per task, x = recompute ratio, score x100 per method; `full`
     and `naive` are horizontal references (they have no ratio axis)."""
-    rows = [r for r in rows if _num(r.get("score")) is not None]
+    rows = [r for r in rows if as_number(r.get("score")) is not None]
     if not rows:
         raise ValueError("no rows with a score to plot")
     tasks = sorted({str(r["task"]) for r in rows})
     ncols = min(4, len(tasks))
     nrows = math.ceil(len(tasks) / ncols)
-    fig = _figure(4.0 * ncols, 3.2 * nrows)
+    fig = new_figure(4.0 * ncols, 3.2 * nrows)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     colors: dict[str, Any] = {}
     palette = [f"C{i}" for i in range(10)]
     handles: dict[str, Any] = {}
     for ax, task in zip(axes, tasks):
-        by_method = _group((r for r in rows if str(r["task"]) == task), "method")
+        by_method = group_rows((r for r in rows if str(r["task"]) == task), "method")
         for (method,) in sorted(by_method, key=lambda k: method_key(str(k[0]))):
             method = str(method)
             color = colors.setdefault(method, "black" if method == "full" else "gray" if method == "naive"
                                       else palette[len([m for m in colors if m not in REFERENCE_METHODS]) % 10])
             g = by_method[(method,)]
             if method in REFERENCE_METHODS:
-                h = ax.axhline(100 * _mean(r["score"] for r in g), color=color, linestyle="--", linewidth=1.2,
+                h = ax.axhline(100 * mean_of(r["score"] for r in g), color=color, linestyle="--", linewidth=1.2,
                                label=method)
             else:
-                pts = sorted((ratio_key(k[0]), 100 * _mean(r["score"] for r in gg))
-                             for k, gg in _group(g, "ratio").items() if _num(k[0]) is not None)
+                pts = sorted((ratio_key(k[0]), 100 * mean_of(r["score"] for r in gg))
+                             for k, gg in group_rows(g, "ratio").items() if as_number(k[0]) is not None)
                 if not pts:
                     continue
                 (h,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=method)
@@ -292,7 +136,7 @@ def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Pat
         ax.set_visible(False)
     names = sorted(handles, key=method_key)
     fig.legend([handles[m] for m in names], names, loc="outside right upper")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_niah_heatmap(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequence[str] | None = None) -> Path:
@@ -300,18 +144,18 @@ def plot_niah_heatmap(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequ
     Averages over the NIAH tasks unless `tasks` says otherwise."""
     keep = [r for r in rows
             if (str(r.get("task", "")).startswith("niah") if tasks is None else r.get("task") in tasks)
-            and _num(r.get("depth")) is not None and _num(r.get("length")) is not None
-            and _num(r.get("score")) is not None]
+            and as_number(r.get("depth")) is not None and as_number(r.get("length")) is not None
+            and as_number(r.get("score")) is not None]
     if not keep:
         raise ValueError("no rows with task, depth, length and score to plot")
     depths = sorted({round(float(r["depth"]), 3) for r in keep})
     lengths = sorted({int(r["length"]) for r in keep})
-    panels = sorted(_group(keep, "method", "ratio"), key=lambda k: (method_key(str(k[0])), ratio_key(k[1])))
+    panels = sorted(group_rows(keep, "method", "ratio"), key=lambda k: (method_key(str(k[0])), ratio_key(k[1])))
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig = _figure(1.0 + 0.9 * len(lengths) * ncols + 1.0, 0.9 + 0.45 * len(depths) * nrows + 0.4)
+    fig = new_figure(1.0 + 0.9 * len(lengths) * ncols + 1.0, 0.9 + 0.45 * len(depths) * nrows + 0.4)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    groups = _group(keep, "method", "ratio")
+    groups = group_rows(keep, "method", "ratio")
     im = None
     for ax, key in zip(axes, panels):
         grid = [[math.nan] * len(lengths) for _ in depths]
@@ -324,7 +168,7 @@ def plot_niah_heatmap(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequ
         for (i, j), _ in acc.items():
             ax.text(j, i, f"{grid[i][j]:.0f}", ha="center", va="center", fontsize=7)
         method, ratio = key
-        ax.set_title(f"{method}" + (f" r={_num(ratio):g}" if _num(ratio) is not None else ""))
+        ax.set_title(f"{method}" + (f" r={as_number(ratio):g}" if as_number(ratio) is not None else ""))
         ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
         ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
         ax.set_xlabel("context length (tokens)")
@@ -332,90 +176,7 @@ def plot_niah_heatmap(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequ
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     fig.colorbar(im, ax=list(axes[:len(panels)]), label="score", shrink=0.8)
-    return _save(fig, path)
-
-
-# ---------------------------------------------------------------------------------------------------
-# JSON lines (resumable runs)
-# ---------------------------------------------------------------------------------------------------
-
-def json_default(o: Any) -> Any:
-    if hasattr(o, "item"):  # numpy / torch scalars
-        return o.item()
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    if isinstance(o, os.PathLike):
-        return os.fspath(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def _drop_partial_tail(path: Path) -> None:
-    """Cut a last line that a killed run left without its newline, so the next row starts cleanly."""
-    with open(path, "rb+") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        if size == 0:
-            return
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return
-        pos = size
-        while pos > 0:
-            step = min(4096, pos)
-            f.seek(pos - step)
-            block = f.read(step)
-            nl = block.rfind(b"\n")
-            if nl >= 0:
-                f.truncate(pos - step + nl + 1)
-                return
-            pos -= step
-        f.truncate(0)
-
-
-def append_jsonl(path: str | os.PathLike, row: dict) -> None:
-    """Append one row as a JSON line (flushed), first dropping a truncated last line if one is there."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(row, default=json_default, ensure_ascii=False) + "\n"
-    if path.exists():
-        _drop_partial_tail(path)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """All rows of a JSON-lines file ([] if it does not exist). An unparsable *last* line is a write the
-    run did not finish and is skipped; an unparsable line elsewhere is corruption and raises."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    rows: list[dict] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: corrupt JSON line ({err.msg})") from err
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------------
-# Row keys (moved from eval/runner.py)
-# ---------------------------------------------------------------------------------------------------
-
-def norm_ratio(method: str, ratio: float | str | None) -> float | str | None:
-    if method in REFERENCES or ratio is None:
-        return None
-    return "auto" if ratio == "auto" else round(float(ratio), 6)
+    return save_png(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -424,10 +185,6 @@ def norm_ratio(method: str, ratio: float | str | None) -> float | str | None:
 
 def _f(x: float, d: int = 3) -> str:
     return "–" if x is None or math.isnan(x) else f"{x:.{d}f}"
-
-
-def sample_key(r: dict) -> tuple:
-    return tuple(r.get(k) for k in ROW_KEY[:5])
 
 
 def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:
@@ -472,18 +229,18 @@ def fidelity_table(rows: Sequence[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ci(g, field, digits):  # mean [95% CI]
-        return fmt_ci(_mean(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
+        return fmt_ci(mean_of(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
 
     for key in sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
         g = groups[key]
         m, r = key
-        lines.append(f"| {m} | {'–' if r is None else _ratio_cell(r)} | {len(g)} | {ci(g, 'kl_first', 4)} | "
+        lines.append(f"| {m} | {'–' if r is None else ratio_cell(r)} | {len(g)} | {ci(g, 'kl_first', 4)} | "
                      f"{ci(g, 'kl', 4)} | {ci(g, 'nll', 3)} | {ci(g, 'nll_recovery', 2)} | "
                      f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
                      f"{ci(g, 'overlap', 2)} | "
-                     f"{_f(_median(x.get('ttft_s') for x in g))} | {_f(_median(x.get('chunk_load_s') for x in g))} | "
-                     f"{_f(_median(x.get('assemble_s') for x in g))} | {_f(_median(x.get('select_s') for x in g))} | "
-                     f"{_f(_median(x.get('recompute_s') for x in g))} |")
+                     f"{_f(median_of(x.get('ttft_s') for x in g))} | {_f(median_of(x.get('chunk_load_s') for x in g))} | "
+                     f"{_f(median_of(x.get('assemble_s') for x in g))} | {_f(median_of(x.get('select_s') for x in g))} | "
+                     f"{_f(median_of(x.get('recompute_s') for x in g))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -501,8 +258,8 @@ def full_prefill_table(rows: Sequence[dict]) -> str:
         parts = []
         for L in lengths:
             c = cells.get((t, L), {})
-            parts.append(f"{_f(100 * _mean(c.get('full', [])), 1)} (n={len(c.get('full', []))}) | "
-                         f"{_f(100 * _mean(c.get('naive', [])), 1)}")
+            parts.append(f"{_f(100 * mean_of(c.get('full', [])), 1)} (n={len(c.get('full', []))}) | "
+                         f"{_f(100 * mean_of(c.get('naive', [])), 1)}")
         lines.append(f"| {t} | " + " | ".join(parts) + " |")
     return "\n".join(lines) + "\n"
 
@@ -523,9 +280,9 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
     if not rows:
         raise ValueError(f"no rows with {', '.join(fields)} to plot")
     tasks = sorted({str(r["task"]) for r in rows})
-    fig = _figure(3.8 * len(tasks) + 1.8, 3.1 * len(fields) + 0.3)
+    fig = new_figure(3.8 * len(tasks) + 1.8, 3.1 * len(fields) + 0.3)
     axes = fig.subplots(len(fields), len(tasks), squeeze=False)
-    palette = _palette()
+    palette = colour_cycle()
     styles: dict[str, tuple] = {}
     handles: dict[str, Any] = {}
     naive_nll = naive_nll_by_sample(rows)
@@ -543,7 +300,7 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
             ax = axes[i][j]
 
             def agg(rs, f=field_, scale=scale):
-                return pooled_recovery(rs, naive_nll) if f == "nll_recovery" else scale * _mean(r.get(f) for r in rs)
+                return pooled_recovery(rs, naive_nll) if f == "nll_recovery" else scale * mean_of(r.get(f) for r in rs)
 
             for method in sorted(by_method, key=method_key):
                 g = by_method[method]
@@ -575,15 +332,7 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
             ax.grid(alpha=0.3)
     names = sorted(handles, key=method_key)
     fig.legend([handles[m] for m in names], names, loc="outside right upper")
-    return _save(fig, path)
-
-
-def _palette() -> list:
-    """20 distinguishable colours (tab10 then the light half of tab20): a dozen methods never share one."""
-    from matplotlib import colormaps
-
-    t20 = colormaps["tab20"].colors
-    return [t20[2 * i] for i in range(10)] + [t20[2 * i + 1] for i in range(10)]
+    return save_png(fig, path)
 
 
 def _binned(rows: Sequence[dict], bins: int) -> list[dict]:
@@ -594,11 +343,6 @@ def _binned(rows: Sequence[dict], bins: int) -> list[dict]:
         d = r.get("depth")
         out.append({**r, "depth": None if d is None else round(round(float(d) * (bins - 1)) / (bins - 1), 3)})
     return out
-
-
-def _ratio_of_means(num: Iterable[Any], den: Iterable[Any]) -> float:
-    n, d = _mean(num), _mean(den)
-    return n / d if d and not math.isnan(n) and not math.isnan(d) else math.nan
 
 
 def _used(row: dict) -> float | None:
@@ -627,17 +371,17 @@ def agreement_table(rows: Sequence[dict]) -> str:
         m, ratio = key
         agree = [float(bool(x["agree_words"])) for x in g]
         ref = [full_score.get((x["task"], x["index"])) for x in g]
-        pct = _ratio_of_means([x.get("score") for x in g], ref)
+        pct = ratio_of_means([x.get("score") for x in g], ref)
         falls = [x for x in g if x.get("converged") is not None]
         fell = (f"{sum(1 for x in falls if _fell_back(x)) / len(falls):.2f}"
                 if falls else "–")
-        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | "
-                     f"{fmt_ci(_mean(agree), bootstrap_mean_ci([agree]), 2)} | "
-                     f"{_fmt(_mean(float(bool(x['agree_first'])) for x in g), 2)} | {_fmt(100 * pct, 1)} | "
+        lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | "
+                     f"{fmt_ci(mean_of(agree), bootstrap_mean_ci([agree]), 2)} | "
+                     f"{fmt_num(mean_of(float(bool(x['agree_first'])) for x in g), 2)} | {fmt_num(100 * pct, 1)} | "
                      f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
-                     f"{_fmt(_mean(_used(x) for x in g), 3)} | "
-                     f"{_fmt(_mean(x.get('recompute_cost') or _used(x) for x in g), 3)} | "
-                     f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
+                     f"{fmt_num(mean_of(_used(x) for x in g), 3)} | "
+                     f"{fmt_num(mean_of(x.get('recompute_cost') or _used(x) for x in g), 3)} | "
+                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
                      f"{fell} |")
     return "\n".join(lines) + "\n"
 
@@ -686,13 +430,13 @@ def kept_table(rows: Sequence[dict]) -> str:
         kept = [float(bool(x["agree_words"])) for x in right]
         still = [float(bool(x["correct"])) for x in right]
         em = [x.get("em") for x in g if x.get("em") is not None]
-        lines.append(f"| {m} | {'–' if ratio is None else _ratio_cell(ratio)} | {len(g)} | "
-                     f"{fmt_ci(_mean(agree), bootstrap_mean_ci([agree]), 2)} | {len(right)} | "
-                     f"{fmt_ci(_mean(kept), bootstrap_mean_ci([kept]), 2)} | "
-                     f"{fmt_ci(_mean(still), bootstrap_mean_ci([still]), 2)} | "
-                     f"{_fmt(100 * _mean(x.get('score') for x in g), 1)} | "
-                     f"{_fmt(100 * _mean(em), 1) if em else '–'} | "
-                     f"{_fmt(_ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
+        lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | "
+                     f"{fmt_ci(mean_of(agree), bootstrap_mean_ci([agree]), 2)} | {len(right)} | "
+                     f"{fmt_ci(mean_of(kept), bootstrap_mean_ci([kept]), 2)} | "
+                     f"{fmt_ci(mean_of(still), bootstrap_mean_ci([still]), 2)} | "
+                     f"{fmt_num(100 * mean_of(x.get('score') for x in g), 1)} | "
+                     f"{fmt_num(100 * mean_of(em), 1) if em else '–'} | "
+                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -704,7 +448,7 @@ def paired_table(rows: Sequence[dict]) -> str:
     by: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     for r in rows:
         ratio = norm_ratio(str(r.get("method")), r.get("ratio"))
-        if r.get("method") not in ("full", "naive") and _num(ratio) is not None and r.get("agree_words") is not None:
+        if r.get("method") not in ("full", "naive") and as_number(ratio) is not None and r.get("agree_words") is not None:
             by[(r["method"], ratio)][sample_key(r)] = r  # `auto` rows spend different budgets: not paired here
     naive_nll = naive_nll_by_sample(rows)
     keys = sorted(by, key=lambda k: (ratio_key(k[1]), method_key(str(k[0]))))
@@ -724,8 +468,8 @@ def paired_table(rows: Sequence[dict]) -> str:
                     num.append(float(x["nll"]) - float(y["nll"]))
                     den.append(naive_nll[k] - float(x["nll_full"]))
             d_rec = sum(num) / sum(den) if den and abs(sum(den)) > 1e-9 else math.nan
-            lines.append(f"| {b} − {a} | {_ratio_cell(ra)} | {len(shared)} | "
-                         f"{fmt_ci(_mean(d_agree), bootstrap_mean_ci([d_agree]), 2)} | "
+            lines.append(f"| {b} − {a} | {ratio_cell(ra)} | {len(shared)} | "
+                         f"{fmt_ci(mean_of(d_agree), bootstrap_mean_ci([d_agree]), 2)} | "
                          f"{fmt_ci(d_rec, bootstrap_ratio_ci([(num, den)]), 2)} |")
     if not lines:
         return ""
@@ -735,8 +479,8 @@ def paired_table(rows: Sequence[dict]) -> str:
 
 def _length_title(length: int, rows: Sequence[dict]) -> str:
     if length == 0:  # real QA datasets: one chunk per passage, no target length
-        tokens = _mean(r.get("n_tokens") for r in rows)
-        return f"{', '.join(sorted({str(r['task']) for r in rows}))}: real passages (mean {_fmt(tokens, 0)} context tokens)"
+        tokens = mean_of(r.get("n_tokens") for r in rows)
+        return f"{', '.join(sorted({str(r['task']) for r in rows}))}: real passages (mean {fmt_num(tokens, 0)} context tokens)"
     return f"{length} tokens"
 
 
@@ -749,13 +493,13 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
             pts[(str(r["method"]), norm_ratio(str(r["method"]), r.get("ratio")))].append(r)
     if not pts:
         raise ValueError("no rows with an agreement to plot")
-    fig = _figure(6.4, 4.4)
+    fig = new_figure(6.4, 4.4)
     ax = fig.subplots()
-    palette = _palette()
+    palette = colour_cycle()
 
     def xy(g):
-        return (_ratio_of_means([x.get("ttft_full_s") for x in g], [x.get("ttft_s") for x in g]),
-                _mean(float(bool(x["agree_words"])) for x in g))
+        return (ratio_of_means([x.get("ttft_full_s") for x in g], [x.get("ttft_s") for x in g]),
+                mean_of(float(bool(x["agree_words"])) for x in g))
 
     for k, method in enumerate(sorted({m for m, _ in pts}, key=method_key)):
         color = palette[k % len(palette)]
@@ -773,7 +517,7 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     ax.set_ylim(-0.03, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def machines_note(rows: Sequence[dict]) -> str:

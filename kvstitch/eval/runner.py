@@ -46,9 +46,11 @@ from kvstitch.engine.engine import cpu_name
 from kvstitch.core.errors import EvalError, InputError
 from kvstitch.tasks.agreement import first_token_agree, first_words_agree
 from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
-from .report import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl, write_reports
-from kvstitch.tasks.scoring import answer_correct, exact_match, qa_f1, scorer_for, squad_correct, squad_em, squad_f1
-from kvstitch.tasks.squad import abstains
+from .report import write_reports
+from .rows import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl
+from kvstitch.tasks.scoring import (abstains, answer_correct, exact_match, qa_f1, scorer_for, squad_correct, squad_em,
+                                     squad_f1)
+
 from kvstitch.tasks.haystack import resolve_haystack
 from .selection import oracle_sets, select_tokens, to_original_order
 from kvstitch.tasks.tasks import TASKS, Sample, generate

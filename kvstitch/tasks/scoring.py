@@ -97,11 +97,23 @@ def answer_correct(pred: str, refs: Sequence[str]) -> bool:
     return any(f" {normalize_answer(r)} " in p for r in refs if normalize_answer(r))
 
 
+UNANSWERABLE = "unanswerable"  # what SQuAD v2.0 prompts ask the model to say
+# a reply that says the passages do not answer, in the words small models use for it
+_ABSTAIN = re.compile(r"\b(unanswerable|not (?:mentioned|provided|stated|given|specified|found|available|"
+                      r"contained|answerable)|no (?:answer|information|mention)|cannot be (?:answered|determined)|"
+                      r"does not (?:say|mention|contain|provide|state)|do not (?:say|mention|contain|provide|state)|"
+                      r"unknown|none of the passages)\b", re.I)
+
+
+def abstains(pred: str) -> bool:
+    """Does the answer's first line say the passages do not answer the question?"""
+    return bool(_ABSTAIN.search(first_line(pred)))
+
+
+
 # ---- SQuAD's official EM / F1 (evaluate-v2.0.py), an abstention being the empty answer ------------------
 
 def _squad_pred(pred: str) -> str:
-    from .squad import abstains
-
     return "" if abstains(pred) else normalize_answer(first_line(pred))
 
 
@@ -128,8 +140,6 @@ def squad_em(pred: str, refs: Sequence[str]) -> float:
 def squad_correct(pred: str, refs: Sequence[str]) -> bool:
     """Right: a gold answer as whole words in the first line (`answer_correct`), or, for an unanswerable
     question, an abstention."""
-    from .squad import abstains
-
     if not refs:
         return abstains(pred)
     return not abstains(pred) and answer_correct(pred, refs)

@@ -27,13 +27,13 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 from kvstitch.core.errors import InputError
+from .scoring import UNANSWERABLE, abstains  # noqa: F401 (part of this module's API)
 from .tasks import Sample
 
 FILES = {"squad": "squad-dev-v1.1.json.gz", "squad2": "squad-dev-v2.0.json.gz"}
@@ -41,24 +41,9 @@ SPLIT_SEED = 2016  # the visiting order of the questions: fixed, so splits name 
 TUNING_SPLIT = (0, 100)  # samples tuned on; results are reported on the rest (100:)
 DEFAULT_PASSAGES = 10
 ANSWER_TOKENS = 24
-UNANSWERABLE = "unanswerable"
 INSTRUCTION = ("Answer the question directly based on the given passages. Do NOT repeat the question. "
                "The answer should be within 5 words.")
 ABSTAIN_INSTRUCTION = f" If the passages do not contain the answer, reply \"{UNANSWERABLE}\"."
-# a reply that says the passages do not answer, in the words small models use for it
-_ABSTAIN = re.compile(r"\b(unanswerable|not (?:mentioned|provided|stated|given|specified|found|available|"
-                      r"contained|answerable)|no (?:answer|information|mention)|cannot be (?:answered|determined)|"
-                      r"does not (?:say|mention|contain|provide|state)|do not (?:say|mention|contain|provide|state)|"
-                      r"unknown|none of the passages)\b", re.I)
-
-
-def abstains(pred: str) -> bool:
-    """Does the answer's first line say the passages do not answer the question?"""
-    from .scoring import first_line
-
-    return bool(_ABSTAIN.search(first_line(pred)))
-
-
 @dataclass(frozen=True)
 class Question:
     qid: str
