@@ -7,7 +7,7 @@ page is one contiguous block), with an online softmax (running max and sum per q
 they cross once. Per (row, KV head) pair: the ``G`` query heads of the group read each page's keys while
 the page is in L1, then its values. The pairs are split over torch's intra-op thread count by Python threads
 (the kernel releases the GIL) rather than numba's ``prange``: numba's OpenMP pool and torch's spin-wait
-against each other on a loaded CPU (measured 3-5x slower at 1-2 threads, torch's own matmuls included),
+against each other on a loaded CPU (measured 3-10x slower at 1-2 threads, torch's own matmuls included),
 and its workqueue pool aborts when two threads (server workers) call in at once.
 
 Only float32 pools on the CPU take it (`kernel_ok`): numba has no bfloat16 type, so a half-precision pool
