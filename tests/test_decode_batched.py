@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from kvstitch.decode import DECODE_POLICIES, make_decoder
+from kvstitch.decode import DECODE_POLICIES, make_decoder, paged_kernel
 from kvstitch.decode.batched import attend_batch
 from kvstitch.decode.policies import GROUP_REDUCES, get_policy
 from kvstitch.decode.recall import attention_recall
@@ -26,6 +26,15 @@ def _decoder(policy, budget=16, layers=2, **kw):
         opts = {"window": 6, "chunk_size": 4, "rank": 4, **kw}
     return make_decoder(policy, budget, num_layers=layers, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
                         page_size=P, **opts)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """The batched attention through the paged kernel (CPU float32, numba) or the torch gather path."""
+    if request.param == "kernel" and not paged_kernel.available():
+        pytest.skip("numba (the kvstitch[fast] extra) not installed")
+    monkeypatch.setattr(paged_kernel, "ENABLED", request.param == "kernel")
+    return request.param
 
 
 class Twins:
@@ -88,7 +97,7 @@ SPECS = [(p, {}) for p in PAGED] + [("quest", {"group_reduce": r}) for r in GROU
 
 
 @pytest.mark.parametrize("policy,options", SPECS, ids=[f"{p}-{'-'.join(map(str, o.values()))}" for p, o in SPECS])
-def test_batched_attention_equals_each_row_alone(policy, options):
+def test_batched_attention_equals_each_row_alone(policy, options, path):
     """Four ragged rows of one policy (selection really happens: 22 of 40-95 tokens), rows ending at different
     steps, static refreshes every 3 steps: same pages as each row alone, outputs within float rounding."""
     tw = Twins([(policy, options)] * 4, [40, 57, 77, 95], seed=1)
@@ -96,7 +105,7 @@ def test_batched_attention_equals_each_row_alone(policy, options):
     tw.check_stats()
 
 
-def test_mixed_policies_in_one_batch_with_fallback_rows():
+def test_mixed_policies_in_one_batch_with_fallback_rows(path):
     """Every policy in one step, plus rows the batched path hands to the per-row one (ShadowKV's own
     decoder, a working-set row) and a row on the device-pool tier: each still equals its lone self."""
     specs = [(p, {}) for p in PAGED] + [("shadowkv", {}), ("quest", {"offload": "pool"}),
@@ -113,9 +122,9 @@ def test_mixed_policies_in_one_batch_with_fallback_rows():
     tw.check_stats()
 
 
-def test_rows_copied_on_several_threads_equal_the_reference():
-    """With several intra-op threads the rows' gathers are split over threads (tiny sizes: a correctness
-    check, not a timing)."""
+def test_rows_copied_on_several_threads_equal_the_reference(path):
+    """With several intra-op threads the rows' gathers (or the kernel's (row, KV head) pairs) are split over
+    threads (tiny sizes: a correctness check, not a timing)."""
     have = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -126,7 +135,18 @@ def test_rows_copied_on_several_threads_equal_the_reference():
     tw.check_stats()
 
 
-def test_diagnostic_rows_record_the_same_recall():
+def test_half_precision_pools_take_the_torch_path(monkeypatch):
+    """bfloat16 pools: numba has no bfloat16, so the batched step gathers with torch (the kernel never runs);
+    the rows still equal their lone attends."""
+    def never(*a, **kw):
+        raise AssertionError("the kernel ran on a bfloat16 pool")
+
+    monkeypatch.setattr(paged_kernel, "paged_attention", never)
+    tw = Twins([("prkv", {"dtype": torch.bfloat16}), ("quest", {"dtype": torch.bfloat16})], [45, 70], seed=6)
+    assert tw.run([4, 5]) < 1e-5
+
+
+def test_diagnostic_rows_record_the_same_recall(path):
     tw = Twins([("prkv", {}), ("quest", {}), ("full", {})], [50, 70, 90], seed=3)
     for dec in tw.ref + tw.bat:
         dec.diagnostic = True

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import paged_kernel
 from .plan import PagePlan, plan_step
 from .pool import K, V
 
@@ -106,19 +107,13 @@ def _attend_rows_batched(decoders: list, layer: int, queries: list[torch.Tensor]
     q = torch.stack([r.q for r in rows]).to(dev)  # [B, Hq, 1, D]
     B, Hq = q.shape[0], q.shape[1]
     pages = _page_table(rows, q.view(B, H, Hq // H, D), dev)  # [B, H, M]
-    M = pages.shape[2]
-    keys, values = _gather(rows, pages, H, M, P, D, d0.dtype, dev)
-    tokens = pages.unsqueeze(-1) * P + torch.arange(P, device=dev)  # [B, H, M, P] storage indices
-    ints = torch.tensor([[r.n_pages, r.plan.n_tokens, r.plan.lo] for r in rows], device=dev).view(B, 3, 1, 1, 1)
-    valid = ((torch.arange(M, device=dev).view(1, 1, M, 1) < ints[:, 0]) & (tokens < ints[:, 1])
-             & (tokens >= ints[:, 2])).view(B * H, 1, M * P)
-    f32 = torch.float32
-    qf = q.view(B * H, Hq // H, D)
-    logits = torch.bmm(qf if qf.dtype == f32 else qf.float(),
-                       (keys if keys.dtype == f32 else keys.float()).transpose(1, 2)).mul_(scaling)
-    logits.masked_fill_(~valid, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    out = torch.bmm(probs, values if values.dtype == f32 else values.float()).view(B, Hq, 1, D).to(q.dtype)
+    mask = None
+    if paged_kernel.kernel_ok(d0.dtype, dev):  # CPU only: float32 pools read in place, no gather copy
+        out = _attend_in_place(rows, pages, q.view(B, Hq, D), scaling).view(B, Hq, 1, D).to(q.dtype)
+    else:  # the reference path (CUDA, half-precision pools, no numba)
+        keys, values = _gather(rows, pages, H, pages.shape[2], P, D, d0.dtype, dev)
+        mask = _mask(rows, pages, P)
+        out = _masked_attention(q, keys, values, mask[1], scaling)
     table = pages.cpu()
     for r, o in zip(rows, out):
         dec, m = r.dec, r.n_pages
@@ -126,9 +121,54 @@ def _attend_rows_batched(decoders: list, layer: int, queries: list[torch.Tensor]
         dec._pages_read += H * m
         dec._count(r.plan)
         if dec.diagnostic:
+            if mask is None:
+                mask = _mask(rows, pages, P)
+            tokens, valid = mask
             valid_r = valid[r.index * H:(r.index + 1) * H, 0, : m * P]
             dec._record_recall(layer, r.st, r.plan, r.q, scaling, o, tokens[r.index, :, :m].flatten(1), valid_r)
     return list(out)
+
+
+def _mask(rows: list[_Row], pages: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Storage index of every table entry's tokens ``[B, Hkv, M, P]`` and which are attended
+    ``[B * Hkv, 1, M * P]``: not a pad page, not the unfilled end of the last page, not before a sliding window."""
+    (B, H, M), dev = pages.shape, pages.device
+    tokens = pages.unsqueeze(-1) * P + torch.arange(P, device=dev)
+    ints = torch.tensor([[r.n_pages, r.plan.n_tokens, r.plan.lo] for r in rows], device=dev).view(B, 3, 1, 1, 1)
+    valid = ((torch.arange(M, device=dev).view(1, 1, M, 1) < ints[:, 0]) & (tokens < ints[:, 1])
+             & (tokens >= ints[:, 2])).view(B * H, 1, M * P)
+    return tokens, valid
+
+
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """GQA attention of ``q [B, Hq, 1, D]`` over the gathered ``keys / values [B * Hkv, T, D]`` (float32)."""
+    B, Hq, _, D = q.shape
+    f32 = torch.float32
+    qf = q.view(keys.shape[0], -1, D)
+    logits = torch.bmm(qf if qf.dtype == f32 else qf.float(),
+                       (keys if keys.dtype == f32 else keys.float()).transpose(1, 2)).mul_(scaling)
+    logits.masked_fill_(~valid, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.bmm(probs, values if values.dtype == f32 else values.float()).view(B, Hq, 1, D).to(q.dtype)
+
+
+def _attend_in_place(rows: list[_Row], pages: torch.Tensor, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """CPU only: `paged_kernel.paged_attention` over each row's pool (the host pool, or for the pool tier the
+    device pool after its misses are fetched) -> ``[B, Hq, D]`` float32."""
+    H, M = pages.shape[1:]
+    pools, slots = [], pages
+    table = pages.cpu() if any(not r.dec.direct for r in rows) else None
+    for r in rows:
+        if r.dec.direct:
+            pools.append(r.st.host.data)
+            continue
+        if slots is pages:
+            slots = pages.clone()
+        slots[r.index] = _fetch(r, table, H, M)
+        pools.append(r.st.device.data)
+    ints = torch.tensor([[r.n_pages, r.plan.n_tokens, r.plan.lo] for r in rows])
+    return paged_kernel.paged_attention(q, pools, slots, pages, ints[:, 0], ints[:, 1], ints[:, 2], scaling)
 
 
 def _page_table(rows: list[_Row], q: torch.Tensor, dev) -> torch.Tensor:
@@ -187,17 +227,23 @@ def _gather(rows: list[_Row], pages: torch.Tensor, H: int, M: int, P: int, D: in
         dec, st = row.dec, row.st
         if dec.direct:
             src_k, src_v, idx = st.host.flat(K), st.host.flat(V), index[row.index]
-        else:  # the pool tier: the row's distinct pages resident first (one batched transfer of the misses)
-            dec._clock += 1
-            slots = st.device.fetch(table[row.index, :, : row.n_pages], st.host, dec.transfer, dec._clock)
-            slots = torch.cat([slots, slots[:, :1].expand(H, M - row.n_pages)], dim=1).to(dev)
-            idx = (slots * H + heads[0]).flatten()
+        else:
+            idx = (_fetch(row, table, H, M).to(dev) * H + heads[0]).flatten()
             src_k, src_v = (st.device.data[:, :, kind].flatten(0, 1) for kind in (K, V))
         torch.index_select(src_k, 0, idx, out=keys[row.index])
         torch.index_select(src_v, 0, idx, out=values[row.index])
 
     _each_row(rows, copy, dev)
     return keys.view(B * H, M * P, D), values.view(B * H, M * P, D)
+
+
+def _fetch(row: _Row, table: torch.Tensor, H: int, M: int) -> torch.Tensor:
+    """The pool tier: the row's distinct pages made resident (one batched transfer of the misses) -> their
+    device-pool slots ``[Hkv, M]`` (CPU; pad entries repeat the first slot)."""
+    dec, st = row.dec, row.st
+    dec._clock += 1
+    slots = st.device.fetch(table[row.index, :, : row.n_pages], st.host, dec.transfer, dec._clock)
+    return torch.cat([slots, slots[:, :1].expand(H, M - row.n_pages)], dim=1)
 
 
 def _each_row(rows: list[_Row], fn, dev) -> None:

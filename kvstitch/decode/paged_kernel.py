@@ -1,0 +1,197 @@
+"""CPU only: sparse GQA attention that reads the selected pages in place from the paged pools (numba JIT).
+
+The torch path of `decode.batched` copies every selected (page, head) block into a gather buffer and then
+runs two ``bmm`` over the copy, so the selected K/V cross memory three times. This kernel walks each row's
+page table and reads K and V straight from the row's pool (``[pages, Hkv, 2, P, D]``, HND: one head's
+page is one contiguous block), with an online softmax (running max and sum per query head, float32), so
+they cross once. Per (row, KV head) pair: the ``G`` query heads of the group read each page's keys while
+the page is in L1, then its values. The pairs are split over torch's intra-op thread count by Python threads
+(the kernel releases the GIL) rather than numba's ``prange``: numba's OpenMP pool and torch's spin-wait
+against each other on a loaded CPU (measured 3-10x slower at 1-2 threads, torch's own matmuls included),
+and its workqueue pool aborts when two threads (server workers) call in at once.
+
+Only float32 pools on the CPU take it (`kernel_ok`): numba has no bfloat16 type, so a half-precision pool
+would need a per-element upcast it cannot express; those pools, CUDA pools and installs without numba
+(the ``kvstitch[fast]`` extra) run the torch path, which is the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from kvstitch.core.errors import InputError
+
+try:
+    import numba
+    from numba import prange, types
+    from numba.extending import intrinsic
+except ImportError:  # the optional `fast` extra is not installed: the torch path runs
+    numba = None
+
+
+# Switch for the batched decode path: the kernel when it applies (``KVSTITCH_PAGED_KERNEL=0``: never, e.g. to
+# time the torch path; tests set it to compare both)
+ENABLED = os.environ.get("KVSTITCH_PAGED_KERNEL", "1") != "0"
+
+
+def available() -> bool:
+    """Whether the numba kernel can run (numba importable)."""
+    return numba is not None
+
+
+def kernel_ok(dtype: torch.dtype, device) -> bool:
+    """Whether the batched decode path reads pools of ``dtype`` on ``device`` with the kernel: float32 on the
+    CPU, numba present and `ENABLED`."""
+    return ENABLED and numba is not None and dtype == torch.float32 and torch.device(device).type == "cpu"
+
+
+if numba is not None:
+
+    @intrinsic
+    def _f32_pointer(typingctx, address):
+        """An int64 address as a ``float32*``: each row's pool is a separate tensor, and a list of arrays
+        would cost ~100 us per call to build (numba's typed list) where the addresses cost ~1 us."""
+        sig = types.CPointer(types.float32)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    @numba.njit(nogil=True, fastmath=False, cache=True)
+    def _paged_attention(q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out, share, shares):
+        """The (row, KV head) pairs ``share, share + shares, ...`` of the batch (one thread's share)."""
+        B, H, _ = slots.shape
+        G = q.shape[1] // H
+        for bh in range(share, B * H, shares):
+            b, h = bh // H, bh % H
+            pool = numba.carray(_f32_pointer(addresses[b]), (capacity[b], H, 2, P, q.shape[2]))
+            _attend_pair(q[b], h * G, G, pool, h, slots[b, h], pages[b, h], counts[b], n_tokens[b], lo[b],
+                         np.float32(scaling), out[b])
+
+    @numba.njit(nogil=True, fastmath=False, cache=True)
+    def _attend_pair(q, q0, G, pool, h, slots, pages, count, n_tokens, lo, scaling, out):
+        """One (row, KV head): query heads ``q[q0 : q0 + G]`` over the row's ``count`` pages -> the same rows
+        of ``out``. Inner loops index 1-d contiguous views (``acc[g]``, ``values[t]``) from 0: LLVM vectorizes
+        those, not 2-d subscripts or indices it cannot prove non-negative (numba's wraparound)."""
+        D = q.shape[1]
+        P = pool.shape[3]
+        run_max = np.full(G, -np.inf, dtype=np.float32)
+        run_sum = np.zeros(G, dtype=np.float32)
+        acc = np.zeros((G, D), dtype=np.float32)
+        logits = np.empty((G, P), dtype=np.float32)
+        probs = np.empty((G, P), dtype=np.float32)
+        bits = np.empty(P, dtype=np.int32)
+        for j in range(count):
+            first = pages[j] * P  # storage index of the page's first token (masks use it; reads use the slot)
+            a, e = max(0, lo - first), min(P, n_tokens - first)
+            if e <= a:
+                continue
+            n = e - a  # loops run over range(n) on views from 0: provably non-negative indices vectorize
+            values = pool[slots[j], h, 1, a:e]
+            _page_logits(q, q0, pool[slots[j], h, 0, a:e], scaling, logits)
+            for g in range(G):
+                acc_g, logits_g, probs_g = acc[g], logits[g], probs[g]
+                new_max = run_max[g]
+                for t in range(n):
+                    new_max = max(new_max, logits_g[t])
+                rescale = np.float32(math.exp(run_max[g] - new_max))  # 0 on the first page (-inf)
+                run_sum[g] *= rescale
+                for d in range(D):
+                    acc_g[d] *= rescale
+                _exp_shifted(logits_g, new_max, n, probs_g, bits)
+                for t in range(n):
+                    p = probs_g[t]
+                    run_sum[g] += p
+                    v = values[t]
+                    for d in range(D):
+                        acc_g[d] += p * v[d]
+                run_max[g] = new_max
+        for g in range(G):
+            inv = np.float32(1.0) / run_sum[g] if run_sum[g] > 0 else np.float32(0.0)  # no token: zeros
+            acc_g, out_g = acc[g], out[q0 + g]
+            for d in range(D):
+                out_g[d] = acc_g[d] * inv
+
+    @numba.njit(nogil=True, fastmath=False, cache=True)
+    def _exp_shifted(x, shift, n, out, bits):
+        """``out[t] = exp(x[t] - shift)`` for ``t < n`` (all <= 0): Cephes' expf (2^k times a degree-7
+        polynomial on [-ln2/2, ln2/2], ~2 ulp) in loops LLVM vectorizes; libm's exp is one call per element
+        (~9 ns: about half of the kernel's time before). ``bits`` is scratch for 2^k."""
+        for t in range(n):
+            v = max(x[t] - shift, np.float32(-87.0))  # exp(-87) ~ 1.6e-38: still a normal float32
+            k = np.floor(v * np.float32(1.44269504) + np.float32(0.5))
+            r = v - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)  # v - k ln2 in two parts
+            poly = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+            poly = poly * r + np.float32(8.3334519073e-3)
+            poly = poly * r + np.float32(4.1665795894e-2)
+            poly = poly * r + np.float32(1.6666665459e-1)
+            poly = poly * r + np.float32(5.0000001201e-1)
+            out[t] = poly * r * r + r + np.float32(1.0)
+            bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        scale = bits.view(np.float32)
+        for t in range(n):
+            out[t] *= scale[t]
+
+    # Reassociation lets LLVM vectorize the dot products' reduction (a scalar chain measured ~15x slower at
+    # D = 64); only here, and without fastmath's no-inf / no-nan flags (the softmax relies on -inf).
+    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, cache=True)
+    def _page_logits(q, q0, keys, scaling, logits):
+        """``logits[g, t] = scaling * q[q0 + g] . keys[t]`` for the ``t < len(keys)`` attended tokens of a page."""
+        for g in range(logits.shape[0]):
+            qg, logits_g = q[q0 + g], logits[g]
+            for t in range(keys.shape[0]):
+                k = keys[t]
+                s = np.float32(0.0)
+                for d in range(qg.shape[0]):
+                    s += qg[d] * k[d]
+                logits_g[t] = s * scaling
+
+
+def paged_attention(q: torch.Tensor, pools: list[torch.Tensor], slots: torch.Tensor, pages: torch.Tensor,
+                    counts: torch.Tensor, n_tokens: torch.Tensor, lo: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """CPU only (float32 pools, numba). GQA attention of ``q [B, Hq, D]`` over row ``b``'s pages, read in place.
+
+    ``pools[b]``: row b's pool ``[capacity, Hkv, 2, P, D]`` (contiguous; K at index 0 of axis 2, V at 1);
+    ``slots / pages [B, Hkv, M]``: entry ``j < counts[b]`` reads pool block ``slots[b, h, j]`` holding storage
+    page ``pages[b, h, j]`` (equal for the host pool; a device pool's slot otherwise); tokens outside
+    ``[lo[b], n_tokens[b])`` (by storage index) are masked. A row with no token left gets zeros.
+    Returns ``[B, Hq, D]`` float32.
+    """
+    B, Hq, D = q.shape
+    H, P = pools[0].shape[1], pools[0].shape[3]
+    if len(pools) != B or slots.shape != pages.shape or slots.shape[:2] != (B, H) or Hq % H:
+        raise InputError(f"paged_attention: q {tuple(q.shape)}, {len(pools)} pools, slots {tuple(slots.shape)}, "
+                         f"pages {tuple(pages.shape)} do not describe one batch of {H} KV heads")
+    for pool in pools:
+        if pool.dtype != torch.float32 or pool.device.type != "cpu" or not pool.is_contiguous():
+            raise InputError("paged_attention reads contiguous float32 CPU pools only")
+        if pool.shape[1:] != (H, 2, P, D):
+            raise InputError(f"pool shape {tuple(pool.shape)} does not match [*, {H}, 2, {P}, {D}]")
+    capacity = torch.tensor([p.shape[0] for p in pools])
+    if slots.numel() and bool((slots.amax(dim=(1, 2)).cpu() >= capacity).any() | (slots.amin() < 0)):
+        raise InputError("paged_attention: a page slot lies outside its pool")  # raw reads: never past the end
+    addresses = np.array([p.data_ptr() for p in pools], dtype=np.int64)
+    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    args = (q.float().contiguous().numpy(), addresses, capacity.numpy(), P, _ints(slots), _ints(pages), _ints(counts),
+            _ints(n_tokens), _ints(lo), float(scaling), out.numpy())
+    workers = min(torch.get_num_threads(), B * H)
+    if workers < 2:
+        _paged_attention(*args, 0, 1)
+        return out
+    from .decoder import _row_pool
+
+    futures = [_row_pool(workers - 1).submit(_paged_attention, *args, w, workers) for w in range(1, workers)]
+    _paged_attention(*args, 0, workers)
+    for f in futures:
+        f.result()
+    return out
+
+
+def _ints(t: torch.Tensor) -> np.ndarray:
+    return t.to("cpu", torch.int64).contiguous().numpy()
