@@ -184,9 +184,9 @@ def paged_attention(q: torch.Tensor, pools: list[torch.Tensor], slots: torch.Ten
     if workers < 2:
         _paged_attention(*args, 0, 1)
         return out
-    from .decoder import _row_pool
+    from .decoder import row_pool
 
-    futures = [_row_pool(workers - 1).submit(_paged_attention, *args, w, workers) for w in range(1, workers)]
+    futures = [row_pool(workers - 1).submit(_paged_attention, *args, w, workers) for w in range(1, workers)]
     _paged_attention(*args, 0, workers)
     for f in futures:
         f.result()
