@@ -294,10 +294,10 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         short = ShortPrompt(engine, layout, auto.verify_chunks, n_probe)
         stats["verify"] = {"chunks": [layout.order[i] for i in short.chunks], "answer": None,
                            "seconds": time.perf_counter() - t0}
-    kvs = engine.chunk_kvs(layout, stats)
+    kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
-                           precompute=engine.precompute_mode)
+                           precompute=engine.precompute_mode, chunks=kvs)
     ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
     layout, cache = ctx.layout, ctx.cache
     plan = recompute_plan(ctx) if recompute_plan is not None else None
