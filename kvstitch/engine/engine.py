@@ -207,17 +207,19 @@ class Engine:
     # ---- low-level forward ----------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, cache: StitchCache, ids: torch.Tensor, slots: torch.Tensor, plan: ForwardPlan | None = None,
-                logits_to_keep: int = 1, write: bool = True) -> torch.Tensor | None:
+                logits_to_keep: int = 1, write: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run ``ids`` at global positions ``slots`` (sorted) over ``cache``; returns the last logits.
-        Returns None when the plan stopped the pass early (scoring passes)."""
+        Returns None when the plan stopped the pass early (scoring passes). ``positions``: RoPE positions
+        other than the slots (a compacted cache whose slots are not positions: QCFuse's anchor probe)."""
         plan = plan or ForwardPlan()
         slots = slots.to(self.device)
         plan.q_slots = slots
+        pos = slots if positions is None else positions.to(self.device)
         with cache.mode(slots=slots, write=write):
             try:
                 ids = ids.view(1, -1) if ids.dim() == 1 else ids
                 out = self.model(input_ids=ids.to(self.device),
-                                 position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
+                                 position_ids=pos.view(1, -1).expand(ids.shape[0], -1),
                                  **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=logits_to_keep,
                                  kvstitch_plan=plan)
                 return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()

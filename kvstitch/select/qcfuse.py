@@ -131,9 +131,45 @@ class QCFuse(Selector):
         kvs = ctx.chunk_kvs(anchors=self.chunk_anchors())
         keep = self.anchor_keep(ctx, kvs)
         ctx.stats["qcfuse_anchors"] = int(keep[0, 0, ctx.layout.context_start:ctx.layout.context_end].sum())
-        queries = probe_queries(ctx, keep, max(layers))
+        queries = anchor_probe(ctx, keep, max(layers))
         per_layer = critical_scores(ctx, ctx.cache, queries, layers, self.reduce)
         return torch.stack([per_layer[i] for i in layers]).mean(0)
+
+
+@torch.no_grad()
+def anchor_probe(ctx: SelectionContext, keep: torch.Tensor, last_layer: int) -> dict[int, torch.Tensor]:
+    """The probe over the prefix + each layer's anchors (``keep``) -> {layer: queries [Hq, |suffix|, d]}.
+
+    Every passage keeps ``ceil(anchor_ratio * n)`` anchors at every layer, so each layer holds as many
+    context keys: the pass runs over a compacted cache (those keys gathered, the suffix after them; RoPE at
+    the real positions, the keys already rotated there), O(|Q| (prefix + anchors)) per layer as in QCFuse's
+    own kernel. Causal order is all a compacted slot loses; a sliding-window layer also needs real
+    distances, so a model with one below ``last_layer`` (Gemma 3) runs the masked pass over the full cache
+    instead (`probe_queries`, the same attention at O(|Q| N))."""
+    from kvstitch.core.cache import StitchCache, StitchLayer
+
+    if any(ctx.sliding_window(i) for i in range(last_layer + 1)):
+        return probe_queries(ctx, keep, last_layer)
+    lay = ctx.layout
+    kept = [keep[i, 0, :lay.context_end].nonzero().flatten() for i in range(last_layer + 1)]
+    n_kept, m = kept[0].numel(), lay.n_suffix
+    layers = []
+    for i, src in enumerate(ctx.cache.layers):
+        if i > last_layer:  # never reached: the pass stops after ``last_layer``
+            layers.append(StitchLayer(src.keys[:, :, :0], src.values[:, :, :0], 0))
+            continue
+        k = src.keys.new_zeros(1, src.keys.shape[1], n_kept + m, src.keys.shape[3])
+        v = torch.zeros_like(k)
+        k[:, :, :n_kept], v[:, :, :n_kept] = src.keys[:, :, kept[i]], src.values[:, :, kept[i]]
+        layers.append(StitchLayer(k, v, n_kept))
+    plan = ForwardPlan(capture_queries=m, stop_after_layer=last_layer)
+    ctx.engine.forward(StitchCache(layers), lay.suffix_ids, torch.arange(n_kept, n_kept + m), plan,
+                       positions=torch.arange(lay.context_end, lay.n_total))
+    for i in range(last_layer + 1):  # the suffix's own keys, where the selection's softmax reads them
+        dst, src = ctx.cache.layers[i], layers[i]
+        dst.keys[:, :, lay.context_end:lay.n_total] = src.keys[:, :, n_kept:]
+        dst.values[:, :, lay.context_end:lay.n_total] = src.values[:, :, n_kept:]
+    return plan.queries
 
 
 @torch.no_grad()
