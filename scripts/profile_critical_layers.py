@@ -2,7 +2,7 @@
 prefill's selection that layer's QCFuse selection alone recovers, on a few tuning samples; the ranking (best
 first) is what `kvstitch.models.loader.CRITICAL_LAYERS` records.
 
-    python scripts/profile_critical_layers.py --model qwen2.5-0.5b --samples 0:3 \
+    python scripts/profile_critical_layers.py --model qwen2.5-0.5b --samples 0:3 --max-chunks 5 \
         --out docs/results/qcfuse/critical-qwen2.5-0.5b.json
 
 Samples come from a dataset (default the bundled MuSiQue; its samples 0-49 are the tuning range, the
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="embedded model name or path (default smollm2)")
     ap.add_argument("--dataset", default="musique")
     ap.add_argument("--samples", default="0:4", help="sample range start:stop (tuning samples)")
+    ap.add_argument("--max-chunks", type=int, default=None, help="keep only each sample's first N passages (shorter runs)")
     ap.add_argument("--ratio", type=float, default=0.2, help="selection size as a share of the context")
     ap.add_argument("--top", type=int, default=10, help="how many layers the table keeps")
     ap.add_argument("--threads", type=int, default=1)
@@ -37,10 +38,11 @@ def main() -> None:
     start, stop = parse_range(args.samples)
     samples = load_dataset(args.dataset, start, stop)
     eng = Engine.load(args.model, cold_path="stitched")
-    layouts = [eng.layout(s.question, s.chunks) for s in samples]
+    layouts = [eng.layout(s.question, s.chunks[:args.max_chunks]) for s in samples]
     t0 = time.perf_counter()
     got = profile_critical_layers(eng, layouts, args.ratio)
     got.update(model=args.model or "smollm2", weights=eng.weights_id, dataset=args.dataset, range=args.samples,
+               max_chunks=args.max_chunks,
                top=got["ranking"][:args.top], context_tokens=[lay.n_context for lay in layouts],
                seconds=round(time.perf_counter() - t0, 1), threads=args.threads)
     line = ", ".join(f"{i}: {got['recall'][i]:.3f}" for i in got["top"])
