@@ -10,7 +10,7 @@ import torch
 
 from kvstitch.core.attention import ATTN_IMPL
 from kvstitch.core.errors import BadMethodOption, CorruptEntryError
-from kvstitch.engine.anchors import REPEAT_PROMPT, AnchorSpec
+from kvstitch.core.anchors import REPEAT_PROMPT, AnchorSpec
 from kvstitch.models import loader
 from kvstitch.select import SelectionContext, make_selector, top_k_indices
 from kvstitch.select.critical import layer_recalls, profile_critical_layers

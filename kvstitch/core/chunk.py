@@ -15,7 +15,7 @@ class ChunkKV:
     precompute positions ``start .. start + n_tokens - 1`` (``start`` = shared-prefix length), which is
     what the position-recovery step re-rotates from.
 
-    anchor_scores / anchor_tag: QCFuse's anchor pass (`kvstitch.engine.anchors`), when it ran for this chunk:
+    anchor_scores / anchor_tag: QCFuse's anchor pass (`kvstitch.core.anchors`), when it ran for this chunk:
     ``[L, n_tokens]`` float32, per layer the most any head and token of an appended prompt attended to each
     chunk token; ``anchor_tag`` names the pass (its prompt and sinks). None / "": the entry has no anchors.
     """

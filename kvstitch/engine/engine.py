@@ -22,7 +22,7 @@ from kvstitch.core.errors import InputError, PromptTooLong, UnknownDecodePolicy
 from kvstitch.core.identity import register_model, tokenizer_fingerprint
 from kvstitch.models import adapter_for, cache_kwargs, load_model
 from kvstitch.models.half_cpu import multiplies_natively
-from .anchors import AnchorSpec
+from kvstitch.core.anchors import AnchorSpec
 from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
 from kvstitch.core.prompt import PromptBuilder, PromptLayout
 from kvstitch.core.rope import inv_freq_table, rerotate, self_check
@@ -270,7 +270,7 @@ class Engine:
 
     def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None, anchors=None) -> list[ChunkKV]:
         """Look every chunk up in the store; precompute the misses (batched) and write them back. ``anchors``
-        (an `AnchorSpec`, what `qcfuse` needs): every chunk carries its anchor scores too (`kvstitch.engine.anchors`)."""
+        (an `AnchorSpec`, what `qcfuse` needs): every chunk carries its anchor scores too (`kvstitch.core.anchors`)."""
         t0 = time.perf_counter()
         res = ensure_chunks(self, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True, anchors=anchors)
         if stats is not None:

@@ -8,7 +8,7 @@ second process on the same store — skips everything already stored, and an int
 Within one call a chunk that occurs twice is computed once.
 
 ``anchors`` (an `AnchorSpec`, what `qcfuse` asks for): each chunk also gets QCFuse's anchor scores
-(`kvstitch.engine.anchors`), stored in its entry: computed with the chunk when it is computed, and added to
+(`kvstitch.core.anchors`), stored in its entry: computed with the chunk when it is computed, and added to
 an entry stored without them (the entry's K/V bytes untouched, `ChunkStore.add_anchors`).
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from kvstitch.core.chunk import ChunkKV
 from kvstitch.core.chunking import chunk_directory
-from .anchors import AnchorSpec, anchor_scores
+from kvstitch.core.anchors import AnchorSpec, anchor_scores
 from kvstitch.core.prompt import PromptBuilder
 from kvstitch.store.codec import roundtrip
 

@@ -196,6 +196,11 @@ class SelectionContext:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def weights_id(self) -> str:
+        """The model weights' identity (``gguf:<sha256>`` for an embedded model; "" if the engine names none)."""
+        return str(getattr(self.engine, "weights_id", "") or "")
+
     # ---- operations -----------------------------------------------------------------------------
     def query_attention(self, layers=None, *, cache: "StitchCache | None" = None, layout: "PromptLayout | None" = None,
                         key_keep: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
@@ -221,6 +226,13 @@ class SelectionContext:
         # recompute pass rewrites every suffix slot before anything reads them (see `scoring`)
         self.engine.forward(cache, layout.suffix_ids, slots, plan, write=True)
         return out
+
+    @torch.no_grad()
+    def run_pass(self, cache: "StitchCache", ids: torch.Tensor, slots: torch.Tensor, plan: "ForwardPlan",
+                 write: bool = True, positions: torch.Tensor | None = None) -> None:
+        """``ids`` at cache slots ``slots`` (RoPE ``positions``, default the slots) through the model over
+        ``cache``, as far as ``plan`` goes (a scoring pass: its hooks and captured queries are the result)."""
+        self.engine.forward(cache, ids, slots, plan, write=write, positions=positions)
 
     @torch.no_grad()
     def recompute(self, indices: torch.Tensor) -> None:
@@ -252,7 +264,7 @@ class SelectionContext:
 
     def chunk_kvs(self, layout: "PromptLayout | None" = None, anchors=None) -> list["ChunkKV"]:
         """Every chunk's precomputed K/V (those the engine stitched from, else from the store; computed on a
-        miss). ``anchors`` (an `AnchorSpec`): with their anchor scores (`kvstitch.engine.anchors`)."""
+        miss). ``anchors`` (an `AnchorSpec`): with their anchor scores (`kvstitch.core.anchors`)."""
         if layout is None and self.chunks is not None:
             tag = anchors.tag(self.tokenizer) if anchors is not None else ""
             if anchors is None or all(kv.has_anchors(tag) for kv in self.chunks):
@@ -352,7 +364,7 @@ class Selector:
         raise NotImplementedError  # abstract: every registered selector overrides it
 
     def chunk_anchors(self):
-        """The anchor pass (`kvstitch.engine.anchors.AnchorSpec`) the chunk caches must carry for this method
+        """The anchor pass (`kvstitch.core.anchors.AnchorSpec`) the chunk caches must carry for this method
         (`qcfuse`), so the engine's precompute runs it with the chunks; None = none."""
         return None
 

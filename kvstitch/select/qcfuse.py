@@ -3,7 +3,7 @@
 Re-implemented from its public code (github.com/uYanJX/QCFuse, Apache-2.0; read in the leideng/QCFuse
 copy; nothing of it is copied here). Three passes:
 
-1. Offline, per passage (`kvstitch.engine.anchors`): the passage with "\\n\\nRepeat the previous context
+1. Offline, per passage (`kvstitch.core.anchors`): the passage with "\\n\\nRepeat the previous context
    exactly." appended; per layer every passage token is scored by the most any head and prompt token
    attend to it (`srt/utils/digest_index_manager.py:accumulate_kvzip_layer_score`). Its *anchors* at a
    layer are its first ``n_sink`` (4) tokens, then the best-scored, ``ceil(anchor_ratio * n)`` tokens in
@@ -40,7 +40,7 @@ import torch
 
 from kvstitch.core.attention import ForwardPlan, attention_probs
 from kvstitch.core.errors import BadMethodOption
-from kvstitch.engine.anchors import DEFAULT_SINKS, REPEAT_PROMPT, AnchorSpec
+from kvstitch.core.anchors import DEFAULT_SINKS, REPEAT_PROMPT, AnchorSpec
 from .base import SelectionContext, Selector, register
 
 REDUCES = ("max", "mean")
@@ -108,7 +108,7 @@ class QCFuse(Selector):
             if bad:
                 raise BadMethodOption(f"{self.name}: critical_layers must be within 0..{n - 1}, got {self.critical_layers}")
             return list(dict.fromkeys(self.critical_layers)), "explicit"
-        profiled = critical_layers(getattr(ctx.engine, "weights_id", ""))
+        profiled = critical_layers(ctx.weights_id)
         if profiled and max(profiled[:self.n_critical]) < n:
             return list(profiled[:self.n_critical]), "profiled"
         return depth_scaled_layers(n, self.n_critical), "depth_scaled"
@@ -163,8 +163,8 @@ def anchor_probe(ctx: SelectionContext, keep: torch.Tensor, last_layer: int) -> 
         k[:, :, :n_kept], v[:, :, :n_kept] = src.keys[:, :, kept[i]], src.values[:, :, kept[i]]
         layers.append(StitchLayer(k, v, n_kept))
     plan = ForwardPlan(capture_queries=m, stop_after_layer=last_layer)
-    ctx.engine.forward(StitchCache(layers), lay.suffix_ids, torch.arange(n_kept, n_kept + m), plan,
-                       positions=torch.arange(lay.context_end, lay.n_total))
+    ctx.run_pass(StitchCache(layers), lay.suffix_ids, torch.arange(n_kept, n_kept + m), plan,
+                 positions=torch.arange(lay.context_end, lay.n_total))
     for i in range(last_layer + 1):  # the suffix's own keys, where the selection's softmax reads them
         dst, src = ctx.cache.layers[i], layers[i]
         dst.keys[:, :, lay.context_end:lay.n_total] = src.keys[:, :, n_kept:]
@@ -179,7 +179,7 @@ def probe_queries(ctx: SelectionContext, keep: torch.Tensor | None, last_layer: 
     suffix slots (the recompute pass rewrites them; see `kvstitch.select.scoring`)."""
     lay = ctx.layout
     plan = ForwardPlan(capture_queries=lay.n_suffix, stop_after_layer=last_layer, key_keep=keep)
-    ctx.engine.forward(ctx.cache, lay.suffix_ids, torch.arange(lay.context_end, lay.n_total), plan, write=True)
+    ctx.run_pass(ctx.cache, lay.suffix_ids, torch.arange(lay.context_end, lay.n_total), plan)
     return plan.queries
 
 
