@@ -28,7 +28,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="embedded model name or path (default smollm2)")
     ap.add_argument("--dataset", default="musique")
     ap.add_argument("--samples", default="0:4", help="sample range start:stop (tuning samples)")
-    ap.add_argument("--max-chunks", type=int, default=None, help="keep only each sample's first N passages (shorter runs)")
+    ap.add_argument("--max-chunks", type=int, default=None,
+                    help="keep only each sample's first N passages (shorter runs)")
     ap.add_argument("--ratio", type=float, default=0.2, help="selection size as a share of the context")
     ap.add_argument("--top", type=int, default=10, help="how many layers the table keeps")
     ap.add_argument("--threads", type=int, default=1)

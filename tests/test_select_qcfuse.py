@@ -14,8 +14,7 @@ from kvstitch.core.anchors import REPEAT_PROMPT, AnchorSpec
 from kvstitch.models import loader
 from kvstitch.select import SelectionContext, make_selector, top_k_indices
 from kvstitch.select.critical import layer_recalls, profile_critical_layers
-from kvstitch.select.qcfuse import (QCFuse, anchor_indices, anchor_probe, critical_scores, depth_scaled_layers,
-                                    probe_queries)
+from kvstitch.select.qcfuse import QCFuse, anchor_indices, anchor_probe, depth_scaled_layers, probe_queries
 from kvstitch.store import DiskStore, MemoryStore
 from kvstitch.store import codec
 
@@ -59,7 +58,8 @@ def test_anchors_are_the_tokens_the_repeat_prompt_attends_to_most(arch, smollm_t
             rows = a[:, p + n:, cols]
             rows = rows / rows.sum(-1, keepdim=True)
             ref = rows[:, :, 4:4 + n].amax(dim=(0, 1))  # max over heads and prompt tokens
-            assert torch.allclose(kv.anchor_scores[layer], ref, atol=1e-5), (layer, (kv.anchor_scores[layer] - ref).abs().max())
+            err = (kv.anchor_scores[layer] - ref).abs().max()
+            assert torch.allclose(kv.anchor_scores[layer], ref, atol=1e-5), (layer, err)
             got = anchor_indices(kv.anchor_scores[layer], sel.anchor_ratio, 4)
             want = anchor_indices(ref, sel.anchor_ratio, 4)
             k = math.ceil(n * sel.anchor_ratio)

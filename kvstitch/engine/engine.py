@@ -207,7 +207,8 @@ class Engine:
     # ---- low-level forward ----------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, cache: StitchCache, ids: torch.Tensor, slots: torch.Tensor, plan: ForwardPlan | None = None,
-                logits_to_keep: int = 1, write: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+                logits_to_keep: int = 1, write: bool = True,
+                positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run ``ids`` at global positions ``slots`` (sorted) over ``cache``; returns the last logits.
         Returns None when the plan stopped the pass early (scoring passes). ``positions``: RoPE positions
         other than the slots (a compacted cache whose slots are not positions: QCFuse's anchor probe)."""

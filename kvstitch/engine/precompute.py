@@ -246,6 +246,7 @@ def precompute_ids(engine: ChunkComputer, ids: list[torch.Tensor], batch_size: i
             bar.update(task, completed=done, total=total, tps=tokens / dt if dt else 0.0,
                        cps=done / dt if dt else 0.0)
 
-        res = ensure_chunks(engine, ids, batch_size=batch_size, on_batch=step, anchors=anchors)  # every canonical prefix
+        # every canonical prefix
+        res = ensure_chunks(engine, ids, batch_size=batch_size, on_batch=step, anchors=anchors)
     return PrecomputeReport(chunks=len(ids), computed=res.computed, skipped=res.already_stored,
                             tokens=res.tokens, seconds=time.perf_counter() - t0)

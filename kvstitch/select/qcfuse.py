@@ -106,7 +106,8 @@ class QCFuse(Selector):
         if self.critical_layers is not None:
             bad = [i for i in self.critical_layers if not 0 <= i < n]
             if bad:
-                raise BadMethodOption(f"{self.name}: critical_layers must be within 0..{n - 1}, got {self.critical_layers}")
+                raise BadMethodOption(f"{self.name}: critical_layers must be within 0..{n - 1}, "
+                                      f"got {self.critical_layers}")
             return list(dict.fromkeys(self.critical_layers)), "explicit"
         profiled = critical_layers(ctx.weights_id)
         if profiled and max(profiled[:self.n_critical]) < n:
@@ -115,11 +116,15 @@ class QCFuse(Selector):
 
     def anchor_keep(self, ctx: SelectionContext, kvs) -> torch.Tensor:
         """[L, Hkv, n_total] bool: what the probe may attend to at each layer - the prefix, every passage's
-        anchors of that layer, the question."""
+        anchors of that layer, the question. A conversation's pinned system segment is kept whole, as QCFuse
+        keeps its system prompt."""
         lay = ctx.layout
         keep = torch.ones(ctx.num_layers, ctx.num_kv_heads, lay.n_total, dtype=torch.bool)
         keep[:, :, lay.context_start:lay.context_end] = False
-        for start, kv in zip(lay.chunk_starts, kvs):
+        for j, (start, kv) in enumerate(zip(lay.chunk_starts, kvs)):
+            if j < lay.pinned:
+                keep[:, :, start:start + kv.n_tokens] = True
+                continue
             for layer in range(ctx.num_layers):
                 idx = anchor_indices(kv.anchor_scores[layer], self.anchor_ratio, self.n_sink)
                 keep[layer, :, start + idx] = True
