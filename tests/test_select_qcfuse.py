@@ -242,3 +242,19 @@ def test_store_written_without_anchors_gets_them_on_demand_kv_untouched(tmp_path
         assert torch.equal(eng.store.get(key).anchor_scores, stored.anchor_scores)
     finally:
         eng.store = saved
+
+
+def test_a_conversations_system_segment_is_kept_whole_in_the_probe(smollm_tokenizer):
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout = eng.layout(None, SAMPLE_CHUNKS, messages=[{"role": "system", "content": "Answer briefly and well."},
+                                                       {"role": "user", "content": SAMPLE_QUESTION}])
+    assert layout.pinned == 1
+    sel = QCFuse()
+    kvs = eng.chunk_kvs(layout, anchors=sel.chunk_anchors())
+    ctx = SelectionContext(eng, eng.stitch(layout, kvs), layout, 10, chunks=kvs)
+    keep = sel.anchor_keep(ctx, kvs)
+    s0, n0 = layout.chunk_starts[0], layout.chunk_ids[0].numel()
+    assert keep[:, :, s0:s0 + n0].all()
+    s1, n1 = layout.chunk_starts[1], layout.chunk_ids[1].numel()
+    assert int(keep[0, 0, s1:s1 + n1].sum()) == math.ceil(0.1 * n1)
+    assert sel.select(ctx)[0].numel() == 10
