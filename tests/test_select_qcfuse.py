@@ -258,3 +258,12 @@ def test_a_conversations_system_segment_is_kept_whole_in_the_probe(smollm_tokeni
     s1, n1 = layout.chunk_starts[1], layout.chunk_ids[1].numel()
     assert int(keep[0, 0, s1:s1 + n1].sum()) == math.ceil(0.1 * n1)
     assert sel.select(ctx)[0].numel() == 10
+
+
+def test_sliding_window_layers_are_no_critical_candidates(smollm_tokenizer):
+    eng = make_tiny_engine("gemma3", smollm_tokenizer)  # global layers 2 and 5 of 6, the rest windowed
+    ctx, _ = _ctx(eng, QCFuse())
+    assert QCFuse().layer_choice(ctx) == ([2, 5], "depth_scaled")
+    rec = layer_recalls(eng, ctx.layout, 0.3)
+    assert [i for i in range(6) if not math.isnan(rec[i])] == [2, 5]
+    assert sorted(profile_critical_layers(eng, [ctx.layout], 0.3)["ranking"]) == [2, 5]

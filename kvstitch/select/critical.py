@@ -11,7 +11,9 @@ selection each gives alone):
 2. the reference set is what the same score picks under full prefill: the question over the exact cache
    (prefix + context prefilled jointly), every layer, averaged over the layers (the signal the stitched
    selection approximates);
-3. a layer's recall is the share of the reference set its selection contains, averaged over the samples;
+3. a layer's recall is the share of the reference set its selection contains, averaged over the samples
+   (a sliding-window layer is no candidate: its softmax cannot reach past the window, so on long contexts
+   it "selects" by ties; Gemma 3's candidates are its global layers);
    the ranking (best first, ties to the shallower layer, which also makes the probe cheaper) is recorded in
    `kvstitch.models.loader.CRITICAL_LAYERS`, and `qcfuse` takes its first ``n_critical`` (3).
 
@@ -19,6 +21,8 @@ selection each gives alone):
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -28,7 +32,8 @@ from .qcfuse import QCFuse, anchor_probe, critical_scores, probe_queries
 
 @torch.no_grad()
 def layer_recalls(engine, layout, ratio: float = 0.2, selector: QCFuse | None = None) -> torch.Tensor:
-    """[L] float64: per layer, the recall of that layer's QCFuse selection against full prefill's (module doc)."""
+    """[L] float64: per layer, the recall of that layer's QCFuse selection against full prefill's (module doc);
+    NaN for a layer that is no candidate (a sliding-window one, when the model has global layers)."""
     sel = selector or QCFuse()
     k = max(1, round(ratio * layout.n_context))
     kvs = engine.chunk_kvs(layout, anchors=sel.chunk_anchors())
@@ -40,8 +45,15 @@ def layer_recalls(engine, layout, ratio: float = 0.2, selector: QCFuse | None = 
     ref_layers = critical_scores(exact, exact.cache, probe_queries(exact, None, n_layers - 1), range(n_layers),
                                  sel.reduce)
     ref = set(top_k_indices(torch.stack(list(ref_layers.values())).mean(0), k).tolist())
-    return torch.tensor([len(ref & set(top_k_indices(per_layer[i], k).tolist())) / k for i in range(n_layers)],
-                        dtype=torch.float64)
+    cands = candidate_layers(ctx)
+    return torch.tensor([len(ref & set(top_k_indices(per_layer[i], k).tolist())) / k if i in cands else math.nan
+                         for i in range(n_layers)], dtype=torch.float64)
+
+
+def candidate_layers(ctx: SelectionContext) -> list[int]:
+    """The layers that may be critical: the global-attention ones (every layer of a model without windows)."""
+    glob = [i for i in range(ctx.num_layers) if not ctx.sliding_window(i)]
+    return glob or list(range(ctx.num_layers))
 
 
 def profile_critical_layers(engine, layouts, ratio: float = 0.2, selector: QCFuse | None = None) -> dict:
@@ -51,6 +63,10 @@ def profile_critical_layers(engine, layouts, ratio: float = 0.2, selector: QCFus
     if not rows:
         raise ValueError("profiling needs at least one sample")
     mean = torch.stack(rows).mean(0)
-    ranking = sorted(range(mean.numel()), key=lambda i: (-round(float(mean[i]), 12), i))
-    return {"ranking": ranking, "recall": [round(float(x), 4) for x in mean],
-            "per_sample": [[round(float(x), 4) for x in r] for r in rows], "ratio": ratio, "samples": len(rows)}
+    ranking = sorted((i for i in range(mean.numel()) if not math.isnan(mean[i])),
+                     key=lambda i: (-round(float(mean[i]), 12), i))
+
+    def num(x):
+        return None if math.isnan(x) else round(float(x), 4)
+    return {"ranking": ranking, "recall": [num(x) for x in mean], "per_sample": [[num(x) for x in r] for r in rows],
+            "ratio": ratio, "samples": len(rows)}

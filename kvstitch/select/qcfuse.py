@@ -27,7 +27,8 @@ Critical layers: ``critical_layers`` when given ("explicit"); else the model's p
 (`kvstitch.models.loader.CRITICAL_LAYERS`, "profiled"), its first ``n_critical`` (3:
 `blend/qcfuse_config.py:DEFAULT_CRITICAL_LAYERS`); else, for a model never profiled, ``n_critical`` layers
 around 0.55 of its depth ("depth_scaled": the mean relative depth of QCFuse's published top-3 for its four
-models). ``stats["qcfuse_critical_layers"]`` / ``["qcfuse_layer_rule"]`` say which ran.
+models; on a model with sliding-window layers, its global layers nearest that depth).
+``stats["qcfuse_critical_layers"]`` / ``["qcfuse_layer_rule"]`` say which ran.
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ def anchor_indices(scores: torch.Tensor, ratio: float, n_sink: int) -> torch.Ten
     return ranked[:keep].sort().values
 
 
-def depth_scaled_layers(n_layers: int, k: int) -> list[int]:
-    """``k`` consecutive layers centred at `FALLBACK_DEPTH` of the depth (within 0..n_layers-1)."""
+def depth_scaled_layers(n_layers: int, k: int, candidates: list[int] | None = None) -> list[int]:
+    """``k`` layers around `FALLBACK_DEPTH` of the depth: consecutive ones, or the ``candidates`` nearest it."""
+    if candidates is not None and len(candidates) < n_layers:
+        centre = FALLBACK_DEPTH * (n_layers - 1)
+        return sorted(sorted(candidates, key=lambda i: (abs(i - centre), i))[:k])
     k = min(k, n_layers)
     first = min(max(0, round(FALLBACK_DEPTH * (n_layers - 1)) - (k - 1) // 2), n_layers - k)
     return list(range(first, first + k))
@@ -112,7 +116,8 @@ class QCFuse(Selector):
         profiled = critical_layers(ctx.weights_id)
         if profiled and max(profiled[:self.n_critical]) < n:
             return list(profiled[:self.n_critical]), "profiled"
-        return depth_scaled_layers(n, self.n_critical), "depth_scaled"
+        glob = [i for i in range(n) if not ctx.sliding_window(i)] or None  # a window cannot see the context
+        return depth_scaled_layers(n, self.n_critical, glob), "depth_scaled"
 
     def anchor_keep(self, ctx: SelectionContext, kvs) -> torch.Tensor:
         """[L, Hkv, n_total] bool: what the probe may attend to at each layer - the prefix, every passage's
