@@ -51,7 +51,11 @@ _GGUF_SHA256 = {
 # QCFuse's `blend/qcfuse_config.py:MODEL_TOP10_CRITICAL_LAYERS` ranks them for its models. Measured by
 # `scripts/profile_critical_layers.py` (`kvstitch.select.critical.profile_critical_layers`); the commands and
 # per-layer recalls are in docs/results/qcfuse/.
-CRITICAL_LAYERS: dict[str, tuple[int, ...]] = {}
+CRITICAL_LAYERS: dict[str, tuple[int, ...]] = {
+    "smollm2": (8, 6, 19, 9, 4, 27, 5, 14, 7, 3),  # 30 layers; MuSiQue 0-3, ~6K tokens
+    "gemma3": (17, 11, 5),  # 18 layers, its global ones (the rest are 512-token windows); MuSiQue 0-3
+    "qwen2.5-0.5b": (19, 23, 11, 20, 10, 15, 18, 21, 13, 22),  # 24 layers; MuSiQue 0-2, 5 passages, ~2.9K tokens
+}
 
 
 def embedded_name(weights_id: str) -> str | None:
