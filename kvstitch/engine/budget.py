@@ -311,10 +311,10 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         # the short prompt would be the whole prompt
         stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
         return None
-    kvs = engine.chunk_kvs(layout, stats)
+    kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
-                           precompute=engine.precompute_mode)
+                           precompute=engine.precompute_mode, chunks=kvs)
     ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
     layout, cache = ctx.layout, ctx.cache
     if auto.verify_chunks:

@@ -22,6 +22,7 @@ from kvstitch.core.errors import InputError, PromptTooLong, UnknownDecodePolicy
 from kvstitch.core.identity import register_model, tokenizer_fingerprint
 from kvstitch.models import adapter_for, cache_kwargs, load_model
 from kvstitch.models.half_cpu import multiplies_natively
+from kvstitch.core.anchors import AnchorSpec
 from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
 from kvstitch.core.prompt import PromptBuilder, PromptLayout
 from kvstitch.core.rope import inv_freq_table, rerotate, self_check
@@ -206,17 +207,20 @@ class Engine:
     # ---- low-level forward ----------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, cache: StitchCache, ids: torch.Tensor, slots: torch.Tensor, plan: ForwardPlan | None = None,
-                logits_to_keep: int = 1, write: bool = True) -> torch.Tensor | None:
+                logits_to_keep: int = 1, write: bool = True,
+                positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run ``ids`` at global positions ``slots`` (sorted) over ``cache``; returns the last logits.
-        Returns None when the plan stopped the pass early (scoring passes)."""
+        Returns None when the plan stopped the pass early (scoring passes). ``positions``: RoPE positions
+        other than the slots (a compacted cache whose slots are not positions: QCFuse's anchor probe)."""
         plan = plan or ForwardPlan()
         slots = slots.to(self.device)
         plan.q_slots = slots
+        pos = slots if positions is None else positions.to(self.device)
         with cache.mode(slots=slots, write=write):
             try:
                 ids = ids.view(1, -1) if ids.dim() == 1 else ids
                 out = self.model(input_ids=ids.to(self.device),
-                                 position_ids=slots.view(1, -1).expand(ids.shape[0], -1),
+                                 position_ids=pos.view(1, -1).expand(ids.shape[0], -1),
                                  **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=logits_to_keep,
                                  kvstitch_plan=plan)
                 return out.logits[0].float() if ids.shape[0] == 1 else out.logits.float()
@@ -265,24 +269,33 @@ class Engine:
         return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"),
                          precompute=self.precompute_mode, tokenizer=self.tokenizer_id)
 
-    def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None) -> list[ChunkKV]:
-        """Look every chunk up in the store; precompute the misses (batched) and write them back."""
+    def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None, anchors=None) -> list[ChunkKV]:
+        """Look every chunk up in the store; precompute the misses (batched) and write them back. ``anchors``
+        (an `AnchorSpec`, what `qcfuse` needs): every chunk carries its anchor scores too (`kvstitch.core.anchors`)."""
         t0 = time.perf_counter()
-        res = ensure_chunks(self, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True)
+        res = ensure_chunks(self, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True, anchors=anchors)
         if stats is not None:
             stats.update(store_hits=res.hits, store_misses=res.misses, chunk_load_s=time.perf_counter() - t0,
                          precompute=self.precompute_mode)
+            if anchors is not None:
+                stats.update(anchors_added=res.anchored, anchor_s=res.anchor_s)
         return [kv.to(self.device, self.dtype) for kv in res.kvs]
 
     def precompute(self, texts: list[str], chunk_tokens: int | None = None, overlap: int = 0, batch_size: int = 8,
-                   progress: bool = True) -> PrecomputeReport:
+                   progress: bool = True, anchors=None) -> PrecomputeReport:
         """Cache passages before the questions come, so the first question is a warm hit (the cold path
         would answer it by full prefill). ``texts``: the passages as ``generate(chunks=...)`` will get them
         (``chunk_tokens`` None), or documents to split into chunks of ~``chunk_tokens`` tokens. Chunks already
-        stored are skipped; a progress bar shows tok/s. -> report: chunks, computed, skipped, tokens, seconds."""
+        stored are skipped; a progress bar shows tok/s. ``anchors``: True (QCFuse's default pass) or an
+        `AnchorSpec`: each chunk also stores its anchor scores (what `qcfuse` reads; stored chunks without
+        them get them added). -> report: chunks, computed, skipped, tokens, seconds."""
         if chunk_tokens is not None and chunk_tokens < 1:
             raise InputError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        return precompute_texts(self, texts, chunk_tokens, overlap, batch_size, progress)
+        if anchors is True:
+            anchors = AnchorSpec()
+        elif anchors is not None and not isinstance(anchors, AnchorSpec):
+            raise InputError(f"anchors must be True, None or an AnchorSpec, got {anchors!r:.60}")
+        return precompute_texts(self, texts, chunk_tokens, overlap, batch_size, progress, anchors or None)
 
     def precompute_deferred(self, max_chunks: int | None = None) -> int:
         """Compute and store the chunks cold requests answered by full prefill left behind (`kvstitch.engine.cold`);
@@ -592,13 +605,13 @@ class Engine:
         if cold and take_full_prefill(self, layout, stats):  # cold store: full prefill answers, chunks computed later
             cache, logits = yield from self._full_prefill_steps(layout, max_new_tokens, batch, stats)
             return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, make_selector("full"))
-        kvs = self.chunk_kvs(layout, stats)
+        kvs = self.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
         t1 = time.perf_counter()
         cache = self.stitch(layout, kvs, extra=max_new_tokens)
         _sync(self.device)
         t2 = time.perf_counter()
         ctx = SelectionContext(self, cache, layout, round(ratio * layout.n_context), stats,
-                               precompute=self.precompute_mode)
+                               precompute=self.precompute_mode, chunks=kvs)
         indices, _ = selector.select(ctx)
         layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
         _sync(self.device)

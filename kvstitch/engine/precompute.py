@@ -6,6 +6,10 @@ the server's document API and the Ray workers (`kvstitch.corpus.ray_precompute`)
 (`Engine.chunk_key`: model, tokenizer, storage dtype, shared prefix, chunk ids), so a second run — or a
 second process on the same store — skips everything already stored, and an interrupted run resumes.
 Within one call a chunk that occurs twice is computed once.
+
+``anchors`` (an `AnchorSpec`, what `qcfuse` asks for): each chunk also gets QCFuse's anchor scores
+(`kvstitch.core.anchors`), stored in its entry: computed with the chunk when it is computed, and added to
+an entry stored without them (the entry's K/V bytes untouched, `ChunkStore.add_anchors`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from kvstitch.core.chunk import ChunkKV
 from kvstitch.core.chunking import chunk_directory
+from kvstitch.core.anchors import AnchorSpec, anchor_scores
 from kvstitch.core.prompt import PromptBuilder
 from kvstitch.store.codec import roundtrip
 
@@ -38,6 +43,12 @@ class ChunkComputer(Protocol):
     def compute_chunks(self, prefix_ids: torch.Tensor, chunks: list[torch.Tensor],
                        batch_size: int = 8) -> list[ChunkKV]: ...
 
+    # the anchor pass (``anchors=``) runs the model itself: `forward`, `prefix_kv`, `adapter`, `device`
+    def forward(self, cache, ids: torch.Tensor, slots: torch.Tensor, plan=None, logits_to_keep: int = 1,
+                write: bool = True): ...
+
+    def prefix_kv(self, prefix_ids: torch.Tensor): ...
+
 
 @dataclass
 class EnsureResult:
@@ -53,11 +64,14 @@ class EnsureResult:
     seconds: float = 0.0   # compute + store time
     computed_keys: list[str] = field(default_factory=list)
     all_keys: list[list[str]] = field(default_factory=list)  # every key of each input chunk (one per prefix)
+    anchored: int = 0      # stored chunks whose anchor scores were computed and added (``anchors=``)
+    anchor_s: float = 0.0  # time of the anchor passes (also those of computed chunks)
 
 
 def ensure_chunks(engine: ChunkComputer, chunk_ids: list[torch.Tensor], *, prefix_ids: torch.Tensor | None = None,
                   load: bool = False, batch_size: int = 8,
-                  on_batch: Callable[[int, int, int], None] | None = None) -> EnsureResult:
+                  on_batch: Callable[[int, int, int], None] | None = None,
+                  anchors: AnchorSpec | None = None) -> EnsureResult:
     """Make sure every chunk's K/V is in ``engine.store``: compute the missing ones (distinct chunks,
     ``batch_size`` per forward, in first-occurrence order) and write them back.
 
@@ -70,13 +84,14 @@ def ensure_chunks(engine: ChunkComputer, chunk_ids: list[torch.Tensor], *, prefi
     (refusing a foreign entry or one whose token ids differ: it is recomputed) and returns each input
     chunk's `ChunkKV` in ``result.kvs``; a freshly computed one is given in the form a later hit will
     return (storage dtype round trip), so cold and warm requests agree.
-    ``on_batch(done, total, tokens)`` is called after each computed batch (distinct chunks)."""
+    ``on_batch(done, total, tokens)`` is called after each computed batch (distinct chunks).
+    ``anchors``: every chunk also carries (and its entry stores) the anchor scores of that pass (module doc)."""
     if prefix_ids is None:
         if load:
             raise ValueError("ensure_chunks(load=True) needs the request's prefix_ids")
         total: EnsureResult | None = None
         for prefix in engine.builder.canonical_prefixes():
-            res = _ensure(engine, chunk_ids, prefix, False, batch_size, on_batch)
+            res = _ensure(engine, chunk_ids, prefix, False, batch_size, on_batch, anchors)
             if total is None:
                 total = res
                 continue
@@ -89,22 +104,25 @@ def ensure_chunks(engine: ChunkComputer, chunk_ids: list[torch.Tensor], *, prefi
             total.tokens += res.tokens
             total.seconds += res.seconds
             total.computed_keys += res.computed_keys
+            total.anchored += res.anchored
+            total.anchor_s += res.anchor_s
         return total
-    return _ensure(engine, chunk_ids, prefix_ids, load, batch_size, on_batch)
+    return _ensure(engine, chunk_ids, prefix_ids, load, batch_size, on_batch, anchors)
 
 
 def _ensure(engine: ChunkComputer, chunk_ids: list[torch.Tensor], prefix: torch.Tensor, load: bool, batch_size: int,
-            on_batch: Callable[[int, int, int], None] | None) -> EnsureResult:
+            on_batch: Callable[[int, int, int], None] | None, anchors: AnchorSpec | None = None) -> EnsureResult:
     store = engine.store
     keys = [engine.chunk_key(prefix, ids) for ids in chunk_ids]
     start = 0 if engine.precompute_mode == "isolated" else prefix.numel()  # where a valid entry was computed
+    tag = anchors.tag(engine.tokenizer) if anchors is not None else ""
     first: dict[str, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     found: dict[str, ChunkKV | None] = {}
     present: dict[str, bool] = {}
     for key, i in first.items():
-        if load:
+        if load or anchors is not None:  # whether an entry has anchors is known only by reading it
             kv = store.lookup(key)
             if kv is not None and (kv.fingerprint != engine.fingerprint or kv.start != start
                                    or not torch.equal(kv.token_ids, chunk_ids[i].cpu())):
@@ -114,6 +132,8 @@ def _ensure(engine: ChunkComputer, chunk_ids: list[torch.Tensor], prefix: torch.
         else:
             present[key] = key in store
     res = EnsureResult(keys=keys, all_keys=[[k] for k in keys])
+    if anchors is not None:
+        _add_anchors(engine, prefix, found, anchors, tag, res)
     res.hits = sum(present[k] for k in keys)
     res.misses = len(keys) - res.hits
     res.already_stored = sum(present.values())
@@ -125,9 +145,15 @@ def _ensure(engine: ChunkComputer, chunk_ids: list[torch.Tensor], prefix: torch.
         with torch.no_grad():
             fresh = engine.compute_chunks(prefix, [chunk_ids[first[k]] for k in part], batch_size=batch_size)
         for key, kv in zip(part, fresh):
+            if anchors is not None:  # scored on the stored form: the same anchors as a later on-demand pass
+                t1 = time.perf_counter()
+                loaded = roundtrip(kv, storage, engine.dtype)
+                scores = anchor_scores(engine, prefix, loaded, anchors)
+                kv, found[key] = kv.with_anchors(scores, tag), loaded.with_anchors(scores, tag)
+                res.anchor_s += time.perf_counter() - t1
             store.put(key, kv)
             res.tokens += kv.n_tokens
-            if load:
+            if load and anchors is None:
                 found[key] = roundtrip(kv, storage, engine.dtype)
         res.computed += len(part)
         res.computed_keys += part
@@ -138,6 +164,20 @@ def _ensure(engine: ChunkComputer, chunk_ids: list[torch.Tensor], prefix: torch.
     if load:
         res.kvs = [found[k] for k in keys]
     return res
+
+
+def _add_anchors(engine: ChunkComputer, prefix: torch.Tensor, found: dict, spec: AnchorSpec, tag: str,
+                 res: EnsureResult) -> None:
+    """Stored chunks without the anchors of ``tag``: compute them and add them to the entry."""
+    t0 = time.perf_counter()
+    for key, kv in found.items():
+        if kv is None or kv.has_anchors(tag):
+            continue
+        scores = anchor_scores(engine, prefix, kv, spec)
+        found[key] = kv.with_anchors(scores, tag)
+        engine.store.add_anchors(key, scores, tag)  # False (not kept) on a backend that cannot: computed again
+        res.anchored += 1
+    res.anchor_s += time.perf_counter() - t0
 
 
 # ---- a document folder (`kvstitch precompute`) ---------------------------------------------------------
@@ -181,7 +221,7 @@ def precompute_directory(engine: ChunkComputer, docs_dir, chunk_tokens: int = 25
 
 
 def precompute_texts(engine: ChunkComputer, texts: list[str], chunk_tokens: int | None = None, overlap: int = 0,
-                     batch_size: int = 8, progress: bool = True) -> PrecomputeReport:
+                     batch_size: int = 8, progress: bool = True, anchors: AnchorSpec | None = None) -> PrecomputeReport:
     """Cache passages ahead of the questions. ``chunk_tokens`` None: each text is one chunk, exactly as
     ``generate(chunks=texts)`` will use it; else each text is a document split into chunks of about that many
     tokens (`kvstitch.core.chunking.chunk_text`, as `kvstitch precompute` does)."""
@@ -191,11 +231,11 @@ def precompute_texts(engine: ChunkComputer, texts: list[str], chunk_tokens: int 
     texts = check_chunks(texts)
     if chunk_tokens is not None:
         texts = [c for t in texts for c in chunk_text(t, engine.tokenizer, chunk_tokens, overlap)]
-    return precompute_ids(engine, [engine.builder.encode_chunk(t) for t in texts], batch_size, progress)
+    return precompute_ids(engine, [engine.builder.encode_chunk(t) for t in texts], batch_size, progress, anchors)
 
 
 def precompute_ids(engine: ChunkComputer, ids: list[torch.Tensor], batch_size: int = 8,
-                   progress: bool = True) -> PrecomputeReport:
+                   progress: bool = True, anchors: AnchorSpec | None = None) -> PrecomputeReport:
     """`ensure_chunks` for every canonical prefix, with the shared progress bar and a report."""
     t0 = time.perf_counter()
     with progress_bar(progress) as bar:
@@ -206,6 +246,7 @@ def precompute_ids(engine: ChunkComputer, ids: list[torch.Tensor], batch_size: i
             bar.update(task, completed=done, total=total, tps=tokens / dt if dt else 0.0,
                        cps=done / dt if dt else 0.0)
 
-        res = ensure_chunks(engine, ids, batch_size=batch_size, on_batch=step)  # every canonical prefix
+        # every canonical prefix
+        res = ensure_chunks(engine, ids, batch_size=batch_size, on_batch=step, anchors=anchors)
     return PrecomputeReport(chunks=len(ids), computed=res.computed, skipped=res.already_stored,
                             tokens=res.tokens, seconds=time.perf_counter() - t0)

@@ -364,13 +364,25 @@ def _stage_fields(stats: dict) -> dict:
 
 
 # what a method reports about how it ran (kept in its row): CacheClip's auxiliary model / self-guidance,
-# grouping's unspent budget, the layers InfoFlow scored with and why, the chunk store's precompute mode
+# grouping's unspent budget, the layers InfoFlow / QCFuse scored with and why, the chunk store's precompute mode
 METHOD_STATS = ("cacheclip_aux", "cacheclip_self_guided", "selection_budget", "grouping_dropped",
-                "infoflow_layers", "infoflow_layer_rule", "precompute")
+                "infoflow_layers", "infoflow_layer_rule", "precompute", "qcfuse_critical_layers",
+                "qcfuse_layer_rule", "qcfuse_anchor_ratio")
 
 
 def _method_fields(stats: dict) -> dict:
     return {k: stats[k] for k in METHOD_STATS if k in stats}
+
+
+def _chunk_anchors(methods):
+    """The anchor pass the chunk caches need for ``methods`` (`Selector.chunk_anchors`; qcfuse), or None."""
+    from kvstitch.select import SELECTORS, make_selector
+
+    for m in sorted(methods):
+        spec = make_selector(m).chunk_anchors() if m in SELECTORS else None
+        if spec is not None:
+            return spec
+    return None
 
 
 def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]], done: dict[tuple, dict],
@@ -396,7 +408,8 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
                          f"the model's {limit} positions")
     st: dict = {}
     t0 = time.perf_counter()
-    engine.chunk_kvs(layout, st)  # precompute (untimed for the methods: the store is warm, as in RAG reuse)
+    # precompute (untimed for the methods: the store is warm, as in RAG reuse), with qcfuse's offline anchor pass
+    engine.chunk_kvs(layout, st, anchors=_chunk_anchors({m for m, _ in todo}))
     for m in {m for m, _ in todo} & set(OWN_CHUNK_CACHES):  # their own (auxiliary) chunk caches, likewise
         select_tokens(engine, layout, m, 0.5)
     precompute_s = time.perf_counter() - t0

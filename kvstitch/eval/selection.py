@@ -54,11 +54,11 @@ def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool =
     stats: dict = {}
     if selector.full_prefill:
         return torch.arange(layout.n_context), None, stats
-    kvs = engine.chunk_kvs(layout, stats)
+    kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
     cache = engine.stitch(layout, kvs, extra=0)
     budget = round(ratio * layout.n_context)
     ctx = SelectionContext(engine, cache, layout, budget, stats,
-                           precompute=getattr(engine, "precompute_mode", "shared_prefix"))
+                           precompute=getattr(engine, "precompute_mode", "shared_prefix"), chunks=kvs)
     if keep_scores and budget >= layout.n_context and not selector.zero_budget and method != "naive":
         scores = selector.score(ctx).float().cpu()
         indices = torch.arange(layout.n_context)

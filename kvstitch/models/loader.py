@@ -42,6 +42,36 @@ _EMBEDDED = {
 }
 
 
+# the sha256 of each embedded model's GGUF: its weights identity (``weights_id`` = "gguf:<sha256>")
+_GGUF_SHA256 = {
+    "smollm2": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    "gemma3": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    "qwen2.5-0.5b": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+}
+
+# QCFuse's critical layers of each embedded model, best first (0-based; `qcfuse` takes the first 3), as
+# QCFuse's `blend/qcfuse_config.py:MODEL_TOP10_CRITICAL_LAYERS` ranks them for its models. Measured by
+# `scripts/profile_critical_layers.py` (`kvstitch.select.critical.profile_critical_layers`); the commands and
+# per-layer recalls are in docs/results/qcfuse/.
+CRITICAL_LAYERS: dict[str, tuple[int, ...]] = {
+    "smollm2": (8, 6, 19, 9, 4, 27, 5, 14, 7, 3),  # 30 layers; MuSiQue 0-3, ~6K tokens
+    "gemma3": (17, 11, 5),  # 18 layers, its global ones (the rest are 512-token windows); MuSiQue 0-3
+    "qwen2.5-0.5b": (19, 23, 11, 20, 10, 15, 18, 21, 13, 22),  # 24 layers; MuSiQue 0-2, 5 passages, ~2.9K tokens
+}
+
+
+def embedded_name(weights_id: str) -> str | None:
+    """The embedded model (``smollm2``, ...) whose weights ``weights_id`` names, else None."""
+    sha = str(weights_id).removeprefix("gguf:")
+    return next((name for name, s in _GGUF_SHA256.items() if s == sha), None)
+
+
+def critical_layers(weights_id: str) -> tuple[int, ...] | None:
+    """QCFuse's profiled critical layers (best first) of the model ``weights_id`` names; None if not profiled."""
+    name = embedded_name(weights_id)
+    return CRITICAL_LAYERS.get(name) if name else None
+
+
 @dataclass(frozen=True)
 class SplitGGUF:
     """A GGUF shipped in parts: package ``<stem>{i}`` holds ``data/part{i:02d}.bin``; the parts concatenated

@@ -114,13 +114,13 @@ class EngineView(Protocol):
     inv_freq: torch.Tensor
 
     def forward(self, cache, ids: torch.Tensor, slots: torch.Tensor, plan=None, logits_to_keep: int = 1,
-                write: bool = True): ...
+                write: bool = True, positions: torch.Tensor | None = None): ...
 
     def stitch(self, layout, chunks, extra: int = 0): ...
 
     def prefix_kv(self, prefix_ids: torch.Tensor): ...
 
-    def chunk_kvs(self, layout, stats: dict | None = None): ...
+    def chunk_kvs(self, layout, stats: dict | None = None, anchors=None): ...
 
 
 @dataclass
@@ -137,6 +137,8 @@ class SelectionContext:
     # how the chunk caches were precomputed: "shared_prefix" (after the shared prefix: the first chunk's
     # cache is exact) or "isolated" (each chunk from position 0 on its own); see `kvstitch.store.chunk_key`
     precompute: str = "shared_prefix"
+    # the chunk caches the engine stitched ``cache`` from, in ``layout``'s order (None: read from the store)
+    chunks: "list[ChunkKV] | None" = None
 
     @property
     def n_context(self) -> int:
@@ -194,6 +196,11 @@ class SelectionContext:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def weights_id(self) -> str:
+        """The model weights' identity (``gguf:<sha256>`` for an embedded model; "" if the engine names none)."""
+        return str(getattr(self.engine, "weights_id", "") or "")
+
     # ---- operations -----------------------------------------------------------------------------
     def query_attention(self, layers=None, *, cache: "StitchCache | None" = None, layout: "PromptLayout | None" = None,
                         key_keep: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
@@ -219,6 +226,13 @@ class SelectionContext:
         # recompute pass rewrites every suffix slot before anything reads them (see `scoring`)
         self.engine.forward(cache, layout.suffix_ids, slots, plan, write=True)
         return out
+
+    @torch.no_grad()
+    def run_pass(self, cache: "StitchCache", ids: torch.Tensor, slots: torch.Tensor, plan: "ForwardPlan",
+                 write: bool = True, positions: torch.Tensor | None = None) -> None:
+        """``ids`` at cache slots ``slots`` (RoPE ``positions``, default the slots) through the model over
+        ``cache``, as far as ``plan`` goes (a scoring pass: its hooks and captured queries are the result)."""
+        self.engine.forward(cache, ids, slots, plan, write=write, positions=positions)
 
     @torch.no_grad()
     def recompute(self, indices: torch.Tensor) -> None:
@@ -248,9 +262,14 @@ class SelectionContext:
         q = plan.queries.get(layer) if queries else None
         return FreshPass(layer, k[0], v[0], stitched, q, slots.to(self.device))
 
-    def chunk_kvs(self, layout: "PromptLayout | None" = None) -> list["ChunkKV"]:
-        """Every chunk's precomputed K/V (from the store; computed on a miss)."""
-        return self.engine.chunk_kvs(self.layout if layout is None else layout)
+    def chunk_kvs(self, layout: "PromptLayout | None" = None, anchors=None) -> list["ChunkKV"]:
+        """Every chunk's precomputed K/V (those the engine stitched from, else from the store; computed on a
+        miss). ``anchors`` (an `AnchorSpec`): with their anchor scores (`kvstitch.core.anchors`)."""
+        if layout is None and self.chunks is not None:
+            tag = anchors.tag(self.tokenizer) if anchors is not None else ""
+            if anchors is None or all(kv.has_anchors(tag) for kv in self.chunks):
+                return self.chunks
+        return self.engine.chunk_kvs(self.layout if layout is None else layout, anchors=anchors)
 
     def prefix_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared prefix's K/V ``[L, Hkv, n_prefix, d]``."""
@@ -296,7 +315,8 @@ class SelectionContext:
         kvs = self.chunk_kvs() if kvs is None else kvs
         extra = max(0, self.cache.layers[0].capacity - self.layout.n_total)
         self.layout = self.layout.reordered(list(order))
-        self.cache = self.engine.stitch(self.layout, [kvs[i] for i in order], extra=extra)
+        self.chunks = [kvs[i] for i in order]
+        self.cache = self.engine.stitch(self.layout, self.chunks, extra=extra)
         self.stats["order"] = list(self.layout.order)
 
     def auxiliary_engine(self, model, device=None, dtype=None):
@@ -342,6 +362,11 @@ class Selector:
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         raise NotImplementedError  # abstract: every registered selector overrides it
+
+    def chunk_anchors(self):
+        """The anchor pass (`kvstitch.core.anchors.AnchorSpec`) the chunk caches must carry for this method
+        (`qcfuse`), so the engine's precompute runs it with the chunks; None = none."""
+        return None
 
     def recompute_plan(self, ctx: SelectionContext) -> "ForwardPlan | None":
         """Plan of the recompute pass (selected tokens + suffix), e.g. APE's attention; None = plain."""

@@ -131,6 +131,12 @@ class ChunkStore(ABC):
     @abstractmethod
     def __contains__(self, key: str) -> bool: ...
 
+    def add_anchors(self, key: str, scores: torch.Tensor, tag: str) -> bool:
+        """Add QCFuse anchor scores (`ChunkKV.anchor_scores`) to the stored entry ``key``, leaving its K/V bytes
+        as they are -> True if stored; False when the entry is gone or this backend cannot add them (the
+        caller keeps them for its own request)."""
+        return False
+
     def delete(self, key: str) -> bool:
         """Remove one entry; True if it existed."""
         raise NotImplementedError(f"{type(self).__name__} does not support delete")

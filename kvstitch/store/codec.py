@@ -16,6 +16,8 @@ Tensors, in file order (largest first, so they start aligned):
         keys.scale,   keys.zero    [L, kv_heads, 1, head_dim] float32
     always:
         token_ids   [n]  int64
+    when QCFuse's anchor pass ran for the chunk (`ChunkKV.anchor_scores`; metadata ``anchor_tag`` names it):
+        anchor_scores [L, n] float32 (last: `splice_anchors` adds it to a stored entry without touching the K/V)
 
 Layer-major: layer i of ``keys`` is the contiguous byte range ``i * H*n*d*itemsize`` onwards.
 
@@ -128,6 +130,8 @@ def storage_tensors(kv: ChunkKV, storage_dtype: str) -> dict[str, torch.Tensor]:
         raise StoreError(f"chunk K/V is not finite in {storage_dtype} storage (overflow?); "
                          "use bfloat16 or float32 storage")
     out["token_ids"] = kv.token_ids.detach().cpu().to(torch.int64).reshape(-1).contiguous()
+    if kv.anchor_scores is not None:
+        out[ANCHORS] = kv.anchor_scores.detach().cpu().float().contiguous()
     return out
 
 
@@ -135,16 +139,23 @@ def encode(key: str, kv: ChunkKV, storage_dtype: str = "float16",
            checksum_alg: str = DEFAULT_CHECKSUM) -> list:
     """Serialize `kv` as a list of byte buffers (header first) to be written back to back: no joined copy."""
     tensors = storage_tensors(kv, storage_dtype)
-    header: dict = {"__metadata__": {
-        "format": FORMAT, "layout_version": str(LAYOUT_VERSION), "key": key, "fingerprint": kv.fingerprint,
-        "start": str(int(kv.start)), "n_tokens": str(kv.n_tokens), "storage_dtype": storage_dtype,
-        "shape": ",".join(map(str, kv.keys.shape)), "checksum_alg": checksum_alg}}
+    meta = {"format": FORMAT, "layout_version": str(LAYOUT_VERSION), "key": key, "fingerprint": kv.fingerprint,
+            "start": str(int(kv.start)), "n_tokens": str(kv.n_tokens), "storage_dtype": storage_dtype,
+            "shape": ",".join(map(str, kv.keys.shape)), "checksum_alg": checksum_alg}
+    if kv.anchor_scores is not None:
+        meta["anchor_tag"] = kv.anchor_tag
+    header: dict = {"__metadata__": meta}
     views, off = [], 0
     for name, t in tensors.items():
         mv = _bytes_of(t)
         header[name] = {"dtype": _ST[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + mv.nbytes]}
         views.append(mv)
         off += mv.nbytes
+    return _sealed(header, views, checksum_alg)
+
+
+def _sealed(header: dict, views: list, checksum_alg: str) -> list:
+    """Checksum ``header`` + ``views``, pad the header -> the entry's byte buffers (header first)."""
     h = _hasher(checksum_alg)
     h.update(_canonical(header))
     for mv in views:
@@ -153,6 +164,28 @@ def encode(key: str, kv: ChunkKV, storage_dtype: str = "float16",
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-(8 + len(hb)) % _ALIGN)
     return [struct.pack("<Q", len(hb)) + hb, *views]
+
+
+def splice_anchors(buf, key: str, scores: torch.Tensor, tag: str) -> list:
+    """A stored entry with anchor scores ``scores`` [L, n] (tag ``tag``) added or replaced: its K/V bytes are
+    copied as they are (no re-encoding, so any storage dtype loads bit-identical after), the checksum renewed.
+    CorruptEntryError if the entry is damaged or ``scores`` does not fit it."""
+    kv = decode(buf, key)  # every check of a read
+    scores = scores.detach().cpu().float().contiguous()
+    if tuple(scores.shape) != (kv.keys.shape[0], kv.n_tokens) or not tag:
+        raise CorruptEntryError(f"anchor scores {tuple(scores.shape)} (tag {tag!r}) do not fit an entry of "
+                                f"{kv.keys.shape[0]} layers x {kv.n_tokens} tokens")
+    header, data0 = parse_header(buf)
+    old = header.pop(ANCHORS, None)
+    end = max(int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__")
+    if old is not None:
+        end = min(end, int(old["data_offsets"][0]))
+    anchors = _bytes_of(scores)
+    header[ANCHORS] = {"dtype": "F32", "shape": list(scores.shape), "data_offsets": [end, end + anchors.nbytes]}
+    meta = header["__metadata__"]
+    meta.pop("checksum", None)
+    meta["anchor_tag"] = tag
+    return _sealed(header, [memoryview(buf)[data0:data0 + end], anchors], meta.get("checksum_alg", DEFAULT_CHECKSUM))
 
 
 def encode_bytes(key: str, kv: ChunkKV, storage_dtype: str = "float16",
@@ -184,6 +217,9 @@ def parse_header(buf) -> tuple[dict, int]:
     return header, 8 + n
 
 
+ANCHORS = "anchor_scores"
+
+
 def _expected_names(storage_dtype: str) -> set[str]:
     if storage_dtype == "int8":
         return {"keys.q", "values.q", "values.scale", "values.zero", "keys.scale", "keys.zero", "token_ids"}
@@ -204,7 +240,7 @@ def decode(buf, key: str | None = None, fingerprint: str | None = None,
     if sd not in STORAGE_DTYPES:
         raise CorruptEntryError(f"unknown storage dtype {sd!r}")
     names = set(header) - {"__metadata__"}
-    if names != _expected_names(sd):
+    if names - {ANCHORS} != _expected_names(sd):
         raise CorruptEntryError(f"unexpected tensors {sorted(names)}")
     data_len = len(buf) - data0
     spans, end = {}, 0
@@ -248,8 +284,12 @@ def decode(buf, key: str | None = None, fingerprint: str | None = None,
         keys, values = tensor("keys"), tensor("values")
         if compute_dtype is not None and compute_dtype != keys.dtype:
             keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+    anchors = tensor(ANCHORS) if ANCHORS in names else None
+    if anchors is not None and anchors.dtype != torch.float32:
+        raise CorruptEntryError(f"anchor scores stored as {anchors.dtype}, not float32")
     try:
-        kv = ChunkKV(keys, values, tensor("token_ids"), int(meta["start"]), str(meta["fingerprint"]))
+        kv = ChunkKV(keys, values, tensor("token_ids"), int(meta["start"]), str(meta["fingerprint"]), anchors,
+                     str(meta.get("anchor_tag", "")) if anchors is not None else "")
         if ",".join(map(str, kv.keys.shape)) != meta.get("shape") or str(kv.n_tokens) != meta.get("n_tokens"):
             raise ValueError("shape does not match the metadata")
     except (ValueError, KeyError) as e:
@@ -281,12 +321,14 @@ def roundtrip(kv: ChunkKV, storage_dtype: str, compute_dtype: torch.dtype | None
                              "use bfloat16 or float32 storage")
         if compute_dtype is not None:
             keys, values = keys.to(compute_dtype), values.to(compute_dtype)
-    return ChunkKV(keys, values, kv.token_ids.to(torch.int64), int(kv.start), kv.fingerprint)
+    return ChunkKV(keys, values, kv.token_ids.to(torch.int64), int(kv.start), kv.fingerprint, kv.anchor_scores,
+                   kv.anchor_tag)
 
 
 def stored_nbytes(kv: ChunkKV, storage_dtype: str) -> int:
     """Bytes of the tensors of an entry (header excluded)."""
     L, H, n, d = kv.keys.shape
+    anchors = 0 if kv.anchor_scores is None else 4 * L * n
     if storage_dtype == "int8":
-        return 2 * L * H * n * d + 8 * L * H * (n + d) + 8 * n
-    return 2 * L * H * n * d * STORAGE_DTYPES[storage_dtype].itemsize + 8 * n
+        return 2 * L * H * n * d + 8 * L * H * (n + d) + 8 * n + anchors
+    return 2 * L * H * n * d * STORAGE_DTYPES[storage_dtype].itemsize + 8 * n + anchors

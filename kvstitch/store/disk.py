@@ -23,7 +23,7 @@ import torch
 from kvstitch.core.chunk import ChunkKV
 from kvstitch.core.errors import CorruptEntryError, StoreError
 from .base import LAYOUT_VERSION, ChunkStore, check_key, check_meta, group_by_model
-from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info
+from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info, splice_anchors
 
 MARKER = "KVSTITCH_STORE.json"
 SUFFIX = ".safetensors"
@@ -159,8 +159,26 @@ class DiskStore(ChunkStore):
 
     # -- write ---------------------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> None:
+        self._install(key, encode(key, kv, self.storage_dtype, self.checksum_alg))
+
+    def add_anchors(self, key: str, scores: torch.Tensor, tag: str) -> bool:
+        try:
+            buf = read_file(self.path(key))
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise StoreError(f"cannot read {self.path(key)}: {e.strerror or e}") from None
+        try:
+            bufs = splice_anchors(buf, key, scores, tag)
+        except CorruptEntryError as e:
+            self._report(key, str(e))
+            return False
+        self._install(key, bufs)
+        return True
+
+    def _install(self, key: str, bufs: list) -> None:
+        """Write an entry's buffers to a temp file and rename it over the entry (atomic, see the module doc)."""
         final = self.path(key)
-        bufs = encode(key, kv, self.storage_dtype, self.checksum_alg)
         size = sum(memoryview(b).nbytes for b in bufs)
         shard = final.parent
         tmp = shard / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"

@@ -67,6 +67,15 @@ class MemoryStore(ChunkStore):
             removed, freed = removed + 1, freed + old.nbytes
         return removed, freed
 
+    def add_anchors(self, key: str, scores: torch.Tensor, tag: str) -> bool:
+        kv = self._items.get(check_key(key))
+        if kv is None:
+            return False
+        new = kv.with_anchors(scores, tag)  # the same K/V tensors
+        self._items[key] = new
+        self._bytes += new.nbytes - kv.nbytes
+        return True
+
     def __contains__(self, key: str) -> bool:
         return key in self._items
 

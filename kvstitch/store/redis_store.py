@@ -19,7 +19,7 @@ import torch
 from kvstitch.core.chunk import ChunkKV
 from kvstitch.core.errors import CorruptEntryError, StoreError
 from .base import ChunkStore, check_key, check_meta, group_by_model
-from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info
+from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info, splice_anchors
 
 try:
     import redis
@@ -96,6 +96,18 @@ class RedisStore(ChunkStore):
                 self._approx_bytes += len(blob)
             if self._approx_bytes > self.max_bytes:
                 self._approx_bytes = self.gc(int(self.max_bytes * 0.9))["bytes"]
+
+    def add_anchors(self, key: str, scores: torch.Tensor, tag: str) -> bool:
+        data = self._call(self._r.get, self._k(key))
+        if data is None:
+            return False
+        try:
+            blob = b"".join(splice_anchors(bytearray(data), key, scores, tag))
+        except CorruptEntryError as e:
+            self._report(key, str(e))
+            return False
+        self._call(self._r.set, self._k(key), blob, self.ttl_s)
+        return True
 
     def put_raw(self, key: str, blob: bytes) -> None:
         """Store bytes as-is (tests and tools: simulate damage)."""

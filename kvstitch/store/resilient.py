@@ -115,6 +115,9 @@ class ResilientStore(ChunkStore):
     def __contains__(self, key: str) -> bool:
         return self._try(lambda: key in self.inner, False)
 
+    def add_anchors(self, key: str, scores: torch.Tensor, tag: str) -> bool:
+        return self._try(lambda: self.inner.add_anchors(key, scores, tag), False)
+
     # -- maintenance: pass through -------------------------------------------------------------
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)

@@ -117,6 +117,16 @@ class TieredStore(ChunkStore):
         if not ok and errors:
             raise StoreError(f"no tier accepted the entry: {errors[-1]}")
 
+    def add_anchors(self, key: str, scores: torch.Tensor, tag: str) -> bool:
+        done = False
+        for i, tier in enumerate(self.tiers):
+            if self._up(i):
+                try:
+                    done = tier.add_anchors(key, scores, tag) or done
+                except StoreError as e:
+                    self._fail(i, e)
+        return done
+
     def __contains__(self, key: str) -> bool:
         for i, t in enumerate(self.tiers):
             if self._up(i):
