@@ -1,0 +1,68 @@
+"""Answers kept by each configuration of a `kvstitch calibrate` run on SQuAD (or any dataset with gold answers).
+
+`kvstitch calibrate` judges a configuration by agreement with full prefill's first 12 words. On short factual
+answers a user asks more: of the questions full prefill answers correctly, how many does the configuration still
+answer correctly ("answers kept"), and how often is its answer the same once SQuAD-normalised ("same answer")?
+This reads the run's rows.jsonl, the gold answers of the same samples, and writes ``answers.md`` beside it.
+
+    python scripts/calibration_answers.py docs/results/squad/qwen0.5b-auto-tuning --dataset squad --passages 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def table(rows: list[dict], answers: dict[str, list[str]]) -> str:
+    from kvstitch.eval.rows import bootstrap_mean_ci, fmt_ci, ratio_of_means
+    from kvstitch.tasks.agreement import same_answer
+    from kvstitch.tasks.scoring import squad_correct
+
+    full = {r["sample"]: r for r in rows if r["config"] == "full"}
+    by = defaultdict(list)
+    for r in rows:
+        if r["config"] != "full" and r["sample"] in full and r["sample"] in answers:
+            by[r["config"]].append(r)
+    lines = ["| configuration | n | full right | answers kept | same answer | agrees (12 words) | fell back | "
+             "TTFT speed-up |", "|---|---|---|---|---|---|---|---|"]
+    for cfg in sorted(by):
+        g = by[cfg]
+        right = [r for r in g if squad_correct(full[r["sample"]]["pred"], answers[r["sample"]])]
+        kept = [float(squad_correct(r["pred"], answers[r["sample"]])) for r in right]
+        same = [float(same_answer(r["pred"], full[r["sample"]]["pred"])) for r in g]
+        agree = [float(bool(r["agree"])) for r in g]
+        fell = sum(1 for r in g if r.get("ratio") == "auto" and (r.get("ratio_used") or 0) >= 1.0)
+        speed = ratio_of_means([r["ttft_full_s"] for r in g], [r["ttft_s"] for r in g])
+        lines.append(f"| {cfg} | {len(g)} | {len(right)} | {fmt_ci(sum(kept) / max(1, len(kept)), bootstrap_mean_ci([kept]), 2)} | "
+                     f"{fmt_ci(sum(same) / len(same), bootstrap_mean_ci([same]), 2)} | "
+                     f"{sum(agree) / len(agree):.2f} | {fell} | {speed:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    from kvstitch.tasks.datasets import load_dataset
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a `kvstitch calibrate --out` directory")
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--passages", type=int, default=None)
+    args = ap.parse_args()
+    rows = [json.loads(x) for x in (args.run / "rows.jsonl").read_text().splitlines() if x.strip()]
+    samples = load_dataset(args.dataset, 0, None, passages=args.passages)
+    answers = {f"{s.task}#{s.meta['index']}": s.answers for s in samples}
+    cmd = (f"python scripts/calibration_answers.py {args.run} --dataset {args.dataset}"
+           + (f" --passages {args.passages}" if args.passages else ""))
+    n = len({r["sample"] for r in rows if r["config"] == "full"})
+    text = (f"# Answers kept per configuration (n = {n} samples)\n\nWritten by `{cmd}` from rows.jsonl. Answers kept: "
+            "of the questions full prefill answers correctly, the share still answered correctly; same answer: "
+            "SQuAD-normalised first lines equal; fell back: `auto` answered by full prefill.\n\n"
+            + table(rows, answers))
+    (args.run / "answers.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
