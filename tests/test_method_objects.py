@@ -348,6 +348,19 @@ def test_cli_eval_records_the_spec_and_resumes_under_an_alias(tiny_model_dir, tm
     assert len(read_jsonl(tmp_path / "results.jsonl")) == len(rows)
 
 
+def test_cli_methods_lists_each_method_with_its_options_and_the_aliases():
+    from kvstitch.cli.main import app
+
+    r = runner.invoke(app, ["methods"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    for name in methods():
+        assert f"\n{name} " in "\n" + r.output
+        for f in spec_fields(SELECTORS[name]):
+            assert f"  {f.name}={format_value(field_default(f))} " in r.output
+    for alias, spec in ALIASES.items():
+        assert alias in r.output and spec in r.output
+
+
 def test_calibrate_takes_specs():
     from kvstitch.eval.calibrate import configs
 

@@ -82,7 +82,7 @@ def methods() -> None:
         doc = doc.splitlines()[0] if doc else ""
         console.print(f"[bold]{name:<18}[/] {escape(doc)}", highlight=False)
         for opt, kind, default in method_options(name):
-            console.print(f"  {opt}={escape(default):<22} {kind}", highlight=False)
+            console.print(f"  {escape(f'{opt}={default}'):<32} {kind}", highlight=False)
     console.print("[bold]aliases[/] (variant names, each a spec)", highlight=False)
     for alias, spec in sorted(ALIASES.items()):
         console.print(f"  {alias:<22} = {escape(spec)}", highlight=False)
