@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvstitch.core.errors import BadMethodOption, UnknownMethod
 from .method import (ALIASES, SELECTORS, Selector, describe_type, field_default, make_selector, method_label,
-                     methods, resolve_name, spec_fields, type_hints, unknown_method)
+                     methods, resolve_name, spec_fields, type_hints)
 from .spec import format_value, split_specs
 
 
