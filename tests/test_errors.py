@@ -8,7 +8,7 @@ import pytest
 import kvstitch
 from kvstitch.core.errors import (BadDecodeOption, BadMethodOption, BadRatio, InputError, PromptTooLong,
                                   UnknownDecodePolicy, UnknownMethod)
-from kvstitch.select import check_method, check_methods, make_selector
+from kvstitch.select import ALIASES, check_method, check_methods, make_selector
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
@@ -37,7 +37,8 @@ def test_check_method_is_the_one_validation():
         check_method(["a"])  # not a string: still a clear error, not a TypeError
     with pytest.raises(UnknownMethod) as e:
         check_method("x" * 500)
-    assert len(str(e.value)) < 60 + 40 + len(", ".join(kvstitch.methods()))  # a huge name is cut, not echoed
+    known = len(", ".join(kvstitch.methods())) + len("; aliases: " + ", ".join(ALIASES))  # the valid names
+    assert len(str(e.value)) < 60 + 40 + known  # a huge name is cut, not echoed
     assert check_methods(["random", "full"]) == ["random", "full"]
     with pytest.raises(UnknownMethod, match="unknown method 'zz'; known"):
         check_methods(["random", "zz"])

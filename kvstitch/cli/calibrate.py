@@ -23,7 +23,8 @@ def calibrate_command(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="model dtype: float32, bfloat16 or fast"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), "
                                                                      "HF directory or .gguf file"),
-    methods: str = typer.Option("prophet,deltaprop", "--methods", help="selection methods to compare"),
+    methods: str = typer.Option("prophet,deltaprop", "--methods", help="selection methods to compare: comma-separated "
+                                                                      "specs, e.g. 'prophet,deltaprop(base=infoflow)'"),
     ratios: str = typer.Option("0.05,0.1,0.2,0.4", "--ratios", help="fixed recompute ratios to compare"),
     auto: Optional[list[str]] = typer.Option(None, "--auto", help="an auto setting to compare (repeatable): "
                                              "'schedule=0.05/0.1,tol=0.01' or JSON; default: "
@@ -51,7 +52,9 @@ def calibrate_command(
         ratio_list = [float(x) for x in ratios.split(",") if x.strip()]
     except ValueError:
         raise InputError(f"--ratios takes comma-separated numbers, got {ratios!r}") from None
-    cfgs = configs([m.strip() for m in methods.split(",") if m.strip()], ratio_list,
+    from kvstitch.select import split_specs
+
+    cfgs = configs(split_specs(methods), ratio_list,
                    [parse_auto(a) for a in (auto or DEFAULT_AUTOS)])
     start, stop = parse_range(samples)
     # a file it cannot parse fails here, before the model loads

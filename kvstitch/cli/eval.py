@@ -120,7 +120,9 @@ def eval_command(
         tasks: str = typer.Option(",".join(DEFAULT_TASKS), help="comma-separated tasks (see kvstitch.tasks.TASKS)"),
         length: str = typer.Option("2048", help="context length(s) in tokens, comma-separated (e.g. 2048,4096)"),
         chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
-        methods: str = typer.Option("all", help="comma-separated methods, or 'all' (full and naive always run)"),
+        methods: str = typer.Option("all", help="comma-separated method specs, e.g. 'prophet,deltaprop(base=infoflow,"
+                                                "alpha_k=0.5)' (see `kvstitch methods`), or 'all': every method "
+                                                "and alias at its defaults (full and naive always run)"),
         exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
         ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
         auto_tol: Optional[float] = typer.Option(None, help="'auto': KL tolerance between rounds (default: AutoBudget)"),

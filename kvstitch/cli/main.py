@@ -70,8 +70,9 @@ DtypeOpt = typer.Option(None, help="model dtype: float32 (CPU default), bfloat16
 
 @app.command()
 def methods() -> None:
-    """List the registered selection methods."""
-    from kvstitch.select import SELECTORS
+    """List the selection methods with their options (name=default) and the aliases of their variants. A method
+    is given as a spec everywhere: NAME, NAME(opt=value, ...) or NAME:opt=value,... (e.g. 'deltaprop(base=infoflow)')."""
+    from kvstitch.select import ALIASES, SELECTORS, method_options
 
     for name in sorted(SELECTORS):
         cls = SELECTORS[name]
@@ -79,7 +80,12 @@ def methods() -> None:
         if doc.startswith(cls.__name__ + "("):  # dataclass auto-doc: use the module's summary instead
             doc = (sys.modules[cls.__module__].__doc__ or "").strip()
         doc = doc.splitlines()[0] if doc else ""
-        console.print(f"[bold]{name:<18}[/] {doc}", highlight=False)
+        console.print(f"[bold]{name:<18}[/] {escape(doc)}", highlight=False)
+        for opt, kind, default in method_options(name):
+            console.print(f"  {escape(f'{opt}={default}'):<32} {kind}", highlight=False)
+    console.print("[bold]aliases[/] (variant names, each a spec)", highlight=False)
+    for alias, spec in sorted(ALIASES.items()):
+        console.print(f"  {alias:<22} = {escape(spec)}", highlight=False)
 
 
 def _read_messages(path: Path) -> list[dict]:
@@ -114,7 +120,8 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         collections_dir: Optional[Path] = typer.Option(
             None, "--collections-dir", help="where collections live (default: STORE/collections or "
                                             "$KVSTITCH_CACHE/collections)"),
-        method: str = typer.Option("prophet", help="selection method (see `kvstitch methods`)"),
+        method: str = typer.Option("prophet", help="selection method, a spec: NAME or NAME(opt=value, ...), e.g. "
+                                                   "'deltaprop(base=infoflow)' (see `kvstitch methods`)"),
         ratio: str = typer.Option("auto", help="recompute ratio in [0, 1], or 'auto' (rounds of growing budget "
                                                "until the answer is stable; full prefill if it never is)"),
         guard: bool = typer.Option(False, "--guard", help="verify the answer against full prefill (costs a full "
@@ -177,8 +184,12 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
             raise InputError(f"chunk file {str(p)!r} does not exist or is not a file")
         texts.append(p.read_text(encoding="utf-8", errors="replace"))
     from kvstitch.engine.budget import parse_ratio
+    from kvstitch.select import check_method
 
     ratio = parse_ratio(ratio)  # a bad value fails before the model loads
+    for m in (method, compare):  # and so does a bad method spec
+        if m is not None:
+            check_method(m)
     if messages is not None and not texts:  # plain chat: nothing to stitch
         if compare:
             raise InputError("--compare needs passages (--chunk or --collection): plain chat is a full prefill")
@@ -189,9 +200,9 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
                             max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None,
                             auto=auto)
                for m, r in runs]
-    for (m, _), res in zip(runs, results):
-        console.print(f"[bold]{m}[/] ({_budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): {res.text}",
-                      highlight=False)
+    for res in results:  # each method under its label (a spec may hold brackets: escaped)
+        console.print(f"[bold]{escape(res.method)}[/] ({_budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): "
+                      f"{escape(res.text)}", highlight=False)
     if compare:
         console.print(f"speedup of {method} over {compare}: {results[1].ttft_s / results[0].ttft_s:.2f}x TTFT")
 

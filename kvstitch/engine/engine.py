@@ -26,7 +26,7 @@ from kvstitch.core.anchors import AnchorSpec
 from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
 from kvstitch.core.prompt import PromptBuilder, PromptLayout
 from kvstitch.core.rope import inv_freq_table, rerotate, self_check
-from kvstitch.select import SelectionContext, check_method, make_selector
+from kvstitch.select import SelectionContext, Selector, make_selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
 
@@ -49,7 +49,9 @@ class GenerationResult:
 
 @dataclass
 class GenerationRequest:
-    """One request. ``question`` + ``chunks`` (or a prebuilt ``layout``); ``method`` and
+    """One request. ``question`` + ``chunks`` (or a prebuilt ``layout``); ``method`` (a method object such as
+    ``DeltaProp(base=InfoFlow())``, or its spec string ``"deltaprop(base=infoflow)"``, see `kvstitch.select`;
+    ``method_options``, a dict of its options, is merged into it and kept for older callers) and
     ``recompute_ratio`` (a fraction of the context tokens, or "auto": rounds of growing budget until the
     answer is stable, options in ``auto``, see `kvstitch.engine.budget`); ``guard="full"`` verifies the greedy
     answer against full prefill (and returns full prefill's answer when they differ). ``decode``: "full"
@@ -60,7 +62,7 @@ class GenerationRequest:
     question: str | None = None
     chunks: list[str] | None = None
     messages: list[dict] | None = None  # an OpenAI-style conversation instead of ``question``
-    method: str = DEFAULT_METHOD
+    method: str | Selector = DEFAULT_METHOD
     recompute_ratio: float | str = 0.2
     max_new_tokens: int = 32
     min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
@@ -387,11 +389,11 @@ class Engine:
                 raise InputError(f"chunk {i} is empty")
         return self.builder.build(question, chunks)
 
-    def _check_request(self, layout: PromptLayout, method: str, ratio, max_new_tokens: int,
+    def _check_request(self, layout: PromptLayout, ratio, max_new_tokens: int,
                        decode: str = "full", kv_budget: int | None = None,
                        decode_options: dict | None = None) -> float | str:
-        """Validate a request (before anything is computed) -> the parsed ratio (a float or "auto")."""
-        check_method(method)
+        """Validate a request (before anything is computed; its method is parsed before) -> the parsed ratio
+        (a float or "auto")."""
         ratio = parse_ratio(ratio)
         from kvstitch.decode import DECODE_POLICIES
 
@@ -445,17 +447,17 @@ class Engine:
         sequences); the result then holds the tokens so far."""
         t_start = time.perf_counter()
         layout = req.layout or self.layout(req.question, req.chunks, req.messages)
-        ratio = self._check_request(layout, req.method, req.recompute_ratio, req.max_new_tokens, req.decode,
+        selector = make_selector(req.method, **(req.method_options or {}))
+        ratio = self._check_request(layout, req.recompute_ratio, req.max_new_tokens, req.decode,
                                     req.kv_budget, req.decode_options)
         if req.guard not in (None, "full"):
             raise InputError(f"guard must be None or 'full', got {req.guard!r}")
         if isinstance(req.min_new_tokens, bool) or not isinstance(req.min_new_tokens, int) or req.min_new_tokens < 0:
             raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
-        selector = make_selector(req.method, **(req.method_options or {}))
         if req.decode != "full" and selector.adjusts_decode():
-            raise InputError(f"method {req.method!r} changes decode attention (APE scaling / A3 eviction); a sparse "
-                             f"decoder ({req.decode!r}) would silently drop that: use decode='full'")
-        stats: dict = {"method": req.method, "ratio": ratio, "prefix_tokens": layout.n_prefix,
+            raise InputError(f"method {selector.label!r} changes decode attention (APE scaling / A3 eviction); a "
+                             f"sparse decoder ({req.decode!r}) would silently drop that: use decode='full'")
+        stats: dict = {"method": selector.label, "ratio": ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
         pre = yield from self._prefill_steps(layout, selector, ratio, req.max_new_tokens, stats, req.auto, cold=True,
@@ -495,7 +497,7 @@ class Engine:
         stats.setdefault("ratio_used", pre.indices.numel() / max(pre.layout.n_context, 1))
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
         return GenerationResult(text=text.strip(), ttft_s=stats["ttft_s"], recomputed=pre.indices.tolist(),
-                                stats=stats, token_ids=tokens, first_logits=pre.logits[-1].cpu(), method=req.method)
+                                stats=stats, token_ids=tokens, first_logits=pre.logits[-1].cpu(), method=stats["method"])
 
     def _guarded(self, req: GenerationRequest, pre: "Prefill", t_start: float):
         """guard="full": the stitched greedy answer, verified (and if need be corrected) against full prefill."""
@@ -538,7 +540,7 @@ class Engine:
         return list(self.decode_tokens(pre, max_new_tokens)), {"agreed": False, "first_divergence": k}
 
     @torch.no_grad()
-    def answer_logits(self, layout: PromptLayout, answer_ids: torch.Tensor, method: str,
+    def answer_logits(self, layout: PromptLayout, answer_ids: torch.Tensor, method: str | Selector,
                       recompute_ratio: float | str = 0.2, method_options: dict | None = None):
         """Teacher-forced next-token logits ``[T, V]`` for ``answer_ids`` (T tokens) after prefilling
         ``layout`` with ``method`` — row i predicts answer token i. For fidelity metrics (KL vs full,
@@ -561,7 +563,7 @@ class Engine:
         return torch.cat(rows)[:max(T, 1)]
 
     @torch.no_grad()
-    def prefill(self, layout: PromptLayout, method: str = "full", recompute_ratio: float | str = 0.2,
+    def prefill(self, layout: PromptLayout, method: str | Selector = "full", recompute_ratio: float | str = 0.2,
                 max_new_tokens: int = 32, method_options: dict | None = None,
                 auto: AutoBudget | dict | None = None, selector=None) -> "Prefill":
         """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
@@ -569,8 +571,8 @@ class Engine:
         ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores).
         The cold-path policy (`kvstitch.engine.cold`) applies to requests (`generate`, `stream`), not here: missing
         chunks are precomputed and ``method`` always runs."""
-        ratio = self._check_request(layout, method, recompute_ratio, max_new_tokens)
         selector = selector or make_selector(method, **(method_options or {}))
+        ratio = self._check_request(layout, recompute_ratio, max_new_tokens)
         return self._prefill(layout, selector, ratio, max_new_tokens, {}, auto)
 
     def _prefill(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,

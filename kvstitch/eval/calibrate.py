@@ -74,7 +74,7 @@ def parse_auto(spec: str) -> dict:
 def configs(methods: list[str], ratios: list[float], autos: list[dict]) -> list[Config]:
     from kvstitch.select import check_methods
 
-    check_methods(methods)
+    methods = check_methods(methods)  # labels: what rows and the config file name them by
     for r in ratios:
         if not 0.0 < r < 1.0:
             raise InputError(f"calibration ratios must be in (0, 1), got {r}")

@@ -359,6 +359,14 @@ def _auto_fields(stats: dict) -> dict:
     return out
 
 
+def method_spec(label: str) -> str:
+    """A row's ``method_spec``: the canonical spec of its ``method`` label (every option spelled out that is not
+    at its default; ``method`` itself is what tables group by)."""
+    from kvstitch.select import make_selector
+
+    return make_selector(label).spec
+
+
 def _stage_fields(stats: dict) -> dict:
     return {k: float(stats[k]) for k in ("chunk_load_s", "assemble_s", "select_s", "recompute_s") if k in stats}
 
@@ -474,7 +482,8 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
             extra.update(em=exact_match(run.text, sample.answers), correct=answer_correct(run.text, sample.answers))
         else:
             extra["correct"] = score >= 1.0
-        return {**base, **extra, "method": run.method, "ratio": run.ratio, "score": score,
+        return {**base, **extra, "method": run.method, "method_spec": method_spec(run.method), "ratio": run.ratio,
+                "score": score,
                 "pred": run.text[:300], "answers": list(sample.answers), "recomputed": int(run.indices.numel()),
                 "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(nll_full),
                 "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
@@ -639,7 +648,9 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    check_methods([*cfg.methods, *cfg.auto_methods])
+    # labels: what rows are keyed by (an alias's name, or the canonical spec: "infoflow(reorder=max)" and
+    # "infoflow_reorder_max" are one method, and a resumed run finds its rows under either)
+    cfg.methods, cfg.auto_methods = check_methods(cfg.methods), check_methods(cfg.auto_methods)
     bad_tasks = [] if cfg.dataset else [t for t in cfg.tasks if t not in TASKS]
     if bad_tasks:
         raise InputError(f"unknown task(s) {', '.join(bad_tasks)}; known: {', '.join(sorted(TASKS))}")

@@ -33,7 +33,8 @@ import time
 
 from kvstitch.core.attention import ForwardPlan, attention_probs
 from kvstitch.core.errors import BadMethodOption
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 from .scoring import group_mean, head_mean
 
 
@@ -44,8 +45,12 @@ class A3(Selector):
     layer: int = 1
     evict_capacity: int | None = None  # context tokens kept per layer and KV head during decode; None = off
     evict_kernel: int = 5
+    # True: scored on the stitched cache, the suffix's layer-1 attention over the precomputed (re-rotated)
+    # layer-1 keys, no block-0 pass (ProphetKV's "Layer1"; alias `a3_stitched`)
+    stitched: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         if self.layer < 0:
             raise BadMethodOption(f"a3: layer must be >= 0, got {self.layer}")
         if self.evict_capacity is not None and self.evict_capacity < 0:
@@ -66,6 +71,8 @@ class A3(Selector):
         return fp.layer, fp.queries, keys
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
+        if self.stitched:
+            return self.stitched_score(ctx)
         t0 = time.perf_counter()
         lay = ctx.layout
         layer, q, keys = self.actual_qk(ctx)
@@ -106,16 +113,8 @@ class A3(Selector):
                      kv_kept_per_head=int(layout.n_prefix + layout.n_suffix + ctx_kept.max()))
         return ForwardPlan(key_keep=keep)
 
-
-@register
-@dataclass
-class A3Stitched(A3):
-    """A3 scored on the stitched cache: the suffix's layer-1 attention over the precomputed (re-rotated)
-    layer-1 keys, no block-0 pass (ProphetKV's "Layer1"; see the module doc)."""
-
-    name: ClassVar[str] = "a3_stitched"
-
-    def score(self, ctx: SelectionContext) -> torch.Tensor:
+    def stitched_score(self, ctx: SelectionContext) -> torch.Tensor:
+        """``stitched=True``: the suffix's attention at ``layer`` over the stitched cache (no block-0 pass)."""
         layer = self.scoring_layer(ctx.num_layers)
         att = ctx.query_attention([layer])[layer]
         ctx.stats["score_layer"] = layer

@@ -17,7 +17,8 @@ import torch
 
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.errors import BadMethodOption
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 
 
 @register
@@ -29,6 +30,7 @@ class Ape(Selector):
     scale: float = 0.9
 
     def __post_init__(self):
+        super().__post_init__()
         if not self.temperature > 0 or not self.scale > 0:
             raise BadMethodOption(f"ape: temperature and scale must be > 0, got {self.temperature}, {self.scale}")
 

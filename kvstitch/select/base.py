@@ -1,86 +1,27 @@
-"""The selection-method registry: small dataclasses with one signature (kvpress "presses" style).
+"""What a selection method sees: the `SelectionContext` (the request, the model's shapes, the operations
+scoring needs) and the engine behind it (`EngineView`). The method objects themselves (`Selector`,
+`Wrapper`, `register`) live in `kvstitch.select.method`.
 
-A selector gets a `SelectionContext` and works through it only: the stitched cache and the layout, the
-model's shapes, and the few operations scoring needs (query attention over given layers, the low-layer
-pass of CacheBlend / KVShare / A3, the chunk caches, the exact-context cache of the oracle, a new chunk
-order). It never reaches into the engine. Like kvpress's `ScorerPress` (``score`` then ``compress``),
-selection is split in three steps, `Selector.select` running them:
-
-1. `prepare(ctx)`: optional, may change the prompt itself (InfoFlow's reorder calls `ctx.reorder`);
-2. `score(ctx)` -> per-context-token scores (higher = recompute first);
-3. `pick(scores, ctx)` -> sorted, unique context indices (0-based within the context): the top ``budget``
-   by default; CacheClip's and `grouped`'s grouping windows override only this step (and may return
-   fewer than ``budget``: they are not `exact_budget`; so is `deltaprop` with ``budget_unit="work"``, which
-   spends the work of ``budget`` tokens on as many cheaper ones as it buys).
-
-The engine does the recompute.
+A selector works through the context only: the stitched cache and the layout, the model's shapes, and the
+few operations scoring needs (query attention over given layers, the low-layer pass of CacheBlend /
+KVShare / A3, the chunk caches, the exact-context cache of the oracle, a new chunk order). It never reaches
+into the engine.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvstitch.core.errors import BadMethodOption, UnknownMethod
 
 if TYPE_CHECKING:
     from kvstitch.core.attention import ForwardPlan
     from kvstitch.core.cache import StitchCache
     from kvstitch.core.chunk import ChunkKV
     from kvstitch.core.prompt import PromptLayout
-
-SELECTORS: dict[str, type["Selector"]] = {}
-
-
-def register(cls: type["Selector"]) -> type["Selector"]:
-    SELECTORS[cls.name] = cls
-    return cls
-
-
-def methods() -> list[str]:
-    """Names of the registered selection methods."""
-    return sorted(SELECTORS)
-
-
-def check_method(name) -> str:
-    """The one validation of a selection method name (engine, CLI, server, eval, viz and benches call it):
-    -> the name, or `UnknownMethod` naming the registered methods."""
-    if not isinstance(name, str) or name not in SELECTORS:
-        raise UnknownMethod(f"unknown method {name!r:.60}; known methods: {', '.join(methods())}")
-    return name
-
-
-def check_methods(names) -> list[str]:
-    """`check_method` for a list: every unknown name in one `UnknownMethod`."""
-    names = list(names)
-    unknown = [n for n in names if not isinstance(n, str) or n not in SELECTORS]
-    if len(unknown) == 1:
-        check_method(unknown[0])
-    if unknown:
-        raise UnknownMethod(f"unknown methods {', '.join(f'{n!r:.60}' for n in unknown)}; "
-                            f"known methods: {', '.join(methods())}")
-    return names
-
-
-def resolve_methods(spec: str, exclude: str = "") -> list[str]:
-    """"all" (or empty) = every registered method; otherwise the comma list. `exclude` drops some."""
-    def csv(s: str) -> list[str]:
-        return [x.strip() for x in s.split(",") if x.strip()]
-
-    names = methods() if spec.strip() in ("", "all") else csv(spec)
-    drop = set(csv(exclude))
-    return [m for m in names if m not in drop]
-
-
-def make_selector(name: str, **kwargs) -> "Selector":
-    check_method(name)
-    try:
-        return SELECTORS[name](**kwargs)
-    except TypeError as e:
-        raise BadMethodOption(f"bad option for method {name!r}: {e}") from e
 
 
 @dataclass
@@ -345,81 +286,6 @@ def _capturing(cache, layer: int):
         yield cache.captured
     finally:
         cache.capture, cache.captured = saved
-
-
-@dataclass
-class Selector:
-    """Base class. Subclasses set `name` and implement `score` (higher = recompute first); optionally
-    `prepare` and `pick` (see the module doc)."""
-
-    name: ClassVar[str] = ""
-    full_prefill: ClassVar[bool] = False  # `full`: the engine prefills from scratch instead
-    needs_full_prefill: ClassVar[bool] = False  # `oracle`: scores need a full prefill (analysis only)
-    zero_budget: ClassVar[bool] = False  # `ape`: never recomputes context tokens, whatever the ratio
-    # False: `select` may return FEWER than ``budget`` indices (CacheClip's grouping drops sparse windows,
-    # as the paper does); the engine reports the tokens actually recomputed (``recomputed_tokens``)
-    exact_budget: ClassVar[bool] = True
-
-    def score(self, ctx: SelectionContext) -> torch.Tensor:
-        raise NotImplementedError  # abstract: every registered selector overrides it
-
-    def chunk_anchors(self):
-        """The anchor pass (`kvstitch.core.anchors.AnchorSpec`) the chunk caches must carry for this method
-        (`qcfuse`), so the engine's precompute runs it with the chunks; None = none."""
-        return None
-
-    def recompute_plan(self, ctx: SelectionContext) -> "ForwardPlan | None":
-        """Plan of the recompute pass (selected tokens + suffix), e.g. APE's attention; None = plain."""
-        return None
-
-    def adjusts_decode(self) -> bool:
-        """True when `decode_plan` changes decode attention (then a sparse decoder cannot take over)."""
-        return type(self).decode_plan is not Selector.decode_plan
-
-    def decode_plan(self, engine: EngineView, cache: "StitchCache", layout: "PromptLayout",
-                    stats: dict) -> "ForwardPlan | None":
-        """Plan for the decode steps after the first token (APE's attention, A3's eviction); None = plain."""
-        return None
-
-    def prepare(self, ctx: SelectionContext) -> None:
-        """Before scoring: change the prompt itself if the method does (InfoFlow's reorder); default nothing."""
-
-    def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
-        """Scores [n_context] -> sorted unique indices: the top ``ctx.budget`` (ties by position)."""
-        return top_k_indices(scores, ctx.budget)
-
-    def select(self, ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`prepare`, `score`, `pick` -> (sorted unique context indices, ``ctx.budget`` of them (at most, if
-        not `exact_budget`); scores or None). Subclasses override the steps, not this."""
-        self.prepare(ctx)
-        if ctx.budget <= 0 or self.zero_budget:
-            return torch.zeros(0, dtype=torch.long), None
-        if ctx.budget >= ctx.n_context:
-            return torch.arange(ctx.n_context), None
-        scores = self.score(ctx).float().cpu()
-        return self.pick(scores, ctx), scores
-
-    def ranking(self, ctx: SelectionContext):
-        """For budgets decided later (``recompute_ratio="auto"``): `prepare` and `score` once, then -> a picker
-        ``k -> sorted indices`` (this method's own `pick` at budget k)."""
-        import dataclasses
-
-        from kvstitch.core.errors import InputError
-
-        n = ctx.n_context
-        self.prepare(ctx)
-        if self.zero_budget:
-            raise InputError(f"method {self.name!r} does not rank context tokens, so it cannot choose a budget "
-                             f"adaptively (recompute_ratio='auto'); use a scoring method such as prophet")
-        scores = self.score(ctx).float().cpu() if n > 1 else torch.zeros(n)
-
-        def pick(k: int) -> torch.Tensor:
-            k = min(max(int(k), 0), n)
-            if k == 0 or k == n:
-                return torch.arange(k)
-            return self.pick(scores, dataclasses.replace(ctx, budget=k))
-
-        return pick
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 
 
 @register

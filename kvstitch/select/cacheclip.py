@@ -22,8 +22,8 @@ An *auxiliary* model picks the tokens the primary model recomputes (Sec. 2.8, 3.
 5. Grouping (Sec. 3.3): windows of ``group_size`` = 8, a window keeps its selected tokens only if at
    least ``group_min`` = 5 were selected; sparse windows are dropped and, as in the paper, their budget
    is NOT spent elsewhere: CacheClip recomputes at most ``budget`` tokens (the engine reports how many,
-   ``recomputed_tokens``; ``stats["grouping_dropped"]`` = budget - recomputed). ``refill=True`` is the
-   named variant that refills the budget window-wise (see `grouping.py`), registered as `cacheclip_refill`.
+   ``recomputed_tokens``; ``stats["grouping_dropped"]`` = budget - recomputed). ``refill=True`` refills
+   the budget window-wise (see `grouping.py`; alias `cacheclip_refill`).
 
 The question is the layout's own (`PromptLayout.question`, set by `PromptBuilder.build`): it is never
 recovered from the suffix ids (a suffix carrying more than the builder's template, e.g. RULER's answer
@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from kvstitch.core.errors import InputError
 from kvstitch.core.prompt import PromptLayout
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 from .grouping import grouped_top_k
 from .scoring import head_mean
 
@@ -139,15 +140,11 @@ class CacheClip(Selector):
     name: ClassVar[str] = "cacheclip"
     aux_model: str | None = None  # None: embedded SmolLM2; "self": the primary engine; else a load_model spec
     aux_device: str | None = None  # None: the primary engine's device
-    align: str = "max"
+    align: Literal["max", "mean"] = "max"
     group_size: int = 8
     group_min: int = 5
     refill: bool = False  # True: refill the budget of dropped windows (exact budget); False: the paper
     aux_engine: object = field(default=None, repr=False, compare=False)
-
-    def __post_init__(self):
-        if self.align not in ("max", "mean"):
-            raise TypeError(f"align must be 'max' or 'mean', got {self.align!r}")  # -> InputError
 
     def _aux(self, ctx: SelectionContext):
         if self.aux_engine is not None:
@@ -206,13 +203,3 @@ class CacheClip(Selector):
         idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
         ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
         return idx
-
-
-@register
-@dataclass
-class CacheClipRefill(CacheClip):
-    """CacheClip with the dropped windows' budget refilled window-wise (exactly ``budget`` tokens recomputed):
-    a variant kept next to the paper's `cacheclip` for comparison."""
-
-    name: ClassVar[str] = "cacheclip_refill"
-    refill: bool = True

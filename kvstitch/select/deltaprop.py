@@ -46,13 +46,15 @@ recompute passes (the batching server) route through the same ``update``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Literal
 
 import torch
 
 from kvstitch.core.cache import StitchCache
-from kvstitch.core.errors import BadMethodOption, UnknownMethod
-from .base import SelectionContext, Selector, make_selector, register, top_k_indices
+from kvstitch.core.errors import BadMethodOption
+from .base import SelectionContext
+from .method import Selector, Wrapper, register
+from .prophet import Prophet
 
 
 class DeltaCache(StitchCache):
@@ -186,10 +188,9 @@ class DeltaCache(StitchCache):
 
 @register
 @dataclass
-class DeltaProp(Selector):
+class DeltaProp(Wrapper):
     name: ClassVar[str] = "deltaprop"
-    base: str = "prophet"  # the selection (a registered method that recomputes a budget)
-    base_options: dict = field(default_factory=dict)
+    base: Selector = field(default_factory=Prophet)  # the selection (a method that recomputes a budget)
     alpha_v: float = 1.0  # how much of the measured value shift stale tokens take
     alpha_k: float = 0.25  # ... and of the key shift (pre-RoPE); see the ablation (docs/results/own-method)
     tau: float = 0.0  # 0: chunk mean; > 0: shifts weighted by exp(-distance / tau) within the chunk
@@ -200,7 +201,7 @@ class DeltaProp(Selector):
     # "mean": every stale token of a chunk takes the chunk's mean shift. "linear": plus a per-token part, linear
     # in how the token's stitched vector departs from the mean of the chunk's measuring tokens (ridge fit on the
     # recomputed tokens; `DeltaCache._linear`)
-    fit: str = "mean"
+    fit: Literal["mean", "linear"] = "mean"
     # the linear fit's ridge lambda, a multiple of the mean diagonal of X'X; values need far more shrinkage than
     # keys (stale-token error against full prefill on the tuning split, docs/results/own-method)
     ridge_v: float = 10.0
@@ -208,51 +209,32 @@ class DeltaProp(Selector):
     # "tokens": the base's budget, ratio x n_context tokens. "work": the causal work of those tokens (the base's top
     # ones, probes included) buys the tokens of most score per unit of work (`SelectionContext.token_work`, `spend_work`):
     # an early token attends to fewer keys, so the same time recomputes more tokens, earlier ones
-    budget_unit: str = "tokens"
+    budget_unit: Literal["tokens", "work"] = "tokens"
     # True: the probes are recomputed in a pass of their own *before* the base scores the context, so the base's
     # selection (prophet: the question's attention) reads keys the probes' shift already corrected; the budget
     # pass then recomputes the probes again with the base's top tokens. Costs one extra pass of the probes (~4% of
     # the context at stride 25). The issue's "re-select after a first recompute" (docs/results/own-method)
     probe_first: bool = False
 
-    _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        if self.base == self.name:
-            raise TypeError("deltaprop cannot wrap itself")  # make_selector reports it as BadMethodOption
-        try:
-            self._base_selector = make_selector(self.base, **self.base_options)
-        except UnknownMethod as e:
-            raise TypeError(f"base: {e}") from None  # make_selector reports it as BadMethodOption
-        if self._base_selector.full_prefill or self._base_selector.zero_budget:
-            raise TypeError(f"deltaprop needs a base that recomputes a budget, got {self.base!r}")
-        if self.budget_unit not in ("tokens", "work"):
-            raise BadMethodOption(f"deltaprop: budget_unit must be 'tokens' or 'work', got {self.budget_unit!r}")
-        if self.fit not in ("mean", "linear"):
-            raise BadMethodOption(f"deltaprop: fit must be 'mean' or 'linear', got {self.fit!r}")
+    def __post_init__(self, base_options: dict | None = None):
+        super().__post_init__(base_options)  # the base built, every option's type checked
+        if self.base.zero_budget:
+            raise BadMethodOption(f"deltaprop needs a base that recomputes a budget, got {self.base.name!r}")
         for k in ("alpha_v", "alpha_k", "tau", "ridge_v", "ridge_k"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise BadMethodOption(f"deltaprop: {k} must be a number >= 0, got {v!r}")
-        if not isinstance(self.probe_first, bool):
-            raise BadMethodOption(f"deltaprop: probe_first must be true or false, got {self.probe_first!r}")
+            if not getattr(self, k) >= 0:
+                raise BadMethodOption(f"deltaprop: {k} must be a number >= 0, got {getattr(self, k)!r}")
+        for k in ("skip_first", "probe_stride"):
+            if getattr(self, k) < 0:
+                raise BadMethodOption(f"deltaprop: {k} must be an integer >= 0, got {getattr(self, k)!r}")
         if self.probe_first and not self.probe_stride:
             raise BadMethodOption("deltaprop: probe_first needs probes (probe_stride > 0)")
-        for k in ("skip_first", "probe_stride"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise BadMethodOption(f"deltaprop: {k} must be an integer >= 0, got {v!r}")
-
-    @property
-    def needs_full_prefill(self) -> bool:  # deltaprop(oracle): analysis only
-        return self._base_selector.needs_full_prefill
 
     @property
     def exact_budget(self) -> bool:  # budget_unit="work": the budget's work, in more (or fewer) tokens
-        return self.budget_unit == "tokens" and self._base_selector.exact_budget
+        return self.budget_unit == "tokens" and self.base.exact_budget
 
     def prepare(self, ctx: SelectionContext) -> None:
-        self._base_selector.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
+        self.base.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
         ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.rotate, float(self.alpha_v),
                                float(self.alpha_k), float(self.tau), self.skip_first, self.fit,
                                float(self.ridge_v), float(self.ridge_k))
@@ -264,7 +246,7 @@ class DeltaProp(Selector):
             dc.estimate_from = torch.zeros_like(dc.fresh)
             dc.estimate_from[probes.to(dc.fresh.device)] = True
             ctx.recompute(probes)  # probes fresh, every stale token corrected by their shift
-        return self._base_selector.score(ctx)
+        return self.base.score(ctx)
 
     def _probes(self, dc: DeltaCache, budget: int) -> torch.Tensor:
         """Every probe_stride-th token of each chunk (its middle one first), at most ``budget`` of them."""
@@ -272,13 +254,13 @@ class DeltaProp(Selector):
 
     def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
         if not self.probe_stride or not isinstance(ctx.cache, DeltaCache):
-            idx = self._base_selector.pick(scores, ctx)
+            idx = self.base.pick(scores, ctx)
         else:
             dc = ctx.cache
             probes = self._probes(dc, ctx.budget)
             scores = scores.clone()
-            scores[probes] = float("inf")  # the probes first, then the base's ranking fills the budget
-            idx = top_k_indices(scores, ctx.budget)
+            scores[probes] = float("inf")  # the probes first, then the base's own pick fills the budget
+            idx = self.base.pick(scores, ctx)
             dc.estimate_from = torch.zeros_like(dc.fresh)
             dc.estimate_from[probes.to(dc.fresh.device)] = True
         if self.budget_unit == "work":

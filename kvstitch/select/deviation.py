@@ -34,7 +34,8 @@ from typing import ClassVar
 import torch
 
 from kvstitch.core.attention import attention_probs
-from .base import FreshPass, SelectionContext, Selector, register
+from .base import FreshPass, SelectionContext
+from .method import Selector, register
 
 SCORE_LAYER = 1  # "the second layer" of CacheBlend: the first whose V depends on cross-chunk attention
 _BLOCK_BYTES = 64 << 20  # float32 probabilities per query block of the column-sum pass

@@ -30,7 +30,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 
 
 def distance_to_chunk_start(chunk_lengths: list[int]) -> torch.Tensor:

@@ -17,9 +17,9 @@ A trailing window shorter than ``group_size`` needs ceil(group_min * len / group
 ``group_min <= 1`` or ``group_size <= 1`` disables grouping (plain top-k).
 
 Any scorer can be grouped: `grouped_top_k(scores, budget)` is a plain function (CacheClip calls it), and
-the registered ``grouped`` selector wraps any registered method by name::
+the registered ``grouped`` method wraps any method (a `Wrapper`: every hook but `pick` is its base's)::
 
-    make_selector("grouped", base="prophet", base_options={...}, group_size=8, group_min=5, refill=False)
+    Grouped(base=Prophet(), group_size=8, group_min=5, refill=False)      # or "grouped(base=prophet)"
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext, Selector, make_selector, register, top_k_indices
+from .base import SelectionContext, top_k_indices
+from .method import Selector, Wrapper, register
+from .deviation import CacheBlend
 
 
 def window_thresholds(n: int, group_size: int, group_min: int) -> torch.Tensor:
@@ -86,59 +88,22 @@ def grouped_top_k(scores: torch.Tensor, k: int, group_size: int = 8, group_min: 
 
 @register
 @dataclass
-class Grouped(Selector):
-    """Any registered scorer + CacheClip's grouping windows (``base`` names the method to wrap)."""
+class Grouped(Wrapper):
+    """Any method's scores + CacheClip's grouping windows (``base``: the method to wrap)."""
 
     name: ClassVar[str] = "grouped"
-    base: str = "cacheblend"
-    base_options: dict = field(default_factory=dict)
+    base: Selector = field(default_factory=CacheBlend)
     group_size: int = 8
     group_min: int = 5
     refill: bool = False  # True: refill the dropped budget window-wise (exact budget); False: the paper
-
-    _base_selector: Selector | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        if self.base == self.name:
-            raise TypeError("grouped cannot wrap itself")  # make_selector reports it as an InputError
-        self._base_selector = make_selector(self.base, **self.base_options)  # unknown base: InputError now
-        if self._base_selector.full_prefill:
-            raise TypeError(f"grouped cannot wrap {self.base!r}: it prefills from scratch and selects nothing")
-
-    @property
-    def base_selector(self) -> Selector:
-        return self._base_selector
-
-    @property
-    def zero_budget(self) -> bool:  # e.g. grouped(ape): still nothing to recompute
-        return getattr(self.base_selector, "zero_budget", False)
 
     @property
     def exact_budget(self) -> bool:
         return self.refill
 
-    @property
-    def needs_full_prefill(self) -> bool:  # e.g. grouped(oracle)
-        return self.base_selector.needs_full_prefill
-
-    # every capability of the base passes on: its prompt change (InfoFlow's reorder), its scores, its
-    # zero budget, its recompute and decode plans; only the picking is grouped
-    def prepare(self, ctx: SelectionContext) -> None:
-        self.base_selector.prepare(ctx)
-
-    def score(self, ctx: SelectionContext) -> torch.Tensor:
-        return self.base_selector.score(ctx)
-
+    # every capability of the base passes on (`Wrapper`): its prompt change (InfoFlow's reorder), its scores,
+    # its zero budget, its recompute and decode plans; only the picking is grouped
     def pick(self, scores: torch.Tensor, ctx: SelectionContext) -> torch.Tensor:
         idx = grouped_top_k(scores, ctx.budget, self.group_size, self.group_min, self.refill)
         ctx.stats.update(selection_budget=int(ctx.budget), grouping_dropped=int(ctx.budget - idx.numel()))
         return idx
-
-    def recompute_plan(self, ctx: SelectionContext):
-        return self.base_selector.recompute_plan(ctx)
-
-    def adjusts_decode(self) -> bool:
-        return self.base_selector.adjusts_decode()
-
-    def decode_plan(self, engine, cache, layout, stats):
-        return self.base_selector.decode_plan(engine, cache, layout, stats)

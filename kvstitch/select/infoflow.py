@@ -15,7 +15,7 @@ Heads: per query head, mean within each KV group, then over groups. ``weight="va
 variant, Σ_i ||A_ij v_j|| = s_j ||v_j|| (attention-output contribution norm); the paper's Eq. 7 is
 ``"mass"`` (default).
 
-`infoflow_reorder` (Sec. 4.3 "KV reorder", Sec. 5.1): a first selection round within each chunk
+``reorder`` (Sec. 4.3 "KV reorder", Sec. 5.1; None = off, alias `infoflow_reorder`): a first selection round within each chunk
 independently under HL-TP geometry (each chunk at its chunk-local precompute positions, right after the
 shared prefix, prompt at its global positions; the other chunks are masked out), so chunks are scored on
 equal footing and chunks near the prompt are not favoured; chunks are reordered so the most important
@@ -24,7 +24,7 @@ selection runs under GLOBAL geometry. In ``isolated`` precompute mode (chunks pr
 the first round re-rotates each chunk to the same local positions right after the prefix.
 
 Chunk importance: the paper gives no formula ("we first derive chunk-level importance scores" from "an
-initial round of token selection within each chunk"), so it is an option, ``chunk_score``:
+initial round of token selection within each chunk"), so it is the value of ``reorder``:
 
 - ``"topk_mass"`` (default): the first-round scores of every chunk are pooled, the top-``budget`` tokens
   taken (the first round's selection), and a chunk's importance is the attention mass of its tokens in
@@ -32,20 +32,21 @@ initial round of token selection within each chunk"), so it is an option, ``chun
 - ``"max"``: the chunk's single highest first-round token score (a needle-like chunk, where a few tokens
   draw the prompt's attention, wins even when the rest of it is filler).
 
-`infoflow_reorder_max` is the registered ``chunk_score="max"`` variant, so the eval compares the two rules.
+The alias `infoflow_reorder_max` is ``reorder="max"``, so the eval compares the two rules.
 Ties keep the original order (stable sort).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import BadMethodOption
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 from .scoring import band_layers, layer_mean
 
 
@@ -55,12 +56,13 @@ class InfoFlow(Selector):
     name: ClassVar[str] = "infoflow"
     band: tuple[float, float] = (0.55, 0.65)  # depth-scaled band: models with fewer layers than absolute ones
     layers: tuple[int, ...] | None = None  # explicit layers (overrides absolute_layers and band)
-    weight: str = "mass"  # "mass" (Eq. 7) or "value"
+    weight: Literal["mass", "value"] = "mass"  # Eq. 7, or the attention-output contribution norm
     absolute_layers: tuple[int, ...] = (22, 23, 24, 25)  # App. B, used when the model has them
+    # a first round per chunk, then the chunks reordered by importance (module doc); None: off
+    reorder: Literal["topk_mass", "max"] | None = None
 
     def __post_init__(self):
-        if self.weight not in ("mass", "value"):
-            raise BadMethodOption(f"{self.name}: weight must be 'mass' or 'value', got {self.weight!r}")
+        super().__post_init__()
         lo, hi = self.band
         if not 0.0 <= lo <= hi <= 1.0:
             raise BadMethodOption(f"{self.name}: band must satisfy 0 <= lo <= hi <= 1, got {self.band}")
@@ -97,19 +99,6 @@ class InfoFlow(Selector):
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         return self.token_scores(ctx, report=True)
 
-
-@register
-@dataclass
-class InfoFlowReorder(InfoFlow):
-    name: ClassVar[str] = "infoflow_reorder"
-    chunk_score: str = "topk_mass"  # "topk_mass" or "max" (see the module doc)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.chunk_score not in CHUNK_SCORES:
-            raise BadMethodOption(f"{self.name}: chunk_score must be one of {', '.join(CHUNK_SCORES)}, "
-                             f"got {self.chunk_score!r}")
-
     def local_scores(self, ctx: SelectionContext, kvs) -> list[torch.Tensor]:
         """First round, HL-TP: per chunk, the prompt (global positions) over prefix + that chunk alone at its
         precompute positions; the slots of the other chunks are masked out. -> one score vector per chunk."""
@@ -135,19 +124,20 @@ class InfoFlowReorder(InfoFlow):
     def chunk_order(self, ctx: SelectionContext, kvs) -> tuple[list[int], list[float]]:
         """-> (new order as indices into the current chunks, most important last; importance per chunk)."""
         local = self.local_scores(ctx, kvs)
-        importance = chunk_importance(local, ctx.budget, self.chunk_score)
+        importance = chunk_importance(local, ctx.budget, self.reorder)
         order = torch.sort(importance, stable=True).indices.tolist()  # ascending: most important last
         pinned = ctx.layout.pinned  # a conversation's system segment stays first
         order = list(range(pinned)) + [i for i in order if i >= pinned]
         return order, importance.tolist()
 
     def prepare(self, ctx: SelectionContext) -> None:
-        """First round and reorder; `score` is then the second round, GLOBAL geometry on the new prompt."""
-        if len(ctx.layout.chunk_ids) > 1:
+        """``reorder``: first round and reorder; `score` is then the second round, GLOBAL geometry on the new
+        prompt."""
+        if self.reorder is not None and len(ctx.layout.chunk_ids) > 1:
             kvs = ctx.chunk_kvs()
             order, importance = self.chunk_order(ctx, kvs)
             ctx.reorder(order, kvs)
-            ctx.stats.update(chunk_importance=importance, chunk_score=self.chunk_score)
+            ctx.stats.update(chunk_importance=importance, chunk_score=self.reorder)
 
 
 CHUNK_SCORES = ("topk_mass", "max")
@@ -166,12 +156,3 @@ def chunk_importance(local: list[torch.Tensor], budget: int, rule: str = "topk_m
     importance = torch.zeros(len(local), dtype=torch.float64)
     importance.index_add_(0, chunk_of[top], flat[top].double())
     return importance
-
-
-@register
-@dataclass
-class InfoFlowReorderMax(InfoFlowReorder):
-    """`infoflow_reorder` with the ``"max"`` chunk-importance rule (the second rule, for comparison)."""
-
-    name: ClassVar[str] = "infoflow_reorder_max"
-    chunk_score: str = "max"

@@ -19,12 +19,12 @@ just run a full prefill of the same prompt (the eval does, for every sample) han
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
-from kvstitch.core.errors import BadMethodOption
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 from .scoring import layer_mean
 
 
@@ -33,13 +33,9 @@ from .scoring import layer_mean
 class Oracle(Selector):
     name: ClassVar[str] = "oracle"
     needs_full_prefill: ClassVar[bool] = True
-    mode: str = "attention"  # "attention" (G of Fig. 3) or "ideal" (Eq. 5 / App. F)
+    mode: Literal["attention", "ideal"] = "attention"  # G of Fig. 3, or Eq. 5 / App. F (alias `oracle_ideal`)
     # a full prefill of this same prompt (prefix and context slots exact), when the caller already has one
     exact_cache: object = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        if self.mode not in ("attention", "ideal"):
-            raise BadMethodOption(f"oracle: mode must be 'attention' or 'ideal', got {self.mode!r}")
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         layout, nkv = ctx.layout, ctx.num_kv_heads
@@ -57,14 +53,3 @@ class Oracle(Selector):
         phi, phi_r = layer_mean(full_att, nkv), layer_mean(reuse_att, nkv)
         diff = phi[:, None] * values(exact).cpu() - phi_r[:, None] * values(ctx.cache).cpu()
         return diff.norm(dim=-1)
-
-
-@register
-@dataclass
-class OracleIdeal(Oracle):
-    """`oracle` in Eq. 5's ``mode="ideal"``, registered under its own name so the eval, CLI and server run it
-    beside the attention oracle: together they bound what a query-driven selection can recover."""
-
-    name: ClassVar[str] = "oracle_ideal"
-    mode: str = "ideal"
-

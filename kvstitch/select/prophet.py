@@ -18,7 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 from .scoring import layer_mean
 
 

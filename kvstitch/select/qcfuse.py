@@ -42,7 +42,8 @@ import torch
 from kvstitch.core.attention import ForwardPlan, attention_probs
 from kvstitch.core.errors import BadMethodOption
 from kvstitch.core.anchors import DEFAULT_SINKS, REPEAT_PROMPT, AnchorSpec
-from .base import SelectionContext, Selector, register
+from .base import SelectionContext
+from .method import Selector, register
 
 REDUCES = ("max", "mean")
 DEFAULT_CRITICAL = 3  # blend/qcfuse_config.py: DEFAULT_CRITICAL_LAYERS
@@ -84,6 +85,7 @@ class QCFuse(Selector):
     reduce: str = "max"  # over query heads and question tokens, per critical layer
 
     def __post_init__(self):
+        super().__post_init__()
         if self.reduce not in REDUCES:
             raise BadMethodOption(f"{self.name}: reduce must be one of {', '.join(REDUCES)}, got {self.reduce!r}")
         if not isinstance(self.anchor_ratio, (int, float)) or not 0.0 < self.anchor_ratio <= 1.0:

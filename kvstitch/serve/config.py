@@ -8,6 +8,14 @@ Every serve option has an environment variable: ``KVSTITCH_`` + its name in capi
 under ``[serve]`` (``max_queue = 8`` or ``max-queue = 8``); an unknown name is an error, not ignored.
 The effective configuration, and where each value came from, is printed once at start (keys masked).
 This module reads the file; the options themselves and ``--config`` are `kvstitch.cli.serve`'s.
+
+``method`` is a spec string (``method = "deltaprop(base=infoflow, alpha_k=0.5)"``, see `kvstitch.select`)
+or a table naming the method and its options::
+
+    [method]
+    name = "deltaprop"
+    alpha_k = 0.5
+    base = { name = "infoflow", reorder = "max" }     # or base = "infoflow(reorder=max)"
 """
 
 from __future__ import annotations
@@ -40,7 +48,19 @@ def read_config(path: str | Path, known: set[str]) -> dict:
         if name not in known:
             raise InputError(f"{p}: unknown option {k!r}; known: {', '.join(sorted(known))}")
         out[name] = json.dumps(v) if name == "auto" and isinstance(v, dict) else v
+    if "method" in out:
+        out["method"] = method_setting(out["method"], p)
     return out
+
+
+def method_setting(value, path) -> str:
+    """A config file's ``method`` (a spec string or a table) -> the method's label, checked."""
+    from kvstitch.select import check_method, from_mapping
+
+    try:
+        return check_method(from_mapping(value) if isinstance(value, dict) else value)
+    except InputError as e:
+        raise type(e)(f"{path}: method: {e}") from None
 
 
 def read_answer_settings(path: str | Path) -> dict:
@@ -50,6 +70,8 @@ def read_answer_settings(path: str | Path) -> dict:
     if isinstance(data.get("serve"), dict):
         data = {**data, **data["serve"]}
     out = {k: data[k] for k in ANSWER_SETTINGS if k in data}
+    if "method" in out:
+        out["method"] = method_setting(out["method"], path)
     if "auto" in out and not isinstance(out["auto"], dict):
         raise InputError(f"{path}: 'auto' must be a table of options of ratio 'auto'")
     return out

@@ -12,7 +12,9 @@ Endpoints
 Request extensions (top-level JSON fields; the OpenAI Python client sends them with ``extra_body=``):
     documents: [str]            the retrieved passages, in prompt order ...
     collection: str, top_k: int ... or retrieve the top-k chunks of an indexed collection (`kvstitch index`)
-    method, ratio (or recompute_ratio), decode, kv_budget, method_options: per-request overrides
+    method, ratio (or recompute_ratio), decode, kv_budget: per-request overrides; ``method`` is a spec string
+                                ("deltaprop(base=infoflow,alpha_k=0.5)", see `kvstitch methods`); the older
+                                ``method_options`` object is merged into it
 The whole conversation is the prompt: the model's chat template over every message (system/developer,
 user, assistant, tool results as text), the passages appended to the system message - after the system
 prompt, before the conversation (`PromptBuilder.build_messages`). The system prompt is a stitched segment
@@ -66,7 +68,7 @@ from kvstitch.engine import STOP, GenerationResult
 from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.core.prompt import normalize_messages
 from kvstitch.corpus.retrieval import CollectionCache, CollectionNotFound
-from kvstitch.select import check_method
+from kvstitch.select import check_method, make_selector
 from kvstitch.select import methods as registered_methods
 from .core import ApiError, ClientGone, Job, QueueFull  # noqa: F401  (re-exported: tests, routers)
 from .documents import DocumentService, documents_router, resolve_document_ids
@@ -660,11 +662,10 @@ class ChatRequest:
     documents: list[str] | None
     collection: str | None
     top_k: int
-    method: str
+    method: str  # the method's label (an alias, or its canonical spec: every option in it)
     ratio: float | str  # a fraction, or "auto" (kvstitch.engine.budget)
     decode: str
     kv_budget: int | None
-    method_options: dict | None
     max_tokens: int
     temperature: float
     top_p: float
@@ -760,9 +761,12 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
 
     method = body.get("method", default_method)
     if not isinstance(method, str):
-        raise _bad(f"'method' must be a string, got {method!r:.60}", "method")
-    try:
-        check_method(method)
+        raise _bad(f"'method' must be a method spec (a string), got {method!r:.60}", "method")
+    method_options = body.get("method_options")
+    if method_options is not None and not isinstance(method_options, dict):
+        raise _bad("'method_options' must be an object", "method_options")
+    try:  # the label carries every option: the engine parses it back to the same object
+        method = make_selector(method, **(method_options or {})).label
     except InputError as e:
         raise _input_error(e) from None
     if "ratio" in body and "recompute_ratio" in body:
@@ -786,9 +790,6 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
         raise _bad(f"unknown decode policy {decode!r:.60}; known: {', '.join(sorted(decode_policies))}",
                    "decode", "invalid_decode")
     kv_budget = _int(body, "kv_budget", None, 1)
-    method_options = body.get("method_options")
-    if method_options is not None and not isinstance(method_options, dict):
-        raise _bad("'method_options' must be an object", "method_options")
 
     if "max_tokens" in body and "max_completion_tokens" in body and \
             body["max_tokens"] != body["max_completion_tokens"]:
@@ -812,7 +813,7 @@ def parse_chat_request(body, default_method: str, default_ratio: float, default_
         method = "full"  # plain chat: nothing to stitch, an ordinary full prefill
     return ChatRequest(question=question, messages=messages, stop=stop, documents=documents, collection=collection,
                        top_k=top_k, method=method,
-                       ratio=ratio, decode=decode, kv_budget=kv_budget, method_options=method_options,
+                       ratio=ratio, decode=decode, kv_budget=kv_budget,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
                        include_usage=bool(opts.get("include_usage", False)),
                        model=model if isinstance(model, str) else None, guard=guard,
@@ -984,7 +985,7 @@ class ChatService:
                  max_batch: int = 8, kv_pool_bytes: int | None = None, recall_sample: float = 0.0):
         import random
 
-        check_method(default_method)
+        default_method = check_method(default_method)
         default_ratio = parse_ratio(default_ratio)
         if not 0.0 <= guard_rate <= 1.0:
             raise InputError(f"guard rate must be in [0, 1], got {guard_rate}")
@@ -1145,7 +1146,7 @@ class ChatService:
                               and self.guard_rng.random() < self.guard_rate else None)
         return dict(messages=req.messages, chunks=docs, method=req.method, recompute_ratio=req.ratio,
                     max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                    decode=req.decode, kv_budget=req.kv_budget, method_options=req.method_options,
+                    decode=req.decode, kv_budget=req.kv_budget,
                     auto=req.auto, guard=guard, min_new_tokens=req.min_tokens)
 
     async def retrieve(self, req: ChatRequest) -> tuple[list[str], list[dict]]:
