@@ -1,12 +1,12 @@
 """kvstitch: stitched KV-cache reuse with selective recompute for long-context RAG."""
 
-from .engine import Engine, GenerationResult
+from .engine import Engine, GenerationResult, GenerationStats
 from .core.errors import (BadDecodeOption, BadMethodOption, BadRatio, EvalError, InputError, KVStitchError,
                           ModelLoadError, PositionRecoveryError, PromptTooLong, StoreError, UnknownDecodePolicy,
                           UnknownMethod)
 from .select import methods
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationResult", "methods", "KVStitchError", "InputError", "ModelLoadError",
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "methods", "KVStitchError", "InputError", "ModelLoadError",
            "PositionRecoveryError", "StoreError", "EvalError", "UnknownMethod", "BadMethodOption", "BadRatio",
            "PromptTooLong", "UnknownDecodePolicy", "BadDecodeOption"]

@@ -122,7 +122,7 @@ def _time_ttft(engine: Engine, layout: PromptLayout, method: str, ratio: float,
             for ids in layout.chunk_ids[evict]:
                 engine.store.delete(engine.chunk_key(layout.prefix_ids, ids))
     res = engine.generate("", [], method=method, recompute_ratio=ratio, max_new_tokens=1, layout=layout)
-    stats = dict(res.stats)
+    stats = res.stats.to_dict()
     if timer is not None:
         split = timer.take()
         if warm:  # warm store: everything the timer saw happened before the first token

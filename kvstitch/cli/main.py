@@ -8,7 +8,7 @@ import statistics
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstitch.core.errors import KVStitchError
+
+if TYPE_CHECKING:
+    from kvstitch.engine import GenerationStats
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Stitched KV-cache reuse with selective recompute for long-context RAG.")
@@ -214,27 +217,27 @@ DEMO_MODEL = "qwen2.5-0.5b"
 DEMO_AUTO = {"schedule": "0.1", "verify_chunks": 2}
 
 
-def _budget_note(stats: dict) -> str:
+def _budget_note(stats: GenerationStats) -> str:
     """"20% recomputed", or for ratio=auto "auto: 10% recomputed in 2 rounds" / "auto: full prefill after 4 rounds"."""
-    used = stats.get("ratio_used", 0.0)
+    used = stats.ratio_used
     note = f"{used:.0%} recomputed"
-    if stats.get("auto_skipped") == "short_context":
+    if stats.auto_skipped == "short_context":
         note = "auto: short context, full prefill"
-    elif stats.get("ratio") == "auto" and "verify" in stats:  # verified rounds: the check is what decided
-        m = len(stats["verify"]["chunks"])
-        last = stats["round_log"][-1] if stats.get("round_log") else {}
-        note = (f"auto: {used:.0%} recomputed, confirmed by a full prefill of {m} passages" if stats.get("converged")
+    elif stats.ratio == "auto" and stats.verify is not None:  # verified rounds: the check is what decided
+        m = len(stats.verify["chunks"])
+        last = stats.round_log[-1] if stats.round_log else {}
+        note = (f"auto: {used:.0%} recomputed, confirmed by a full prefill of {m} passages" if stats.converged
                 else f"auto: its {last.get('ratio', 0):.0%} round said {last.get('answer', '')[:40]!r}, a full "
-                     f"prefill of {m} passages said {stats['verify']['answer'][:40]!r}: full prefill answered")
-    elif stats.get("ratio") == "auto":
-        note = (f"auto: {used:.0%} recomputed, converged in {stats['rounds']} rounds" if stats.get("converged")
-                else f"auto: no convergence in {stats['rounds']} rounds, " +
+                     f"prefill of {m} passages said {stats.verify['answer'][:40]!r}: full prefill answered")
+    elif stats.ratio == "auto":
+        note = (f"auto: {used:.0%} recomputed, converged in {stats.rounds} rounds" if stats.converged
+                else f"auto: no convergence in {stats.rounds} rounds, " +
                 ("full prefill" if used >= 1.0 else f"{used:.0%} recomputed"))
-    if stats.get("cold_path") == "full_prefill":
+    if stats.cold_path == "full_prefill":
         note = "cold store: full prefill (its chunks are cached after the answer)"
-    guard = stats.get("guard")
-    if guard:
-        note += ", guard: " + ("agrees with full prefill" if guard["agreed"] else "corrected to full prefill's answer")
+    if stats.guard:
+        note += ", guard: " + ("agrees with full prefill" if stats.guard["agreed"]
+                               else "corrected to full prefill's answer")
     return note
 
 

@@ -439,5 +439,5 @@ def ask_collection(engine, question: str, collection: str | Collection, root: st
     if not hits:
         raise InputError(f"collection {getattr(collection, 'name', collection)!r} is empty")
     result = engine.generate(question, [h.text for h in hits], **generate_kwargs)
-    result.stats["retrieved"] = [h.as_dict() for h in hits]
+    result.stats.extra["retrieved"] = [h.as_dict() for h in hits]
     return result, hits

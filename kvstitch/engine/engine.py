@@ -29,6 +29,7 @@ from kvstitch.core.rope import inv_freq_table, rerotate, self_check
 from kvstitch.select import SelectionContext, Selector, make_selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
 from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
+from .stats import GenerationStats
 
 log = logging.getLogger("kvstitch.engine")
 DEFAULT_METHOD = "prophet"
@@ -41,7 +42,7 @@ class GenerationResult:
     text: str
     ttft_s: float
     recomputed: list[int]  # context-token indices (0-based within the context) that were recomputed
-    stats: dict
+    stats: GenerationStats  # what the engine measured (fields documented there; ``to_dict()`` for JSON)
     token_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None  # logits of the first answer token (float32, cpu)
     method: str = ""
@@ -496,8 +497,9 @@ class Engine:
                      tpot_s=tpot)
         stats.setdefault("ratio_used", pre.indices.numel() / max(pre.layout.n_context, 1))
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
-        return GenerationResult(text=text.strip(), ttft_s=stats["ttft_s"], recomputed=pre.indices.tolist(),
-                                stats=stats, token_ids=tokens, first_logits=pre.logits[-1].cpu(), method=stats["method"])
+        typed = GenerationStats.from_dict(stats)
+        return GenerationResult(text=text.strip(), ttft_s=typed.ttft_s, recomputed=pre.indices.tolist(),
+                                stats=typed, token_ids=tokens, first_logits=pre.logits[-1].cpu(), method=typed.method)
 
     def _guarded(self, req: GenerationRequest, pre: "Prefill", t_start: float):
         """guard="full": the stitched greedy answer, verified (and if need be corrected) against full prefill."""
