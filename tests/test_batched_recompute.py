@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvstitch import Engine
+from kvstitch.engine import GenerationRequest
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.engine.batch import DecodeStep, RecomputeStep, can_batch, plain_plan
 from kvstitch.core.errors import InputError
@@ -34,7 +35,7 @@ def _req(i, method, ratio, k, **kw):
 
 def _start(eng, reqs):
     """Each request's generator, run up to its recompute pass -> (generators, steps)."""
-    gens = [eng.stream(**r, batch_prefill=True, batch_decode=True) for r in reqs]
+    gens = [eng.steps(GenerationRequest(**r), batch_prefill=True, batch_decode=True) for r in reqs]
     steps = [next(g) for g in gens]
     assert all(isinstance(s, RecomputeStep) for s in steps)
     return gens, steps
@@ -115,13 +116,13 @@ def test_what_cannot_pack_runs_alone(smollm_tokenizer):
     # APE's recompute plan and ratio="auto" rounds: the stream runs them alone, no step is handed out
     for kw in (dict(method="ape", recompute_ratio=0.0), dict(method="random", recompute_ratio="auto")):
         r = dict(question=SAMPLE_QUESTION, chunks=SAMPLE_CHUNKS[:2], max_new_tokens=4, **kw)
-        events = list(eng.stream(**r, batch_prefill=True))
+        events = list(eng.steps(GenerationRequest(**r), batch_prefill=True))
         assert not any(isinstance(e, RecomputeStep) for e in events)
         assert events[-1].token_ids == eng.generate(**r).token_ids
     # the flag off: no step, the same answer (Engine.prefill/generate unchanged)
     r = _req(0, "random", 0.3, 2)
     assert [e for e in eng.stream(**r) if isinstance(e, int)] == eng.generate(**r).token_ids
-    g = eng.stream(**r, batch_prefill=True)
+    g = eng.steps(GenerationRequest(**r), batch_prefill=True)
     assert isinstance(next(g), RecomputeStep)
     with pytest.raises(InputError):  # a consumer that sends nothing back gets a clear error
         next(g)
@@ -149,11 +150,11 @@ class _CancellingEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def stream(self, **kw):
+    def steps(self, request, **kw):
         if self.calls == self.at:
             self.jobs[self.victim].cancel()
         self.calls += 1
-        return self._engine.stream(**kw)
+        return self._engine.steps(request, **kw)
 
     def recompute_batch(self, steps):
         self.packs.append(len(steps))

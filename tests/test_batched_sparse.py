@@ -31,7 +31,7 @@ def drive(engine, requests: list[GenerationRequest], cancel: dict | None = None)
     """A miniature batching consumer: every request's pending decode steps run in one `decode_batch` per token
     (what the server's worker does). ``cancel`` {i: n}: close request i after n tokens -> its tokens so far."""
     cancel = cancel or {}
-    gens = [engine.stream_request(GenerationRequest(**{**r.__dict__, "batch_decode": True})) for r in requests]
+    gens = [engine.steps(r, batch_decode=True) for r in requests]
     tokens = [[] for _ in requests]
     results: list = [None] * len(requests)
     pending: dict[int, DecodeStep] = {}

@@ -111,3 +111,29 @@ def test_engine_load_fast_dtype_resolves_before_the_model_loads(monkeypatch, cap
     with pytest.raises(InputError, match="unknown dtype 'half-ish'.*fast"):
         engine_mod.Engine.load("smollm2", device="cpu", dtype="half-ish")
     assert len(seen) == 3  # the refused dtype never reached the model
+
+
+def test_generate_and_stream_list_the_request_fields():
+    """`generate` / `stream` name every field of `GenerationRequest`, with its default (what `help()` and an
+    editor show); the scheduler's flags are `Engine.steps`' alone."""
+    import dataclasses
+    import inspect
+
+    from kvstitch.engine import GenerationRequest
+
+    fields = {f.name: f.default for f in dataclasses.fields(GenerationRequest)}
+    for fn in (Engine.generate, Engine.stream):
+        params = dict(inspect.signature(fn).parameters)
+        params.pop("self")
+        assert {k: p.default for k, p in params.items()} == fields, fn.__name__
+        assert all(p.kind is p.KEYWORD_ONLY for k, p in params.items() if k not in ("question", "chunks"))
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+    steps = inspect.signature(Engine.steps).parameters
+    assert steps["batch_decode"].default is False and steps["batch_prefill"].default is False
+    assert "batch_decode" not in fields and "batch_prefill" not in fields
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_scheduler_flags_are_not_request_options(tiny_engine):
+    with pytest.raises(TypeError, match="batch_decode"):
+        tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, batch_decode=True)

@@ -375,7 +375,7 @@ def test_serve_command_rejects_unknown_method_before_loading():
 
 # ---- engine failures ---------------------------------------------------------------------------------
 class _FailingEngine:
-    """The tiny engine, except that `stream` fails after its first token (or before, for 'early')."""
+    """The tiny engine, except that `steps` fails after its first token (or before, for 'early')."""
 
     def __init__(self, engine):
         self._engine = engine
@@ -383,10 +383,10 @@ class _FailingEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def stream(self, messages, chunks, **kw):
-        if messages[-1]["content"].startswith("early"):
+    def steps(self, request, **kw):
+        if request.messages[-1]["content"].startswith("early"):
             raise RuntimeError("boom before the first token")
-        gen = self._engine.stream(messages=messages, chunks=chunks, **kw)
+        gen = self._engine.steps(request, **kw)
         ev = next(gen)
         while not isinstance(ev, int):  # a recompute pass (batch_prefill): the worker runs it, sends its logits
             ev = gen.send((yield ev))

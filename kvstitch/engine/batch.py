@@ -42,7 +42,7 @@ from kvstitch.models import cache_kwargs
 @dataclass
 class DecodeStep:
     """One pending dense decode step of a request: ``token`` at position ``cache.length`` over ``cache``.
-    `Engine.stream_request(GenerationRequest(batch_decode=True))` yields these; the consumer runs them
+    `Engine.steps(request, batch_decode=True)` yields these; the consumer runs them
     (`Engine.decode_batch`, several requests at once) and ``send``s back the step's logits ``[1, V]``."""
 
     cache: StitchCache
@@ -121,7 +121,7 @@ def decode_batch(engine, steps: list[DecodeStep], batched_sparse: bool = True) -
 class RecomputeStep:
     """One pending recompute pass of a request: ``ids`` at global positions ``slots`` (sorted) over ``cache``,
     its fresh K/V written into ``cache``; the result is the last token's logits ``[1, V]``.
-    `Engine.stream_request(GenerationRequest(batch_prefill=True))` yields these (plain passes only, see
+    `Engine.steps(request, batch_prefill=True)` yields these (plain passes only, see
     `can_batch`); the consumer runs them (`Engine.recompute_batch`, several requests at once) and ``send``s
     back the logits. ``seconds`` / ``batch_size``: set by the pass that ran it (its wall time, its steps)."""
 

@@ -50,39 +50,33 @@ class GenerationResult:
 
 @dataclass
 class GenerationRequest:
-    """One request. ``question`` + ``chunks`` (or a prebuilt ``layout``); ``method`` (a method object such as
-    ``DeltaProp(base=InfoFlow())``, or its spec string ``"deltaprop(base=infoflow)"``, see `kvstitch.select`;
-    ``method_options``, a dict of its options, is merged into it and kept for older callers) and
-    ``recompute_ratio`` (a fraction of the context tokens, or "auto": rounds of growing budget until the
-    answer is stable, options in ``auto``, see `kvstitch.engine.budget`); ``guard="full"`` verifies the greedy
-    answer against full prefill (and returns full prefill's answer when they differ). ``decode``: "full"
-    (dense) or a sparse policy (prkv, quest, snapkv, arkvale, ...) with ``kv_budget`` tokens;
-    ``decode_options``: ``diagnostic=True`` records attention recall in ``stats["decode_recall"]``,
-    ``page_size``, ``device_pages`` and the policy's fields go to `kvstitch.decode.make_decoder`."""
+    """One request, as `Engine.generate` / `Engine.stream` take it (their parameters are these fields)."""
 
     question: str | None = None
-    chunks: list[str] | None = None
+    chunks: list[str] | None = None  # the passages, each precomputed and stored on its own
     messages: list[dict] | None = None  # an OpenAI-style conversation instead of ``question``
+    # a method object (``DeltaProp(base=InfoFlow())``) or its spec string ("deltaprop(base=infoflow)"), see
+    # `kvstitch.select`
     method: str | Selector = DEFAULT_METHOD
+    # the fraction of the context tokens to recompute, or "auto": rounds of growing budget until the answer is
+    # stable (options in ``auto``, see `kvstitch.engine.budget`)
     recompute_ratio: float | str = 0.2
     max_new_tokens: int = 32
-    min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
-    seed: int = 0
+    seed: int = 0  # of the sampling (temperature > 0)
+    # "full" (dense attention) or a sparse policy (prkv, quest, snapkv, arkvale, ...) over ``kv_budget`` tokens
     decode: str = "full"
     kv_budget: int | None = None
-    method_options: dict | None = None
-    decode_options: dict | None = None
-    layout: PromptLayout | None = None
-    auto: AutoBudget | dict | None = None
+    auto: AutoBudget | dict | None = None  # options of recompute_ratio="auto" (None: the engine's default_auto)
+    # "full": verify the greedy answer against full prefill (full prefill's answer is returned when they differ)
     guard: str | None = None
-    # yield a `DecodeStep` for every dense decode step instead of running it: a batching consumer (the
-    # server) runs the steps of several requests in one pass (`Engine.decode_batch`) and sends the logits back
-    batch_decode: bool = False
-    # yield a `RecomputeStep` where the prefill's recompute pass (or full prefill) would run, if it is plain
-    # (`kvstitch.engine.batch.can_batch`): the consumer packs several requests' passes (`Engine.recompute_batch`)
-    batch_prefill: bool = False
+    method_options: dict | None = None  # options merged into ``method`` (kept for callers that name it)
+    # of the sparse decoder: ``diagnostic=True`` records attention recall (``stats.decode_recall``);
+    # ``page_size``, ``device_pages`` and the policy's fields go to `kvstitch.decode.make_decoder`
+    decode_options: dict | None = None
+    min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
+    layout: PromptLayout | None = None  # a prompt laid out already (`Engine.layout`) instead of question + chunks
 
 
 @dataclass
@@ -417,10 +411,20 @@ class Engine:
 
     # ---- the public entry points --------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, question: str | None = None, chunks: list[str] | None = None,
-                 **options) -> GenerationResult:
-        """Answer ``question`` over ``chunks``; ``options`` are the fields of `GenerationRequest`."""
-        return self.run(GenerationRequest(question=question, chunks=chunks, **options))
+    def generate(self, question: str | None = None, chunks: list[str] | None = None, *,
+                 messages: list[dict] | None = None, method: str | Selector = DEFAULT_METHOD,
+                 recompute_ratio: float | str = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                 auto: AutoBudget | dict | None = None, guard: str | None = None,
+                 method_options: dict | None = None, decode_options: dict | None = None, min_new_tokens: int = 0,
+                 layout: PromptLayout | None = None) -> GenerationResult:
+        """Answer ``question`` over ``chunks`` (or the conversation ``messages``); the parameters are
+        `GenerationRequest`'s fields, documented there."""
+        return self.run(GenerationRequest(
+            question=question, chunks=chunks, messages=messages, method=method, recompute_ratio=recompute_ratio,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, decode=decode,
+            kv_budget=kv_budget, auto=auto, guard=guard, method_options=method_options,
+            decode_options=decode_options, min_new_tokens=min_new_tokens, layout=layout))
 
     @torch.no_grad()
     def run(self, request: GenerationRequest) -> GenerationResult:
@@ -432,9 +436,20 @@ class Engine:
         return result
 
     @torch.no_grad()
-    def stream(self, question: str | None = None, chunks: list[str] | None = None, **options):
-        """`stream_request` with the fields of `GenerationRequest` as keyword arguments."""
-        yield from self.stream_request(GenerationRequest(question=question, chunks=chunks, **options))
+    def stream(self, question: str | None = None, chunks: list[str] | None = None, *,
+               messages: list[dict] | None = None, method: str | Selector = DEFAULT_METHOD,
+               recompute_ratio: float | str = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+               auto: AutoBudget | dict | None = None, guard: str | None = None,
+               method_options: dict | None = None, decode_options: dict | None = None, min_new_tokens: int = 0,
+               layout: PromptLayout | None = None):
+        """`generate`, streamed: yield each answer token id (int) as it is produced, then the
+        `GenerationResult` (see `stream_request`)."""
+        yield from self.stream_request(GenerationRequest(
+            question=question, chunks=chunks, messages=messages, method=method, recompute_ratio=recompute_ratio,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, decode=decode,
+            kv_budget=kv_budget, auto=auto, guard=guard, method_options=method_options,
+            decode_options=decode_options, min_new_tokens=min_new_tokens, layout=layout))
 
     @torch.no_grad()
     def stream_request(self, req: GenerationRequest):
@@ -446,6 +461,16 @@ class Engine:
         no state of its own between requests: every per-request object lives in the `Prefill`. A consumer may
         ``send(STOP)`` instead of ``next()`` to end the generation after the token just yielded (stop
         sequences); the result then holds the tokens so far."""
+        yield from self.steps(req)
+
+    @torch.no_grad()
+    def steps(self, req: GenerationRequest, *, batch_decode: bool = False, batch_prefill: bool = False):
+        """`stream_request` for a batching consumer (the server's scheduler), which runs the model passes of
+        several requests together. ``batch_prefill``: where the prefill's pass (recompute, or full prefill)
+        would run, if it is plain (`kvstitch.engine.batch.can_batch`), a `RecomputeStep` is yielded instead and
+        its logits are sent back (`recompute_batch` runs several). ``batch_decode``: every dense decode step
+        (or sparse, through its decoder) is yielded as a `DecodeStep` whose logits are sent back
+        (`decode_batch`). Tokens, `STOP` and the result as in `stream_request`."""
         t_start = time.perf_counter()
         layout = req.layout or self.layout(req.question, req.chunks, req.messages)
         selector = make_selector(req.method, **(req.method_options or {}))
@@ -462,14 +487,14 @@ class Engine:
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
         pre = yield from self._prefill_steps(layout, selector, ratio, req.max_new_tokens, stats, req.auto, cold=True,
-                                             batch=req.batch_prefill)
+                                             batch=batch_prefill)
         if req.guard:
             yield from self._guarded(req, pre, t_start)
             self.precompute_deferred()  # after the answer (a consumer that reads to the end: `run`)
             return
         tokens: list[int] = []
         steps = self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
-                                   req.kv_budget, req.decode_options, batch_steps=req.batch_decode,
+                                   req.kv_budget, req.decode_options, batch_steps=batch_decode,
                                    min_new_tokens=req.min_new_tokens)
         back = None
         while True:

@@ -64,7 +64,7 @@ import torch
 from kvstitch.engine.budget import AutoBudget, parse_ratio
 from kvstitch.engine.batch import DecodeStep, RecomputeStep
 from kvstitch.decode.kvpool import KVPool, KVShape
-from kvstitch.engine import STOP, GenerationResult
+from kvstitch.engine import STOP, GenerationRequest, GenerationResult
 from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.core.prompt import normalize_messages
 from kvstitch.corpus.retrieval import CollectionCache, CollectionNotFound
@@ -476,8 +476,9 @@ class EngineWorker:
         live = _Live(job, None, scan)
         self.active.append(live)
         try:
-            live.gen = self.engine.stream(**job.kwargs, batch_decode=hasattr(self.engine, "decode_batch"),
-                                          batch_prefill=hasattr(self.engine, "recompute_batch"))
+            live.gen = self.engine.steps(GenerationRequest(**job.kwargs),
+                                         batch_decode=hasattr(self.engine, "decode_batch"),
+                                         batch_prefill=hasattr(self.engine, "recompute_batch"))
         except Exception as e:  # noqa: BLE001
             job.emit("error", self._api_error(e))
             self._finish(live)
