@@ -195,7 +195,7 @@ def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_s
     eng = make_tiny_engine("llama", smollm_tokenizer)
     opts = {"min_context": 0, "tol": 0.0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 1}
     plain = _gen(eng, auto={**opts, "verify_chunks": 0})  # the round's own probe (tol 0: falls back)
-    probe_text = budget._text(eng, plain.stats["round_log"][0]["probe"])
+    probe_text = eng.answer_text(plain.stats["round_log"][0]["probe"], strip=False)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
     for says, accepted in ((probe_text, True), (probe_text + " and more words", False)):
         monkeypatch.setattr(budget.ShortPrompt, "answer_given", lambda self, guess: says)
@@ -312,7 +312,8 @@ def test_answer_level_acceptance_ignores_wording(smollm_tokenizer, monkeypatch):
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     opts = {"min_context": 0, "tol": 0.0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 1}
-    probe_text = budget._text(eng, _gen(eng, auto={**opts, "verify_chunks": 0}).stats["round_log"][0]["probe"])
+    probe = _gen(eng, auto={**opts, "verify_chunks": 0}).stats["round_log"][0]["probe"]
+    probe_text = eng.answer_text(probe, strip=False)
     first = probe_text.strip().splitlines()[0] if probe_text.strip() else ""
     says = f"{first.upper()}!\nsomething else entirely, said at length"
     monkeypatch.setattr(budget.ShortPrompt, "answer_given", lambda self, guess: says)

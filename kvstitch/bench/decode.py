@@ -169,8 +169,7 @@ class _Sample:
         while len(tokens) < max_tokens and not eng.finished(tokens):
             tokens.append(int(torch.argmax(eng.decode_step(cache, tokens[-1], dec)[-1])))
         self.cache.truncate(self.n)
-        text = eng.tokenizer.decode([t for t in tokens if t not in eng.eos_ids], skip_special_tokens=True)
-        return text.strip()
+        return eng.answer_text(tokens)
 
 
 @dataclass

@@ -1,7 +1,11 @@
-"""The engine: the request path (`engine.Engine`), the adaptive budget (`budget`), the cold path (`cold`),
-chunk-cache precompute (`precompute`), batched steps (`batch`) and the typed stats of a result (`stats`)."""
+"""The engine: `Engine` (`engine`), a facade over the request and its validation (`request`), prefill
+(`prefill`: stitch, select, recompute; the cold path `cold`, the adaptive budget `budget`), decoding
+(`decoding`), verification (`verify`), chunk-cache precompute (`precompute`), the server's batched passes
+(`batch`), the seams a harness uses (`hooks`) and the typed stats of a result (`stats`)."""
 
-from .engine import STOP, Engine, GenerationRequest, GenerationResult, Prefill
+from .engine import Engine
+from .hooks import EngineHooks
+from .request import STOP, GenerationRequest, GenerationResult, Prefill
 from .stats import GenerationStats
 
-__all__ = ["Engine", "GenerationRequest", "GenerationResult", "GenerationStats", "Prefill", "STOP"]
+__all__ = ["Engine", "EngineHooks", "GenerationRequest", "GenerationResult", "GenerationStats", "Prefill", "STOP"]

@@ -55,7 +55,7 @@ from typing import ClassVar
 import torch
 
 from kvstitch.core.errors import BadRatio, InputError
-from kvstitch.tasks.agreement import first_words_agree, same_answer
+from kvstitch.tasks.agreement import agreeing_prefix, first_words_agree, same_answer
 
 AUTO = "auto"
 MODES = ("incremental", "refresh")
@@ -279,17 +279,13 @@ class ShortPrompt:
 
     def answer_given(self, guess: list[int]) -> str:
         """`greedy_given` as text."""
-        return _text(self.engine, self.greedy_given(guess))
+        return self.engine.answer_text(self.greedy_given(guess), strip=False)
 
 
 def reference_answer(engine, layout, m: int, n_probe: int) -> Reference:
     """Full prefill of ``layout`` reduced to `verification_chunks`, greedy for ``n_probe`` tokens."""
     short = ShortPrompt(engine, layout, m, n_probe)
     return Reference(short.answer_given([]), short.chunks, short.layout.n_context)
-
-
-def _text(engine, tokens: list[int]) -> str:
-    return engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
 
 
 def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, stats: dict, recompute_plan=None):
@@ -314,7 +310,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
     cache = engine.stitch(layout, kvs, extra=extra + n_probe)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
-                           precompute=engine.precompute_mode, chunks=kvs)
+                           precompute=engine.precompute_mode, chunks=kvs, score_hook=engine.hooks.score)
     ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
     layout, cache = ctx.layout, ctx.cache
     if auto.verify_chunks:
@@ -358,9 +354,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
             entry.update(agreed=None, kl=None)
         else:
             pred = out.argmax(-1).tolist()
-            k = 0
-            while k < len(prev.tokens) and pred[k] == prev.tokens[k]:
-                k += 1
+            k = agreeing_prefix(pred, prev.tokens)
             kl = max(0.0, float(_kl(prev.logits, out.cpu()).mean()))  # rounding can make it -1e-9
             agreed = k == len(prev.tokens) and kl < auto.tol
             entry.update(agreed=agreed, kl=round(kl, 6), first_divergence=None if k == len(prev.tokens) else k,
@@ -381,7 +375,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
             t0 = time.perf_counter()
             ref = short.answer_given(probe.tokens)  # the short prompt's greedy answer
             stats["verify"].update(answer=ref, seconds=round(stats["verify"]["seconds"] + time.perf_counter() - t0, 4))
-            entry["answer"] = _text(engine, probe.tokens)
+            entry["answer"] = engine.answer_text(probe.tokens, strip=False)
             entry["verified"] = same_answer(entry["answer"], ref) if auto.accept == "answer" \
                 else first_words_agree(entry["answer"], ref)
         log.append(entry)

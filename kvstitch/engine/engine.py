@@ -1,4 +1,12 @@
-"""`Engine`: load a model, precompute/stitch chunk caches, recompute a budget of tokens, decode."""
+"""`Engine`: the facade over one model. It loads the model, precomputes and stores chunk caches, and answers
+requests; the work is done by its modules, each over the engine's public members:
+
+- `request`: the request (`GenerationRequest`), its one validation, the `Prefill` and the result;
+- `prefill`: stitch, select, recompute, the cold path (`cold`) and the adaptive budget (`budget`);
+- `decoding`: sampling, dense and sparse steps, the stop rules, the answer's text;
+- `verify`: the full-prefill guard and teacher forcing;
+- `batch`: the batched passes of the server's scheduler (`Engine.steps`); `hooks`: the seams a harness uses.
+"""
 
 from __future__ import annotations
 
@@ -9,92 +17,36 @@ import json
 import logging
 import platform
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 
+from kvstitch.core.anchors import AnchorSpec
 from kvstitch.core.attention import ForwardPlan, StopForward
-from .batch import DecodeStep, RecomputeStep, can_batch, decode_batch, recompute_batch
 from kvstitch.core.cache import StitchCache
-from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred, take_full_prefill
 from kvstitch.core.chunk import ChunkKV
-from kvstitch.core.errors import InputError, PromptTooLong, UnknownDecodePolicy
+from kvstitch.core.errors import InputError
 from kvstitch.core.identity import register_model, tokenizer_fingerprint
+from kvstitch.core.prompt import PromptBuilder, PromptLayout
+from kvstitch.core.rope import inv_freq_table, self_check
 from kvstitch.models import adapter_for, cache_kwargs, load_model
 from kvstitch.models.half_cpu import multiplies_natively
-from kvstitch.core.anchors import AnchorSpec
-from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
-from kvstitch.core.prompt import PromptBuilder, PromptLayout
-from kvstitch.core.rope import inv_freq_table, rerotate, self_check
-from kvstitch.select import SelectionContext, Selector, make_selector
+from kvstitch.select import Selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
-from .budget import AUTO, AutoBudget, adaptive_prefill, parse_ratio
-from .stats import GenerationStats
+from . import decoding, prefill, verify
+from .batch import DecodeStep, RecomputeStep, decode_batch, recompute_batch
+from .budget import AutoBudget
+from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred
+from .hooks import EngineHooks
+from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
+from .request import (DEFAULT_METHOD, STOP, GenerationRequest, GenerationResult, Prefill, build_layout,
+                      check_request)
+
+__all__ = ["DEFAULT_METHOD", "STOP", "Engine", "GenerationRequest", "GenerationResult", "Prefill", "cpu_name",
+           "default_device", "fast_dtype"]
 
 log = logging.getLogger("kvstitch.engine")
-DEFAULT_METHOD = "prophet"
 _DTYPES = ("float32", "bfloat16", "float16")  # model dtypes Engine.load accepts by name
-STOP = object()  # `stream(...).send(STOP)`: end the generation after the token just yielded (stop sequences)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    ttft_s: float
-    recomputed: list[int]  # context-token indices (0-based within the context) that were recomputed
-    stats: GenerationStats  # what the engine measured (fields documented there; ``to_dict()`` for JSON)
-    token_ids: list[int] = field(default_factory=list)
-    first_logits: torch.Tensor | None = None  # logits of the first answer token (float32, cpu)
-    method: str = ""
-
-
-@dataclass
-class GenerationRequest:
-    """One request, as `Engine.generate` / `Engine.stream` take it (their parameters are these fields)."""
-
-    question: str | None = None
-    chunks: list[str] | None = None  # the passages, each precomputed and stored on its own
-    messages: list[dict] | None = None  # an OpenAI-style conversation instead of ``question``
-    # a method object (``DeltaProp(base=InfoFlow())``) or its spec string ("deltaprop(base=infoflow)"), see
-    # `kvstitch.select`
-    method: str | Selector = DEFAULT_METHOD
-    # the fraction of the context tokens to recompute, or "auto": rounds of growing budget until the answer is
-    # stable (options in ``auto``, see `kvstitch.engine.budget`)
-    recompute_ratio: float | str = 0.2
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0  # of the sampling (temperature > 0)
-    # "full" (dense attention) or a sparse policy (prkv, quest, snapkv, arkvale, ...) over ``kv_budget`` tokens
-    decode: str = "full"
-    kv_budget: int | None = None
-    auto: AutoBudget | dict | None = None  # options of recompute_ratio="auto" (None: the engine's default_auto)
-    # "full": verify the greedy answer against full prefill (full prefill's answer is returned when they differ)
-    guard: str | None = None
-    method_options: dict | None = None  # options merged into ``method`` (kept for callers that name it)
-    # of the sparse decoder: ``diagnostic=True`` records attention recall (``stats.decode_recall``);
-    # ``page_size``, ``device_pages`` and the policy's fields go to `kvstitch.decode.make_decoder`
-    decode_options: dict | None = None
-    min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
-    layout: PromptLayout | None = None  # a prompt laid out already (`Engine.layout`) instead of question + chunks
-
-
-@dataclass
-class Prefill:
-    """A prefilled request, ready to decode: everything per-request lives here (the engine is reentrant)."""
-
-    cache: StitchCache  # with room for the answer
-    layout: PromptLayout  # the layout used (a selector may have reordered the chunks)
-    logits: torch.Tensor  # [q, V] suffix logits of the last pass; row -1 predicts the first answer token
-    indices: torch.Tensor  # context indices whose K/V were recomputed
-    stats: dict
-    selector: object  # the method's `Selector` (its decode plan applies after the first token)
-    greedy: list[int] = field(default_factory=list)  # answer tokens an adaptive prefill already computed
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def default_device() -> torch.device:
@@ -135,6 +87,7 @@ class Engine:
         self.cold_path, self.cold_threshold = check_cold_path(cold_path, cold_threshold)
         self.deferred = DeferredPrecompute()
         self.default_auto: AutoBudget | dict | None = None  # options of ratio "auto" for requests that give none
+        self.hooks = EngineHooks()  # the seams a harness sets for a block of work (`hooked`)
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter_for(model)
@@ -299,35 +252,43 @@ class Engine:
         up to ``max_chunks`` of them -> how many were handled. Call it off the request path."""
         return precompute_deferred(self, max_chunks)
 
-    # ---- stitching ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def hooked(self, **hooks):
+        """Set `EngineHooks` (``full_prefill=``, ``score=``) for the block, then restore the ones before."""
+        unknown = sorted(set(hooks) - set(vars(self.hooks)))
+        if unknown:
+            raise TypeError(f"unknown engine hook {unknown[0]!r}; the hooks: {', '.join(vars(self.hooks))}")
+        before = {k: getattr(self.hooks, k) for k in hooks}
+        for k, fn in hooks.items():
+            setattr(self.hooks, k, fn)
+        try:
+            yield self.hooks
+        finally:
+            for k, fn in before.items():
+                setattr(self.hooks, k, fn)
+
+    # ---- prefill (`kvstitch.engine.prefill`) -----------------------------------------------------
+    def layout(self, question: str | None, chunks: list[str] | None,
+               messages: list[dict] | None = None) -> PromptLayout:
+        """The prompt of ``question`` over ``chunks`` (or of the conversation ``messages``), checked."""
+        return build_layout(self.builder, question, chunks, messages)
+
     def stitch(self, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:
         """Prefix K/V + every chunk's K/V, keys re-rotated from precompute to global positions."""
-        pk, pv = self.prefix_kv(layout.prefix_ids)
-        cache = StitchCache.from_stacked(pk, pv, capacity=layout.n_total + extra)
-        for start, kv in zip(layout.chunk_starts, chunks):
-            keys = rerotate(kv.keys, start - kv.start, self.inv_freq)
-            n = kv.n_tokens
-            for i, layer in enumerate(cache.layers):
-                layer.keys[0, :, start:start + n] = keys[i]
-                layer.values[0, :, start:start + n] = kv.values[i]
-        for layer in cache.layers:
-            layer.length = layout.context_end
-        return cache
+        return prefill.stitch(self, layout, chunks, extra)
 
-    # ---- recompute ------------------------------------------------------------------------------
     def recompute(self, cache: StitchCache, layout: PromptLayout, indices: torch.Tensor,
                   plan: ForwardPlan | None = None, logits_to_keep: int = 1) -> torch.Tensor:
         """One pass of the selected context tokens plus the suffix, at their global positions, through
         all layers; their fresh K/V overwrite the stitched cache. Returns the suffix's last logits."""
-        step = self.recompute_step(cache, layout, indices, plan)
+        step = prefill.recompute_step(cache, layout, indices, plan)
         return self.forward(cache, step.ids, step.slots, plan, logits_to_keep=logits_to_keep)
 
     def recompute_step(self, cache: StitchCache, layout: PromptLayout, indices: torch.Tensor,
                        plan: ForwardPlan | None = None) -> RecomputeStep:
         """The pass `recompute` runs, as a `RecomputeStep` (for `recompute_batch`)."""
-        slots = torch.cat([indices.to(torch.long).cpu() + layout.context_start,
-                           torch.arange(layout.context_end, layout.n_total)])
-        return RecomputeStep(cache, layout.ids[slots], slots, plan)
+        return prefill.recompute_step(cache, layout, indices, plan)
 
     @torch.no_grad()
     def recompute_batch(self, steps: list[RecomputeStep]) -> list[torch.Tensor]:
@@ -335,79 +296,28 @@ class Engine:
         pass's last logits ``[1, V]``, in order, as if it ran alone (one step: the lone path)."""
         return recompute_batch(self, steps)
 
-    def _pass_steps(self, step: RecomputeStep, batch: bool):
-        """Run ``step`` here, or (``batch`` and a plain pass) yield it and take its logits from the consumer."""
-        if not (batch and can_batch(step)):
-            t0 = time.perf_counter()
-            logits = self.forward(step.cache, step.ids, step.slots, step.plan)
-            step.seconds, step.batch_size = time.perf_counter() - t0, 1
-            return logits
-        logits = yield step
-        if logits is None:
-            raise InputError("a batched recompute pass needs its logits sent back (Engine.recompute_batch)")
-        return logits
-
-    def _full_prefill_steps(self, layout: PromptLayout, extra: int, batch: bool, stats: dict):
-        """`full_prefill` (lone), or as a `RecomputeStep` when ``batch``: the whole prompt over an empty cache."""
-        if not batch:
-            t0 = time.perf_counter()
-            cache, logits = self.full_prefill(layout, extra=extra)
-            stats.update(recompute_s=time.perf_counter() - t0, ratio_used=1.0)
-            return cache, logits
-        cache = StitchCache.empty(self.adapter, layout.n_total + extra, self.device, self.dtype)
-        step = RecomputeStep(cache, layout.ids, torch.arange(layout.n_total))
-        logits = yield from self._pass_steps(step, batch)
-        stats.update(recompute_s=step.seconds, ratio_used=1.0, recompute_batch=step.batch_size)
-        return cache, logits
-
     def full_prefill(self, layout: PromptLayout, extra: int = 0, plan: ForwardPlan | None = None,
                      logits_to_keep: int = 1) -> tuple[StitchCache, torch.Tensor]:
-        cache = StitchCache.empty(self.adapter, layout.n_total + extra, self.device, self.dtype)
-        logits = self.forward(cache, layout.ids, torch.arange(layout.n_total), plan, logits_to_keep)
-        return cache, logits
+        """The whole prompt over an empty cache (room for ``extra`` tokens) -> (cache, last logits); through
+        the ``full_prefill`` hook when one is set."""
+        if self.hooks.full_prefill is None:
+            return prefill.compute_full_prefill(self, layout, extra, plan, logits_to_keep)
+        return self.hooks.full_prefill(layout, extra, plan, logits_to_keep,
+                                       functools.partial(prefill.compute_full_prefill, self))
 
-    # ---- validation -----------------------------------------------------------------------------
-    def layout(self, question: str | None, chunks: list[str] | None,
-               messages: list[dict] | None = None) -> PromptLayout:
-        if messages is not None:  # a conversation: see `PromptBuilder.build_messages`
-            if question is not None:
-                raise InputError("pass either a question or messages, not both")
-            return self.builder.build_messages(messages, chunks)
-        if question is None:
-            raise InputError("pass a question or messages")
-        if not isinstance(question, str) or not question.strip():
-            raise InputError("the question is empty")
-        if not chunks:
-            raise InputError("no chunks given: pass at least one passage")
-        for i, c in enumerate(chunks):
-            if not isinstance(c, str) or not c.strip():
-                raise InputError(f"chunk {i} is empty")
-        return self.builder.build(question, chunks)
-
-    def _check_request(self, layout: PromptLayout, ratio, max_new_tokens: int,
-                       decode: str = "full", kv_budget: int | None = None,
-                       decode_options: dict | None = None) -> float | str:
-        """Validate a request (before anything is computed; its method is parsed before) -> the parsed ratio
-        (a float or "auto")."""
-        ratio = parse_ratio(ratio)
-        from kvstitch.decode import DECODE_POLICIES
-
-        if decode != "full" and decode not in DECODE_POLICIES:
-            raise UnknownDecodePolicy(f"unknown decode policy {decode!r}; known: full, "
-                                      f"{', '.join(sorted(DECODE_POLICIES))}")
-        if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
-            raise InputError(f"kv_budget must be a positive integer, got {kv_budget!r}")
-        if decode_options is not None and (decode == "full" or not isinstance(decode_options, dict)):
-            raise InputError("decode_options (a dict) configure a sparse decoder; decode='full' (dense) takes none")
-        if decode != "full":
-            self.new_decoder(decode, kv_budget, decode_options)  # bad options / a too-small budget fail here
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        limit = self.adapter.max_positions
-        if layout.n_total + max_new_tokens > limit:
-            raise PromptTooLong(f"prompt is {layout.n_total} tokens + {max_new_tokens} new tokens > the model's "
-                                f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
-        return ratio
+    @torch.no_grad()
+    def prefill(self, layout: PromptLayout, method: str | Selector = "full", recompute_ratio: float | str = 0.2,
+                max_new_tokens: int = 32, method_options: dict | None = None,
+                auto: AutoBudget | dict | None = None, selector: Selector | None = None) -> Prefill:
+        """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
+        `decode_step`, the eval harness, benches) -> `Prefill` (cache with room for ``max_new_tokens``).
+        ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores).
+        The cold-path policy (`kvstitch.engine.cold`) applies to requests (`generate`, `stream`), not here: missing
+        chunks are precomputed and ``method`` always runs."""
+        req = GenerationRequest(layout=layout, method=method, recompute_ratio=recompute_ratio,
+                                max_new_tokens=max_new_tokens, method_options=method_options)
+        checked = check_request(self, req, selector)
+        return prefill.prefill(self, layout, checked.selector, checked.ratio, max_new_tokens, {}, auto)
 
     # ---- the public entry points --------------------------------------------------------------
     @torch.no_grad()
@@ -472,99 +382,95 @@ class Engine:
         (or sparse, through its decoder) is yielded as a `DecodeStep` whose logits are sent back
         (`decode_batch`). Tokens, `STOP` and the result as in `stream_request`."""
         t_start = time.perf_counter()
-        layout = req.layout or self.layout(req.question, req.chunks, req.messages)
-        selector = make_selector(req.method, **(req.method_options or {}))
-        ratio = self._check_request(layout, req.recompute_ratio, req.max_new_tokens, req.decode,
-                                    req.kv_budget, req.decode_options)
-        if req.guard not in (None, "full"):
-            raise InputError(f"guard must be None or 'full', got {req.guard!r}")
-        if isinstance(req.min_new_tokens, bool) or not isinstance(req.min_new_tokens, int) or req.min_new_tokens < 0:
-            raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
-        if req.decode != "full" and selector.adjusts_decode():
-            raise InputError(f"method {selector.label!r} changes decode attention (APE scaling / A3 eviction); a "
-                             f"sparse decoder ({req.decode!r}) would silently drop that: use decode='full'")
-        stats: dict = {"method": selector.label, "ratio": ratio, "prefix_tokens": layout.n_prefix,
+        checked = check_request(self, req)
+        layout, selector = checked.layout, checked.selector
+        stats: dict = {"method": selector.label, "ratio": checked.ratio, "prefix_tokens": layout.n_prefix,
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
-        pre = yield from self._prefill_steps(layout, selector, ratio, req.max_new_tokens, stats, req.auto, cold=True,
-                                             batch=batch_prefill)
+        pre = yield from prefill.prefill_steps(self, layout, selector, checked.ratio, req.max_new_tokens, stats,
+                                               req.auto, cold=True, batch=batch_prefill)
         if req.guard:
-            yield from self._guarded(req, pre, t_start)
-            self.precompute_deferred()  # after the answer (a consumer that reads to the end: `run`)
-            return
-        tokens: list[int] = []
-        steps = self.decode_tokens(pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
-                                   req.kv_budget, req.decode_options, batch_steps=batch_decode,
-                                   min_new_tokens=req.min_new_tokens)
-        back = None
-        while True:
-            try:
-                tok = steps.send(back)
-            except StopIteration:
-                break
-            if isinstance(tok, DecodeStep):  # batch_decode: the consumer runs the step, sends its logits
-                back = yield tok
-                continue
-            back = None
-            if not tokens:
-                stats["ttft_s"] = time.perf_counter() - t_start
-                t0 = time.perf_counter()
-            tokens.append(tok)
-            if (yield tok) is STOP:  # a stop sequence: end after this token, still report the result
-                steps.close()
-                break
-        yield self._result(req, pre, tokens, (time.perf_counter() - t0) / max(len(tokens) - 1, 1))
+            yield from verify.guarded(self, req, pre, t_start)
+        else:
+            yield from decoding.stream_answer(self, req, pre, t_start, batch_decode)
         self.precompute_deferred()  # cold chunks, after the answer (a consumer that reads to the end: `run`)
 
-    def _result(self, req: GenerationRequest, pre: "Prefill", tokens: list[int], tpot: float) -> GenerationResult:
-        stats = pre.stats
-        stats.update(recomputed_tokens=int(pre.indices.numel()), order=pre.layout.order, decode_tokens=len(tokens),
-                     tpot_s=tpot)
-        stats.setdefault("ratio_used", pre.indices.numel() / max(pre.layout.n_context, 1))
-        text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
-        typed = GenerationStats.from_dict(stats)
-        return GenerationResult(text=text.strip(), ttft_s=typed.ttft_s, recomputed=pre.indices.tolist(),
-                                stats=typed, token_ids=tokens, first_logits=pre.logits[-1].cpu(), method=typed.method)
+    # ---- decoding (`kvstitch.engine.decoding`) ---------------------------------------------------
+    def finished(self, tokens: list[int]) -> bool:
+        """True when an answer is complete: it ends with EOS, or a base model wrote its line (no chat template:
+        it stops at the first line break)."""
+        return decoding.finished(self, tokens)
 
-    def _guarded(self, req: GenerationRequest, pre: "Prefill", t_start: float):
-        """guard="full": the stitched greedy answer, verified (and if need be corrected) against full prefill."""
-        if req.temperature > 0:
-            raise InputError("guard='full' verifies the greedy answer: use temperature 0")
-        tokens = list(self.decode_tokens(pre, req.max_new_tokens, 0.0, 1.0, req.seed, req.decode, req.kv_budget,
-                                         req.decode_options))
-        t0 = time.perf_counter()
-        tokens, check = self.verify_against_full(pre.layout, tokens, req.max_new_tokens)
-        pre.stats.update(guard={**check, "check_s": time.perf_counter() - t0})
-        pre.stats["ttft_s"] = time.perf_counter() - t_start
-        for i, tok in enumerate(tokens):
-            if (yield tok) is STOP:
-                tokens = tokens[:i + 1]
-                break
-        yield self._result(req, pre, tokens, 0.0)
+    def answer_text(self, tokens: Sequence[int], strip: bool = True) -> str:
+        """The text of answer ``tokens``: EOS dropped, special tokens skipped; stripped unless ``strip`` is False."""
+        return decoding.answer_text(self, list(tokens), strip)
+
+    def decode_tokens(self, pre: Prefill, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                      seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                      decode_options: dict | None = None, plan: ForwardPlan | None = None,
+                      batch_steps: bool = False, min_new_tokens: int = 0):
+        """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
+        (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
+        model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
+        applies; ``decode`` != "full" hands the cache to a sparse decoder. ``batch_steps``: plain steps are
+        yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`). ``min_new_tokens``: EOS
+        is masked (and a base model's line break does not end the answer) until the answer has that many
+        tokens (vLLM's ``min_tokens``; tokens an adaptive prefill already computed are kept as they are)."""
+        return decoding.decode_tokens(self, pre, max_new_tokens, temperature, top_p, seed, decode, kv_budget,
+                                      decode_options, plan, batch_steps, min_new_tokens)
 
     @torch.no_grad()
+    def decode_batch(self, steps: list[DecodeStep], batched_sparse: bool = True) -> list[torch.Tensor]:
+        """Run the pending dense decode steps of several requests in one forward (continuous batching;
+        see `kvstitch.engine.batch`) -> each step's next-token logits ``[1, V]``, in order.
+        ``batched_sparse=False``: sparse rows attend one by one (the reference of the batched attention)."""
+        return decode_batch(self, steps, batched_sparse)
+
+    def decode_step(self, cache: StitchCache, token: int, decoder=None) -> torch.Tensor:
+        """One decode step for a caller that drives decoding itself (benches): ``token`` at position
+        ``cache.length``, dense over ``cache`` or, with ``decoder`` (from `make_decoder`), sparse through
+        it (the decoder then owns the K/V: ``cache`` only counts the length, see
+        `StitchCache.for_decoder`). Returns the next-token logits ``[1, V]`` (float32)."""
+        return decoding.decode_step(self, cache, token, decoder)
+
+    def new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):
+        """An empty `SparseDecoder` sized for this model (``options``: `GenerationRequest.decode_options`)."""
+        return decoding.new_decoder(self, policy, kv_budget, options)
+
+    def observation_queries(self, cache: StitchCache, prompt_ids: torch.Tensor, window: int = 32) -> dict:
+        """Post-RoPE queries ``{layer: [Hq, w, D]}`` of the last ``window`` prompt tokens (the observation
+        window of static decode policies), taken by re-running those tokens out of place (the cache is
+        left untouched)."""
+        return decoding.observation_queries(self, cache, prompt_ids, window)
+
+    def make_decoder(self, cache: StitchCache, policy: str, kv_budget: int | None = None, *,
+                     prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None,
+                     diagnostic: bool = False, reserve_tokens: int | None = None, release: bool = False,
+                     **options):
+        """Hand the prefilled ``cache`` to a sparse decoder (PRKV & co.): every layer's K/V are copied to its
+        host pool, so the cache itself is not modified and can seed several decoders. Static policies
+        score with the observation window: ``obs_queries`` (from `observation_queries`), else computed
+        from ``prompt_ids`` (the prompt's token ids). ``diagnostic``: record the attention recall of every
+        step (``decoder.recall``); ``options``: `GenerationRequest.decode_options`. ``reserve_tokens``: room
+        for that many decoded tokens in the decoder's pools (a server's memory accounting counts them).
+        ``release``: the cache gives up its K/V layer by layer as the decoder takes them (it then only
+        counts the length; the K/V of a request are never held twice: the batching server)."""
+        return decoding.make_decoder(self, cache, policy, kv_budget, prompt_ids=prompt_ids, obs_queries=obs_queries,
+                                     diagnostic=diagnostic, reserve_tokens=reserve_tokens, release=release,
+                                     **options)
+
+    # ---- verification (`kvstitch.engine.verify`) -------------------------------------------------
     def verify_against_full(self, layout: PromptLayout, tokens: list[int], max_new_tokens: int):
         """Check a greedy answer against full prefill: teacher-force ``tokens`` after a full prefill of ``layout``
         (one pass); when full prefill's argmax reproduces every token, full prefill's greedy answer IS
         ``tokens`` (same conditioning at every step). Otherwise full prefill's own greedy answer is decoded
         from the first divergence. -> (full prefill's greedy answer, {"agreed", "first_divergence"})."""
-        n = layout.n_total
-        cache, logits = self.full_prefill(layout, extra=max_new_tokens)
-        rows = [logits[-1:]]
-        if len(tokens) > 1:
-            rows.append(self.forward(cache, torch.tensor(tokens[:-1]), torch.arange(n, n + len(tokens) - 1),
-                                     logits_to_keep=len(tokens) - 1))
-        pred = torch.cat(rows).argmax(-1).tolist()
-        k = 0
-        while k < len(tokens) and pred[k] == tokens[k]:
-            k += 1
-        if k == len(tokens):
-            return list(tokens), {"agreed": True, "first_divergence": None}
-        fixed = tokens[:k] + [pred[k]]
-        cache.truncate(n + k)
-        pre = Prefill(cache, layout, logits[-1:], torch.arange(layout.n_context), {}, make_selector("full"),
-                      greedy=fixed)
-        return list(self.decode_tokens(pre, max_new_tokens)), {"agreed": False, "first_divergence": k}
+        return verify.verify_against_full(self, layout, tokens, max_new_tokens)
+
+    def teacher_force(self, pre: Prefill, answer_ids: torch.Tensor, plan: ForwardPlan | None = None) -> torch.Tensor:
+        """Logits ``[T, V]`` (float32, cpu) predicting each of ``answer_ids`` after ``pre`` (one pass of the
+        first T-1 answer tokens; the cache keeps their K/V)."""
+        return verify.teacher_force(self, pre, answer_ids, plan)
 
     @torch.no_grad()
     def answer_logits(self, layout: PromptLayout, answer_ids: torch.Tensor, method: str | Selector,
@@ -575,263 +481,3 @@ class Engine:
         answer_ids = torch.as_tensor(answer_ids, dtype=torch.long).flatten()
         pre = self.prefill(layout, method, recompute_ratio, max(1, answer_ids.numel()), method_options)
         return self.teacher_force(pre, answer_ids), pre.indices, pre.stats
-
-    @torch.no_grad()
-    def teacher_force(self, pre: "Prefill", answer_ids: torch.Tensor, plan: ForwardPlan | None = None) -> torch.Tensor:
-        """Logits ``[T, V]`` (float32, cpu) predicting each of ``answer_ids`` after ``pre`` (one pass of the
-        first T-1 answer tokens; the cache keeps their K/V)."""
-        answer_ids = torch.as_tensor(answer_ids, dtype=torch.long).flatten()
-        n, T = pre.layout.n_total, answer_ids.numel()
-        pre.cache.truncate(n)
-        rows = [pre.logits[-1:].float().cpu()]
-        if T > 1:
-            rows.append(self.forward(pre.cache, answer_ids[:-1], torch.arange(n, n + T - 1), plan,
-                                     logits_to_keep=T - 1).float().cpu())
-        return torch.cat(rows)[:max(T, 1)]
-
-    @torch.no_grad()
-    def prefill(self, layout: PromptLayout, method: str | Selector = "full", recompute_ratio: float | str = 0.2,
-                max_new_tokens: int = 32, method_options: dict | None = None,
-                auto: AutoBudget | dict | None = None, selector=None) -> "Prefill":
-        """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
-        `decode_step`, the eval harness, benches) -> `Prefill` (cache with room for ``max_new_tokens``).
-        ``selector``: a ready `Selector` instance for ``method`` (the eval harness memoises its scores).
-        The cold-path policy (`kvstitch.engine.cold`) applies to requests (`generate`, `stream`), not here: missing
-        chunks are precomputed and ``method`` always runs."""
-        selector = selector or make_selector(method, **(method_options or {}))
-        ratio = self._check_request(layout, recompute_ratio, max_new_tokens)
-        return self._prefill(layout, selector, ratio, max_new_tokens, {}, auto)
-
-    def _prefill(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
-                 auto=None, cold: bool = False) -> "Prefill":
-        steps = self._prefill_steps(layout, selector, ratio, max_new_tokens, stats, auto, cold)
-        try:
-            next(steps)
-        except StopIteration as done:  # without batch=True no pass is handed out
-            return done.value
-        raise RuntimeError("a lone prefill yielded a recompute step")
-
-    def _prefill_steps(self, layout: PromptLayout, selector, ratio, max_new_tokens: int, stats: dict,
-                       auto=None, cold: bool = False, batch: bool = False):
-        """`_prefill` as a generator: with ``batch`` its final plain pass (recompute, or full prefill) is
-        yielded as a `RecomputeStep` whose logits the consumer sends back; returns the `Prefill`."""
-        if selector.full_prefill:
-            cache, logits = yield from self._full_prefill_steps(layout, max_new_tokens, batch, stats)
-            return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
-        if ratio == AUTO:
-            t0 = time.perf_counter()
-            got = adaptive_prefill(self, layout, selector, AutoBudget.of(self.default_auto if auto is None else auto),
-                                   max_new_tokens, stats,
-                                   selector.recompute_plan)
-            if got is None:  # no round converged below the ceiling: full prefill answers
-                t1 = time.perf_counter()
-                cache, logits = self.full_prefill(layout, extra=max_new_tokens)
-                stats.update(ratio_used=1.0, recompute_cost=stats["recompute_cost"] + 1.0,
-                             fallback_s=time.perf_counter() - t1, recompute_s=time.perf_counter() - t0)
-                return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, selector)
-            stats["recompute_s"] = time.perf_counter() - t0
-            return Prefill(got.cache, got.layout, got.logits, got.indices, stats, selector, greedy=got.greedy)
-        if cold and take_full_prefill(self, layout, stats):  # cold store: full prefill answers, chunks computed later
-            cache, logits = yield from self._full_prefill_steps(layout, max_new_tokens, batch, stats)
-            return Prefill(cache, layout, logits, torch.arange(layout.n_context), stats, make_selector("full"))
-        kvs = self.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
-        t1 = time.perf_counter()
-        cache = self.stitch(layout, kvs, extra=max_new_tokens)
-        _sync(self.device)
-        t2 = time.perf_counter()
-        ctx = SelectionContext(self, cache, layout, round(ratio * layout.n_context), stats,
-                               precompute=self.precompute_mode, chunks=kvs)
-        indices, _ = selector.select(ctx)
-        layout, cache = ctx.layout, ctx.cache  # a selector may reorder chunks (InfoFlow)
-        _sync(self.device)
-        t3 = time.perf_counter()
-        step = self.recompute_step(cache, layout, indices, selector.recompute_plan(ctx))
-        logits = yield from self._pass_steps(step, batch)
-        _sync(self.device)
-        stats.update(assemble_s=t2 - t1, select_s=t3 - t2, recompute_s=time.perf_counter() - t3,
-                     ratio_used=indices.numel() / max(layout.n_context, 1))
-        if batch and step.seconds is not None:  # the pass's own time, not the wait for the requests packed with it
-            stats.update(recompute_s=step.seconds, recompute_batch=step.batch_size)
-        return Prefill(cache, layout, logits, indices, stats, selector)
-
-    # ---- decoding -------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0,
-                no_eos: bool = False) -> int:
-        if no_eos:  # the answer is shorter than its min_new_tokens: EOS cannot be chosen
-            logits = logits.clone()
-            logits[..., sorted(self.eos_ids)] = float("-inf")
-        if temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        if top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sp, 0) - sp < top_p
-            probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
-        g = torch.Generator(device="cpu").manual_seed(seed * 100003 + step)
-        return int(torch.multinomial(probs.cpu(), 1, generator=g))
-
-    def finished(self, tokens: list[int]) -> bool:
-        """True when an answer is complete: it ends with EOS, or a base model wrote its line (`_stop_text`)."""
-        return bool(tokens) and (tokens[-1] in self.eos_ids or self._stop_text(tokens))
-
-    @torch.no_grad()
-    def decode_tokens(self, pre: "Prefill", max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int = 0, decode: str = "full", kv_budget: int | None = None,
-                      decode_options: dict | None = None, plan: ForwardPlan | None = None,
-                      batch_steps: bool = False, min_new_tokens: int = 0):
-        """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
-        (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
-        model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
-        applies; ``decode`` != "full" hands the cache to a sparse decoder (see `stream`). ``batch_steps``: plain
-        dense steps are yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`).
-        ``min_new_tokens``: EOS is masked (and a base model's line break does not end the answer) until the
-        answer has that many tokens (vLLM's ``min_tokens``: EOS can be the next one) (tokens an adaptive prefill already computed greedily are kept as they are)."""
-        stats, cache = pre.stats, pre.cache
-        n = pre.layout.n_total
-        if pre.greedy and temperature <= 0:
-            tokens = list(pre.greedy[:max_new_tokens])
-            if len(tokens) < len(pre.greedy):
-                cache.truncate(n + len(tokens) - 1)
-        else:
-            cache.truncate(n)  # sampling: the greedy probe's K/V (if any) are not this answer's
-            tokens = [self._sample(pre.logits[-1], temperature, top_p, seed, no_eos=min_new_tokens > 0)]
-        yield from tokens
-
-        def done() -> bool:
-            return len(tokens) >= max_new_tokens or (len(tokens) >= min_new_tokens and self.finished(tokens))
-
-        if done():
-            return
-        custom = plan or pre.selector.decode_plan(self, cache, pre.layout, stats)
-        plan = custom or ForwardPlan()
-        batchable = batch_steps and custom is None  # dense, or through a sparse decoder (`decode_batch`)
-        stats["batched_decode"] = batchable
-        stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
-        if decode != "full":
-            options = dict(decode_options or {})
-            diagnostic = options.pop("diagnostic", False)
-            plan.decoder = self.make_decoder(cache, decode, kv_budget, prompt_ids=pre.layout.ids,
-                                             diagnostic=diagnostic, reserve_tokens=max_new_tokens,
-                                             release=batch_steps, **options)
-            stats["kv_budget"] = plan.decoder.kv_budget
-            cache.decoder = plan.decoder
-        try:
-            step = len(tokens) - 1
-            while not done():
-                step += 1
-                if batchable:
-                    logits = yield DecodeStep(cache, tokens[-1], plan.decoder)
-                    if logits is None:
-                        raise InputError("a batched decode step needs its logits sent back (Engine.decode_batch)")
-                    if plan.decoder is not None:
-                        plan.decoder.end_step()
-                elif plan.decoder is None:
-                    logits = self.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([cache.length]), plan)
-                else:
-                    logits = self._decoder_step(cache, tokens[-1], plan)
-                    plan.decoder.end_step()
-                tokens.append(self._sample(logits[-1], temperature, top_p, seed, step,
-                                           no_eos=len(tokens) < min_new_tokens))
-                _sync(self.device)
-                yield tokens[-1]
-            if plan.decoder is not None:
-                stats["decoder"] = plan.decoder.stats()
-                if plan.decoder.diagnostic:
-                    stats["decode_recall"] = plan.decoder.recall.summary()
-        finally:
-            cache.decoder = None
-
-    @torch.no_grad()
-    def decode_batch(self, steps: list[DecodeStep], batched_sparse: bool = True) -> list[torch.Tensor]:
-        """Run the pending dense decode steps of several requests in one forward (continuous batching;
-        see `kvstitch.engine.batch`) -> each step's next-token logits ``[1, V]``, in order.
-        ``batched_sparse=False``: sparse rows attend one by one (the reference of the batched attention)."""
-        return decode_batch(self, steps, batched_sparse)
-
-    @torch.no_grad()
-    def decode_step(self, cache: StitchCache, token: int, decoder=None) -> torch.Tensor:
-        """One decode step for a caller that drives decoding itself (benches): ``token`` at position
-        ``cache.length``, dense over ``cache`` or, with ``decoder`` (from `make_decoder`), sparse through
-        it (the decoder then owns the K/V: ``cache`` only counts the length, see
-        `StitchCache.for_decoder`). Returns the next-token logits ``[1, V]`` (float32)."""
-        if decoder is None:
-            return self.forward(cache, torch.tensor([token]), torch.tensor([cache.length]))
-        plan = ForwardPlan(decoder=decoder)
-        cache.decoder = decoder
-        try:
-            logits = self._decoder_step(cache, token, plan)
-        finally:
-            cache.decoder = None
-        decoder.end_step()
-        return logits
-
-    def _stop_text(self, tokens: list[int]) -> bool:
-        """Base models (no chat template) keep writing after the answer: stop at the first line break."""
-        if getattr(self.tokenizer, "chat_template", None):
-            return False
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return "\n" in text.lstrip()
-
-    def _decoder_step(self, cache: StitchCache, token: int, plan: ForwardPlan) -> torch.Tensor:
-        pos = torch.tensor([[cache.length]], device=self.device)
-        with cache.mode(slots=None):
-            out = self.model(input_ids=torch.tensor([[token]], device=self.device), position_ids=pos,
-                             **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
-        return out.logits[0].float()
-
-    def new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):
-        """An empty `SparseDecoder` sized for this model (``options``: see `stream`'s ``decode_options``)."""
-        from kvstitch.decode import make_decoder
-
-        options = dict(options or {})
-        if not isinstance(options.pop("diagnostic", False), bool):
-            raise InputError("decode option 'diagnostic' must be true or false")
-        ad = self.adapter
-        return make_decoder(policy, kv_budget or 1024, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
-                            num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=self.device, dtype=self.dtype,
-                            **options)
-
-    @torch.no_grad()
-    def observation_queries(self, cache: StitchCache, prompt_ids: torch.Tensor, window: int = 32) -> dict:
-        """Post-RoPE queries ``{layer: [Hq, w, D]}`` of the last ``window`` prompt tokens (the observation
-        window of static decode policies), taken by re-running those tokens out of place (the cache is
-        left untouched)."""
-        n = cache.length
-        if prompt_ids.numel() != n:
-            raise InputError(f"the cache holds {n} tokens but the prompt has {prompt_ids.numel()}")
-        w = min(window, n)
-        plan = ForwardPlan(capture_queries=w)
-        self.forward(cache, prompt_ids[n - w:n], torch.arange(n - w, n), plan, write=False)
-        return plan.queries
-
-    @torch.no_grad()
-    def make_decoder(self, cache: StitchCache, policy: str, kv_budget: int | None = None, *,
-                     prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None,
-                     diagnostic: bool = False, reserve_tokens: int | None = None, release: bool = False,
-                     **options):
-        """Hand the prefilled ``cache`` to a sparse decoder (PRKV & co.): every layer's K/V are copied to its
-        host pool, so the cache itself is not modified and can seed several decoders. Static policies
-        score with the observation window: ``obs_queries`` (from `observation_queries`), else computed
-        from ``prompt_ids`` (the prompt's token ids). ``diagnostic``: record the attention recall of every
-        step (``decoder.recall``); ``options``: see `stream`'s ``decode_options``. ``reserve_tokens``: room
-        for that many decoded tokens in the decoder's pools (a server's memory accounting counts them).
-        ``release``: the cache gives up its K/V layer by layer as the decoder takes them (it then only
-        counts the length; the K/V of a request are never held twice: the batching server)."""
-        dec = self.new_decoder(policy, kv_budget, {**options, "diagnostic": diagnostic})
-        if reserve_tokens is not None:
-            dec.reserve_tokens = reserve_tokens
-        if obs_queries is None:
-            if prompt_ids is None:
-                raise InputError("make_decoder needs the prompt's token ids (prompt_ids) or obs_queries")
-            obs_queries = self.observation_queries(cache, prompt_ids, window=dec.window)  # = the local window
-        n = cache.length
-        ad = self.adapter
-        layers = ad.backbone.layers
-        for i, layer in enumerate(cache.layers):
-            dec.load_prefill(i, layer.keys[0, :, :n], layer.values[0, :, :n], obs_queries[i],
-                             sliding_window=ad.sliding_window(i), scaling=layers[i].self_attn.scaling,
-                             inv_freq=ad.inv_freq(i))
-            if release:
-                layer.keys, layer.values = layer.keys[:, :, :0].clone(), layer.values[:, :, :0].clone()
-        dec.diagnostic = diagnostic
-        return dec

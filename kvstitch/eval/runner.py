@@ -35,7 +35,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +44,7 @@ import torch
 from kvstitch.engine.budget import AUTO
 from kvstitch.engine.engine import cpu_name
 from kvstitch.core.errors import EvalError, InputError
-from kvstitch.tasks.agreement import first_token_agree, first_words_agree
+from kvstitch.tasks.agreement import agreeing_prefix, first_token_agree, first_words_agree
 from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import write_reports
 from .rows import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl
@@ -198,7 +198,8 @@ class SampleFullPrefill:
     """The sample's full prefill (the reference row's), kept for what would compute the very same thing again:
     the oracles' exact context K/V and `auto`'s fallback to full prefill. Same prompt, same computation, so the
     same K/V and logits; the time it took is charged to whoever reuses it, so TTFTs stay what a lone request
-    measures. Engine calls are intercepted only inside `recording` / `replaying` (``engine.full_prefill``)."""
+    measures. The engine's full prefills reach it only inside `recording` / `replaying` (its ``full_prefill``
+    hook, `Engine.hooked`)."""
 
     def __init__(self, engine, layout):
         self.engine, self.layout = engine, layout
@@ -209,54 +210,46 @@ class SampleFullPrefill:
     def _same(self, layout, plan, logits_to_keep) -> bool:
         return layout is self.layout and plan is None and logits_to_keep == 1
 
-    @contextmanager
-    def _patched(self, fn):
-        self.engine.full_prefill = fn  # shadows the method on this instance only
-        try:
-            yield self
-        finally:
-            del self.engine.full_prefill
-
     def recording(self):
-        real = self.engine.full_prefill
+        """Keep the sample's full prefill as the engine computes it."""
 
-        def full_prefill(layout, extra=0, plan=None, logits_to_keep=1):
+        def full_prefill(layout, extra, plan, logits_to_keep, compute):
             t0 = time.perf_counter()
-            cache, logits = real(layout, extra, plan, logits_to_keep)
+            cache, logits = compute(layout, extra, plan, logits_to_keep)
             if self._same(layout, plan, logits_to_keep):
                 self.cache, self.logits, self.seconds = cache, logits, time.perf_counter() - t0
             return cache, logits
 
-        return self._patched(full_prefill)
+        return self.engine.hooked(full_prefill=full_prefill)
 
     def replaying(self):
-        real = self.engine.full_prefill
+        """Hand the kept full prefill to whatever asks the engine for the same one (charging its time)."""
 
-        def full_prefill(layout, extra=0, plan=None, logits_to_keep=1):
+        def full_prefill(layout, extra, plan, logits_to_keep, compute):
             if (self.cache is None or not self._same(layout, plan, logits_to_keep)
                     or self.cache.layers[0].capacity < layout.n_total + extra):
-                return real(layout, extra, plan, logits_to_keep)
+                return compute(layout, extra, plan, logits_to_keep)
             self.cache.truncate(layout.n_total)  # drop the answer a previous user decoded into it
             self.charged += self.seconds
             return self.cache, self.logits
 
-        return self._patched(full_prefill)
+        return self.engine.hooked(full_prefill=full_prefill)
 
     def take_charge(self) -> float:
         charged, self.charged = self.charged, 0.0
         return charged
 
 
-def _attach_score_cache(selector, method: str, cache: dict | None, full: SampleFullPrefill | None = None):
-    """Memoise `selector.score` in `cache` (per sample) for `SCORE_CACHED` methods without options; they score
-    over the sample's full prefill (``full``) instead of prefilling the context again. Returns a function
-    giving the scoring time reused (0.0 when everything was computed here): the caller charges it."""
+def _score_memo(method: str, cache: dict | None, full: SampleFullPrefill | None = None):
+    """A score hook (`EngineHooks.score`) memoising the scores of `SCORE_CACHED` methods without options in
+    `cache` (per sample); they score over the sample's full prefill (``full``) instead of prefilling the
+    context again. -> (the hook, or None for other methods; a function giving the scoring time reused,
+    0.0 when everything was computed here: the caller charges it)."""
     saved = [0.0]
     if cache is None or method not in SCORE_CACHED:
-        return lambda: saved[0]
-    compute = selector.score
+        return None, lambda: saved[0]
 
-    def score(ctx):
+    def score(selector, ctx, compute):
         if method in cache:
             scores, dt = cache[method]
             saved[0] = dt
@@ -270,8 +263,7 @@ def _attach_score_cache(selector, method: str, cache: dict | None, full: SampleF
         saved[0] = reused
         return scores
 
-    selector.score = score
-    return lambda: saved[0]
+    return score, lambda: saved[0]
 
 
 @torch.no_grad()
@@ -285,12 +277,13 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     from kvstitch.select import make_selector
 
     selector = make_selector(method, **(method_options or {}))
-    cached_select_s = _attach_score_cache(selector, method, score_cache, full)
+    score_hook, cached_select_s = _score_memo(method, score_cache, full)
     target_t = torch.zeros(0, dtype=torch.long) if target is None else torch.as_tensor(target, dtype=torch.long).flatten()
     T = target_t.numel()
     n = layout.n_total
     t0 = time.perf_counter()
-    with full.replaying() if full is not None and not selector.full_prefill else nullcontext():
+    with full.replaying() if full is not None and not selector.full_prefill else nullcontext(), \
+            engine.hooked(score=score_hook) if score_hook is not None else nullcontext():
         pre = engine.prefill(layout, method, 0.0 if ratio is None else ratio, max(max_new_tokens, T),
                              selector=selector, auto=auto)
     first = int(torch.argmax(pre.logits[-1]))
@@ -314,8 +307,7 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     k = 0
     if T:
         pred = tf_logits.argmax(dim=-1).tolist()
-        while k < T and pred[k] == int(target_t[k]):
-            k += 1
+        k = agreeing_prefix(pred, target_t.tolist())
         if k == T:
             tokens = target_t.tolist()
         else:
@@ -334,7 +326,7 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     if not T:  # the reference itself: logits of its own answer, teacher-forced in one pass like the others
         target_t = torch.tensor(tokens, dtype=torch.long)
         tf_logits = engine.teacher_force(pre, target_t, dplan)
-    text = engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True).strip()
+    text = engine.answer_text(tokens)
     idx = to_original_order(pre.indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
     stats.pop("order", None)
     return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -80,10 +80,20 @@ class SelectionContext:
     precompute: str = "shared_prefix"
     # the chunk caches the engine stitched ``cache`` from, in ``layout``'s order (None: read from the store)
     chunks: "list[ChunkKV] | None" = None
+    # the engine's score seam (`kvstitch.engine.hooks.EngineHooks.score`): (selector, ctx, compute) -> scores;
+    # None: the selector scores itself
+    score_hook: "Callable | None" = None
 
     @property
     def n_context(self) -> int:
         return self.layout.n_context
+
+    def scores(self, selector) -> torch.Tensor:
+        """``selector.score(self)``, through the engine's score hook when one is set (`Selector.select` and
+        `Selector.ranking` score this way; a harness memoising scores sets the hook)."""
+        if self.score_hook is None:
+            return selector.score(self)
+        return self.score_hook(selector, self, selector.score)
 
     @property
     def context_slots(self) -> torch.Tensor:

@@ -139,7 +139,7 @@ class Selector:
             return torch.zeros(0, dtype=torch.long), None
         if ctx.budget >= ctx.n_context:
             return torch.arange(ctx.n_context), None
-        scores = self.score(ctx).float().cpu()
+        scores = ctx.scores(self).float().cpu()
         return self.pick(scores, ctx), scores
 
     def ranking(self, ctx: SelectionContext):
@@ -150,7 +150,7 @@ class Selector:
         if self.zero_budget:
             raise InputError(f"method {self.name!r} does not rank context tokens, so it cannot choose a budget "
                              f"adaptively (recompute_ratio='auto'); use a scoring method such as prophet")
-        scores = self.score(ctx).float().cpu() if n > 1 else torch.zeros(n)
+        scores = ctx.scores(self).float().cpu() if n > 1 else torch.zeros(n)
 
         def pick(k: int) -> torch.Tensor:
             k = min(max(int(k), 0), n)

@@ -3,7 +3,8 @@
 `first_words_agree`: the first ``words`` (12) whitespace words match exactly, after normalising case and
 surrounding punctuation — the check a user would make reading both answers side by side. Answers shorter
 than ``words`` must match whole. `same_answer`: the SQuAD-normalised first lines are equal (short answers).
-`first_token_agree`: the first generated token ids are equal.
+`first_token_agree`: the first generated token ids are equal. `agreeing_prefix`: how far a teacher-forced argmax
+reproduces a given answer (as far as it does, the greedy answer IS that answer: same conditioning at every step).
 """
 
 from __future__ import annotations
@@ -39,3 +40,12 @@ def same_answer(text: str, reference: str) -> bool:
 
 def first_token_agree(tokens, reference_tokens) -> bool:
     return bool(tokens) and bool(reference_tokens) and int(tokens[0]) == int(reference_tokens[0])
+
+
+def agreeing_prefix(pred, tokens) -> int:
+    """How many leading ``tokens`` the argmax ``pred`` (one per position, teacher-forced after the prompt)
+    reproduces."""
+    k = 0
+    while k < len(tokens) and k < len(pred) and int(pred[k]) == int(tokens[k]):
+        k += 1
+    return k

@@ -1,0 +1,253 @@
+"""Decoding after a prefill: sampling, the stop rules, dense steps over the contiguous cache or sparse ones
+through a paged decoder (`kvstitch.decode`), and the answer's text and result.
+
+The functions take the `Engine` as their first argument and reach it through its public members.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvstitch.core.attention import ForwardPlan
+from kvstitch.core.cache import StitchCache
+from kvstitch.core.errors import InputError
+from kvstitch.models import cache_kwargs
+from .batch import DecodeStep
+from .request import STOP, GenerationRequest, GenerationResult, Prefill
+from .stats import GenerationStats
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (stage times measure the work, not its launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- sampling and stop rules -------------------------------------------------------------------------------
+def sample(engine, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0,
+           no_eos: bool = False) -> int:
+    """The next token: argmax at temperature 0, else nucleus sampling seeded by (seed, step)."""
+    if no_eos:  # the answer is shorter than its min_new_tokens: EOS cannot be chosen
+        logits = logits.clone()
+        logits[..., sorted(engine.eos_ids)] = float("-inf")
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sp, 0) - sp < top_p
+        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+    g = torch.Generator(device="cpu").manual_seed(seed * 100003 + step)
+    return int(torch.multinomial(probs.cpu(), 1, generator=g))
+
+
+def stop_text(engine, tokens: list[int]) -> bool:
+    """Base models (no chat template) keep writing after the answer: stop at the first line break."""
+    if getattr(engine.tokenizer, "chat_template", None):
+        return False
+    return "\n" in engine.tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
+
+
+def finished(engine, tokens: list[int]) -> bool:
+    """True when an answer is complete: it ends with EOS, or a base model wrote its line (`stop_text`)."""
+    return bool(tokens) and (tokens[-1] in engine.eos_ids or stop_text(engine, tokens))
+
+
+def answer_text(engine, tokens: list[int], strip: bool = True) -> str:
+    """The answer's text: its tokens without EOS, special tokens skipped; stripped unless ``strip`` is False."""
+    text = engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
+    return text.strip() if strip else text
+
+
+def make_result(engine, pre: Prefill, tokens: list[int], tpot: float) -> GenerationResult:
+    """The `GenerationResult` of ``tokens`` decoded after ``pre`` (its stats typed)."""
+    stats = pre.stats
+    stats.update(recomputed_tokens=int(pre.indices.numel()), order=pre.layout.order, decode_tokens=len(tokens),
+                 tpot_s=tpot)
+    stats.setdefault("ratio_used", pre.indices.numel() / max(pre.layout.n_context, 1))
+    typed = GenerationStats.from_dict(stats)
+    return GenerationResult(text=answer_text(engine, tokens), ttft_s=typed.ttft_s, recomputed=pre.indices.tolist(),
+                            stats=typed, token_ids=tokens, first_logits=pre.logits[-1].cpu(), method=typed.method)
+
+
+# ---- the decode loop ---------------------------------------------------------------------------------------
+def first_tokens(engine, pre: Prefill, max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                 min_new_tokens: int) -> list[int]:
+    """The answer's first token(s): those an adaptive prefill already computed greedily (their K/V in the
+    cache), else one sampled from the prefill's logits."""
+    n = pre.layout.n_total
+    if pre.greedy and temperature <= 0:
+        tokens = list(pre.greedy[:max_new_tokens])
+        if len(tokens) < len(pre.greedy):
+            pre.cache.truncate(n + len(tokens) - 1)
+        return tokens
+    pre.cache.truncate(n)  # sampling: the greedy probe's K/V (if any) are not this answer's
+    return [sample(engine, pre.logits[-1], temperature, top_p, seed, no_eos=min_new_tokens > 0)]
+
+
+def decode_plan(engine, pre: Prefill, decode: str, kv_budget: int | None, decode_options: dict | None,
+                plan: ForwardPlan | None, batch_steps: bool, reserve: int) -> tuple[ForwardPlan, bool]:
+    """The plan of the steps after the first token: ``plan``, else the method's decode plan, else plain; a
+    sparse ``decode`` policy gets its decoder (`make_decoder`) -> (plan, whether steps can be batched)."""
+    stats, cache = pre.stats, pre.cache
+    custom = plan or pre.selector.decode_plan(engine, cache, pre.layout, stats)
+    plan = custom or ForwardPlan()
+    batchable = batch_steps and custom is None  # dense, or through a sparse decoder (`decode_batch`)
+    stats["batched_decode"] = batchable
+    stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
+    if decode != "full":
+        options = dict(decode_options or {})
+        diagnostic = options.pop("diagnostic", False)
+        plan.decoder = engine.make_decoder(cache, decode, kv_budget, prompt_ids=pre.layout.ids,
+                                           diagnostic=diagnostic, reserve_tokens=reserve,
+                                           release=batch_steps, **options)
+        stats["kv_budget"] = plan.decoder.kv_budget
+        cache.decoder = plan.decoder
+    return plan, batchable
+
+
+@torch.no_grad()
+def decode_tokens(engine, pre: Prefill, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                  seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                  decode_options: dict | None = None, plan: ForwardPlan | None = None,
+                  batch_steps: bool = False, min_new_tokens: int = 0):
+    """Yield the answer's tokens after ``pre`` (see `Engine.decode_tokens`)."""
+    tokens = first_tokens(engine, pre, max_new_tokens, temperature, top_p, seed, min_new_tokens)
+    yield from tokens
+
+    def done() -> bool:
+        return len(tokens) >= max_new_tokens or (len(tokens) >= min_new_tokens and finished(engine, tokens))
+
+    if done():
+        return
+    cache = pre.cache
+    plan, batchable = decode_plan(engine, pre, decode, kv_budget, decode_options, plan, batch_steps, max_new_tokens)
+    try:
+        step = len(tokens) - 1
+        while not done():
+            step += 1
+            if batchable:
+                logits = yield DecodeStep(cache, tokens[-1], plan.decoder)
+                if logits is None:
+                    raise InputError("a batched decode step needs its logits sent back (Engine.decode_batch)")
+                if plan.decoder is not None:
+                    plan.decoder.end_step()
+            elif plan.decoder is None:
+                logits = engine.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([cache.length]), plan)
+            else:
+                logits = decoder_step(engine, cache, tokens[-1], plan)
+                plan.decoder.end_step()
+            tokens.append(sample(engine, logits[-1], temperature, top_p, seed, step,
+                                 no_eos=len(tokens) < min_new_tokens))
+            sync(engine.device)
+            yield tokens[-1]
+        if plan.decoder is not None:
+            pre.stats["decoder"] = plan.decoder.stats()
+            if plan.decoder.diagnostic:
+                pre.stats["decode_recall"] = plan.decoder.recall.summary()
+    finally:
+        cache.decoder = None
+
+
+# ---- sparse decoders ---------------------------------------------------------------------------------------
+def decoder_step(engine, cache: StitchCache, token: int, plan: ForwardPlan) -> torch.Tensor:
+    """One step through ``plan.decoder`` (which owns the K/V; ``cache`` counts the length) -> logits [1, V]."""
+    pos = torch.tensor([[cache.length]], device=engine.device)
+    with cache.mode(slots=None):
+        out = engine.model(input_ids=torch.tensor([[token]], device=engine.device), position_ids=pos,
+                           **cache_kwargs(engine.model, cache), use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def decode_step(engine, cache: StitchCache, token: int, decoder=None) -> torch.Tensor:
+    """One decode step, dense or through ``decoder`` (see `Engine.decode_step`) -> logits [1, V]."""
+    if decoder is None:
+        return engine.forward(cache, torch.tensor([token]), torch.tensor([cache.length]))
+    plan = ForwardPlan(decoder=decoder)
+    cache.decoder = decoder
+    try:
+        logits = decoder_step(engine, cache, token, plan)
+    finally:
+        cache.decoder = None
+    decoder.end_step()
+    return logits
+
+
+def new_decoder(engine, policy: str, kv_budget: int | None, options: dict | None = None):
+    """An empty `SparseDecoder` sized for the engine's model (``options``: `GenerationRequest.decode_options`)."""
+    from kvstitch.decode import make_decoder
+
+    options = dict(options or {})
+    if not isinstance(options.pop("diagnostic", False), bool):
+        raise InputError("decode option 'diagnostic' must be true or false")
+    ad = engine.adapter
+    return make_decoder(policy, kv_budget or 1024, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+                        num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device, dtype=engine.dtype,
+                        **options)
+
+
+@torch.no_grad()
+def observation_queries(engine, cache: StitchCache, prompt_ids: torch.Tensor, window: int = 32) -> dict:
+    """Post-RoPE queries ``{layer: [Hq, w, D]}`` of the last ``window`` prompt tokens, re-run out of place."""
+    n = cache.length
+    if prompt_ids.numel() != n:
+        raise InputError(f"the cache holds {n} tokens but the prompt has {prompt_ids.numel()}")
+    w = min(window, n)
+    plan = ForwardPlan(capture_queries=w)
+    engine.forward(cache, prompt_ids[n - w:n], torch.arange(n - w, n), plan, write=False)
+    return plan.queries
+
+
+@torch.no_grad()
+def make_decoder(engine, cache: StitchCache, policy: str, kv_budget: int | None = None, *,
+                 prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None, diagnostic: bool = False,
+                 reserve_tokens: int | None = None, release: bool = False, **options):
+    """Hand the prefilled ``cache`` to a sparse decoder (see `Engine.make_decoder`)."""
+    dec = engine.new_decoder(policy, kv_budget, {**options, "diagnostic": diagnostic})
+    if reserve_tokens is not None:
+        dec.reserve_tokens = reserve_tokens
+    if obs_queries is None:
+        if prompt_ids is None:
+            raise InputError("make_decoder needs the prompt's token ids (prompt_ids) or obs_queries")
+        obs_queries = engine.observation_queries(cache, prompt_ids, window=dec.window)  # = the local window
+    n = cache.length
+    ad = engine.adapter
+    layers = ad.backbone.layers
+    for i, layer in enumerate(cache.layers):
+        dec.load_prefill(i, layer.keys[0, :, :n], layer.values[0, :, :n], obs_queries[i],
+                         sliding_window=ad.sliding_window(i), scaling=layers[i].self_attn.scaling,
+                         inv_freq=ad.inv_freq(i))
+        if release:
+            layer.keys, layer.values = layer.keys[:, :, :0].clone(), layer.values[:, :, :0].clone()
+    dec.diagnostic = diagnostic
+    return dec
+
+
+def stream_answer(engine, req: GenerationRequest, pre: Prefill, t_start: float, batch_decode: bool = False):
+    """Yield the answer's tokens (and, with ``batch_decode``, its `DecodeStep`s, taking their logits back), then
+    its `GenerationResult`. A consumer that sends `STOP` ends the answer after the token just yielded."""
+    tokens: list[int] = []
+    steps = decode_tokens(engine, pre, req.max_new_tokens, req.temperature, req.top_p, req.seed, req.decode,
+                          req.kv_budget, req.decode_options, batch_steps=batch_decode,
+                          min_new_tokens=req.min_new_tokens)
+    back, t0 = None, time.perf_counter()
+    while True:
+        try:
+            tok = steps.send(back)
+        except StopIteration:
+            break
+        if isinstance(tok, DecodeStep):  # batch_decode: the consumer runs the step, sends its logits
+            back = yield tok
+            continue
+        back = None
+        if not tokens:
+            pre.stats["ttft_s"] = time.perf_counter() - t_start
+            t0 = time.perf_counter()
+        tokens.append(tok)
+        if (yield tok) is STOP:  # a stop sequence: end after this token, still report the result
+            steps.close()
+            break
+    yield make_result(engine, pre, tokens, (time.perf_counter() - t0) / max(len(tokens) - 1, 1))

@@ -1,0 +1,141 @@
+"""A request and what it becomes: `GenerationRequest` (what a user asks), its one validation
+(`check_request`, before anything is computed), the `Prefill` a prefill leaves for decoding, and the
+`GenerationResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstitch.core.cache import StitchCache
+from kvstitch.core.errors import InputError, PromptTooLong, UnknownDecodePolicy
+from kvstitch.core.prompt import PromptBuilder, PromptLayout
+from kvstitch.select import Selector, make_selector
+from .budget import AutoBudget, parse_ratio
+from .stats import GenerationStats
+
+DEFAULT_METHOD = "prophet"
+STOP = object()  # `stream(...).send(STOP)`: end the generation after the token just yielded (stop sequences)
+
+
+@dataclass
+class GenerationRequest:
+    """One request, as `Engine.generate` / `Engine.stream` take it (their parameters are these fields)."""
+
+    question: str | None = None
+    chunks: list[str] | None = None  # the passages, each precomputed and stored on its own
+    messages: list[dict] | None = None  # an OpenAI-style conversation instead of ``question``
+    # a method object (``DeltaProp(base=InfoFlow())``) or its spec string ("deltaprop(base=infoflow)"), see
+    # `kvstitch.select`
+    method: str | Selector = DEFAULT_METHOD
+    # the fraction of the context tokens to recompute, or "auto": rounds of growing budget until the answer is
+    # stable (options in ``auto``, see `kvstitch.engine.budget`)
+    recompute_ratio: float | str = 0.2
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0  # of the sampling (temperature > 0)
+    # "full" (dense attention) or a sparse policy (prkv, quest, snapkv, arkvale, ...) over ``kv_budget`` tokens
+    decode: str = "full"
+    kv_budget: int | None = None
+    auto: AutoBudget | dict | None = None  # options of recompute_ratio="auto" (None: the engine's default_auto)
+    # "full": verify the greedy answer against full prefill (full prefill's answer is returned when they differ)
+    guard: str | None = None
+    method_options: dict | None = None  # options merged into ``method`` (kept for callers that name it)
+    # of the sparse decoder: ``diagnostic=True`` records attention recall (``stats.decode_recall``);
+    # ``page_size``, ``device_pages`` and the policy's fields go to `kvstitch.decode.make_decoder`
+    decode_options: dict | None = None
+    min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
+    layout: PromptLayout | None = None  # a prompt laid out already (`Engine.layout`) instead of question + chunks
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    ttft_s: float
+    recomputed: list[int]  # context-token indices (0-based within the context) that were recomputed
+    stats: GenerationStats  # what the engine measured (fields documented there; ``to_dict()`` for JSON)
+    token_ids: list[int] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None  # logits of the first answer token (float32, cpu)
+    method: str = ""
+
+
+@dataclass
+class Prefill:
+    """A prefilled request, ready to decode: everything per-request lives here (the engine is reentrant)."""
+
+    cache: StitchCache  # with room for the answer
+    layout: PromptLayout  # the layout used (a selector may have reordered the chunks)
+    logits: torch.Tensor  # [q, V] suffix logits of the last pass; row -1 predicts the first answer token
+    indices: torch.Tensor  # context indices whose K/V were recomputed
+    stats: dict  # what prefill measured, selectors' keys included (the result types it: `GenerationStats`)
+    selector: object  # the method's `Selector` (its decode plan applies after the first token)
+    greedy: list[int] = field(default_factory=list)  # answer tokens an adaptive prefill already computed
+
+
+@dataclass
+class CheckedRequest:
+    """A request that passed `check_request`: its prompt, its method object and its parsed ratio."""
+
+    layout: PromptLayout
+    selector: Selector
+    ratio: float | str  # a fraction, or "auto"
+
+
+def build_layout(builder: PromptBuilder, question: str | None, chunks: list[str] | None,
+                 messages: list[dict] | None = None) -> PromptLayout:
+    """The prompt of a question over chunks, or of a conversation; empty or missing parts are an InputError."""
+    if messages is not None:  # a conversation: see `PromptBuilder.build_messages`
+        if question is not None:
+            raise InputError("pass either a question or messages, not both")
+        return builder.build_messages(messages, chunks)
+    if question is None:
+        raise InputError("pass a question or messages")
+    if not isinstance(question, str) or not question.strip():
+        raise InputError("the question is empty")
+    if not chunks:
+        raise InputError("no chunks given: pass at least one passage")
+    for i, c in enumerate(chunks):
+        if not isinstance(c, str) or not c.strip():
+            raise InputError(f"chunk {i} is empty")
+    return builder.build(question, chunks)
+
+
+def check_request(engine, req: GenerationRequest, selector: Selector | None = None) -> CheckedRequest:
+    """The one validation of a request (every entry point runs it before anything is computed): typed
+    InputErrors for a bad prompt, method, ratio, decode policy, length or option. ``selector``: a ready method
+    object to use instead of parsing ``req.method`` (the eval harness memoises its scores)."""
+    layout = req.layout or build_layout(engine.builder, req.question, req.chunks, req.messages)
+    selector = selector or make_selector(req.method, **(req.method_options or {}))
+    ratio = parse_ratio(req.recompute_ratio)
+    check_decode(engine, req.decode, req.kv_budget, req.decode_options)
+    if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
+    limit = engine.adapter.max_positions
+    if layout.n_total + req.max_new_tokens > limit:
+        raise PromptTooLong(f"prompt is {layout.n_total} tokens + {req.max_new_tokens} new tokens > the model's "
+                            f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
+    if req.guard not in (None, "full"):
+        raise InputError(f"guard must be None or 'full', got {req.guard!r}")
+    if isinstance(req.min_new_tokens, bool) or not isinstance(req.min_new_tokens, int) or req.min_new_tokens < 0:
+        raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
+    if req.decode != "full" and selector.adjusts_decode():
+        raise InputError(f"method {selector.label!r} changes decode attention (APE scaling / A3 eviction); a "
+                         f"sparse decoder ({req.decode!r}) would silently drop that: use decode='full'")
+    return CheckedRequest(layout, selector, ratio)
+
+
+def check_decode(engine, decode: str, kv_budget: int | None, decode_options: dict | None) -> None:
+    """The decode policy, its budget and options (a sparse decoder is built once, empty, to check them)."""
+    from kvstitch.decode import DECODE_POLICIES
+
+    if decode != "full" and decode not in DECODE_POLICIES:
+        raise UnknownDecodePolicy(f"unknown decode policy {decode!r}; known: full, "
+                                  f"{', '.join(sorted(DECODE_POLICIES))}")
+    if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
+        raise InputError(f"kv_budget must be a positive integer, got {kv_budget!r}")
+    if decode_options is not None and (decode == "full" or not isinstance(decode_options, dict)):
+        raise InputError("decode_options (a dict) configure a sparse decoder; decode='full' (dense) takes none")
+    if decode != "full":
+        engine.new_decoder(decode, kv_budget, decode_options)  # bad options / a too-small budget fail here
