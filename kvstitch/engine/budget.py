@@ -288,6 +288,43 @@ def reference_answer(engine, layout, m: int, n_probe: int) -> Reference:
     return Reference(short.answer_given([]), short.chunks, short.layout.n_context)
 
 
+def _restore(cache, stale, done: torch.Tensor, c0: int, c1: int) -> None:
+    """``mode="refresh"``: put the stitched K/V of the tokens earlier rounds recomputed back, and mark none done."""
+    back = done.nonzero().flatten().to(cache.layers[0].keys.device)
+    for layer, (k, v) in zip(cache.layers, stale):
+        layer.keys[:, :, c0:c1].index_copy_(2, back, k.index_select(2, back))
+        layer.values[:, :, c0:c1].index_copy_(2, back, v.index_select(2, back))
+    done[:] = False
+
+
+def _compare(engine, cache, N: int, out: torch.Tensor, prev: Probe, n_probe: int, tol: float,
+             entry: dict) -> tuple[Probe, float]:
+    """A later round against the previous one's probe (teacher-forced in its pass, logits ``out``): records in
+    ``entry`` whether it agrees (the whole probe reproduced, mean KL below ``tol``) -> (this round's probe: the
+    previous one, or its own from the first divergence; the mean KL)."""
+    pred = out.argmax(-1).tolist()
+    k = agreeing_prefix(pred, prev.tokens)
+    kl = max(0.0, float(_kl(prev.logits, out.cpu()).mean()))  # rounding can make it -1e-9
+    entry.update(agreed=k == len(prev.tokens) and kl < tol, kl=round(kl, 6),
+                 first_divergence=None if k == len(prev.tokens) else k,
+                 max_kl=round(float(_kl(prev.logits, out.cpu()).max()), 6))
+    if k == len(prev.tokens):
+        return Probe(list(prev.tokens), out.float().cpu()), kl
+    cache.truncate(N + k)  # this round writes another answer: its own probe, from the divergence on
+    return _greedy_probe(engine, cache, N, out[k], prev.tokens[:k] + [pred[k]], list(out[:k + 1].float().cpu()),
+                         n_probe), kl
+
+
+def _verify(engine, short: ShortPrompt, probe: Probe, accept: str, entry: dict, verify: dict) -> None:
+    """Verification (module doc): the round's probe against the short prompt's greedy answer, in ``entry``."""
+    t0 = time.perf_counter()
+    ref = short.answer_given(probe.tokens)  # the short prompt's greedy answer
+    verify.update(answer=ref, seconds=round(verify["seconds"] + time.perf_counter() - t0, 4))
+    entry["answer"] = engine.answer_text(probe.tokens, strip=False)
+    entry["verified"] = same_answer(entry["answer"], ref) if accept == "answer" \
+        else first_words_agree(entry["answer"], ref)
+
+
 def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, stats: dict, recompute_plan=None):
     """Run the rounds (module doc) -> `RoundsResult`, or None when the engine must fall back to full prefill.
     ``selector``: ranks the context (`Selector.ranking`); ``extra``: decode room after the prompt."""
@@ -335,11 +372,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     for i, r in enumerate(rounds):
         want = ranking(round(r * n))
         if stale is not None:  # refresh: this round is one pass over its whole set, from the stitched K/V
-            back = done.nonzero().flatten().to(cache.layers[0].keys.device)
-            for layer, (k, v) in zip(cache.layers, stale):
-                layer.keys[:, :, c0:c1].index_copy_(2, back, k.index_select(2, back))
-                layer.values[:, :, c0:c1].index_copy_(2, back, v.index_select(2, back))
-            done[:] = False
+            _restore(cache, stale, done, c0, c1)
         new = want[~done[want]] if want.numel() else want
         done[new] = True
         forwarded += int(new.numel())
@@ -353,31 +386,14 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
             probe = _greedy_probe(engine, cache, N, out[-1], [], [], n_probe)
             entry.update(agreed=None, kl=None)
         else:
-            pred = out.argmax(-1).tolist()
-            k = agreeing_prefix(pred, prev.tokens)
-            kl = max(0.0, float(_kl(prev.logits, out.cpu()).mean()))  # rounding can make it -1e-9
-            agreed = k == len(prev.tokens) and kl < auto.tol
-            entry.update(agreed=agreed, kl=round(kl, 6), first_divergence=None if k == len(prev.tokens) else k,
-                         max_kl=round(float(_kl(prev.logits, out.cpu()).max()), 6))
-            streak = streak + 1 if agreed else 0
-            stats["signal"] = kl
-            if k == len(prev.tokens):
-                probe = Probe(list(prev.tokens), out.float().cpu())
-            else:  # this round writes another answer: its own probe, from the divergence on
-                cache.truncate(N + k)
-                probe = _greedy_probe(engine, cache, N, out[k], prev.tokens[:k] + [pred[k]],
-                                      list(out[:k + 1].float().cpu()), n_probe)
+            probe, stats["signal"] = _compare(engine, cache, N, out, prev, n_probe, auto.tol, entry)
+            streak = streak + 1 if entry["agreed"] else 0
         p_tok = torch.softmax(probe.logits.float(), -1).gather(1, torch.tensor(probe.tokens).view(-1, 1)).flatten()
         entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
         confident = auto.min_p is not None and float(p_tok.min()) >= auto.min_p
         entry["confident"] = confident
         if short is not None:  # verification decides alone (module doc)
-            t0 = time.perf_counter()
-            ref = short.answer_given(probe.tokens)  # the short prompt's greedy answer
-            stats["verify"].update(answer=ref, seconds=round(stats["verify"]["seconds"] + time.perf_counter() - t0, 4))
-            entry["answer"] = engine.answer_text(probe.tokens, strip=False)
-            entry["verified"] = same_answer(entry["answer"], ref) if auto.accept == "answer" \
-                else first_words_agree(entry["answer"], ref)
+            _verify(engine, short, probe, auto.accept, entry, stats["verify"])
         log.append(entry)
         prev = probe
         if entry["verified"] if short is not None else (streak >= auto.patience or confident):
