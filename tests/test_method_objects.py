@@ -395,7 +395,8 @@ def test_config_file_takes_a_spec_or_a_table(tmp_path):
 def test_server_takes_a_spec_per_request_and_as_its_default(smollm_tokenizer):
     import httpx
 
-    from kvstitch.serve.server import ServerThread, create_app
+    from kvstitch.serve.server import create_app
+    from kvstitch.serve.testing import ServerThread
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     app = create_app(eng, default_method="deltaprop:base=infoflow_reorder_max,alpha_k=0.5", default_ratio=0.3,
