@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -45,7 +45,6 @@ from kvstitch.core.anchors import DEFAULT_SINKS, REPEAT_PROMPT, AnchorSpec
 from .base import SelectionContext
 from .method import Selector, register
 
-REDUCES = ("max", "mean")
 DEFAULT_CRITICAL = 3  # blend/qcfuse_config.py: DEFAULT_CRITICAL_LAYERS
 ANCHOR_RATIO = 0.1  # blend/qcfuse_config.py: DIGEST_RATIO
 FALLBACK_DEPTH = 0.55  # QCFuse's published top-3 critical layers sit at 0.47-0.61 of the depth (mean 0.55)
@@ -82,12 +81,10 @@ class QCFuse(Selector):
     anchor_ratio: float = ANCHOR_RATIO
     n_sink: int = DEFAULT_SINKS
     prompt: str = REPEAT_PROMPT
-    reduce: str = "max"  # over query heads and question tokens, per critical layer
+    reduce: Literal["max", "mean"] = "max"  # over query heads and question tokens, per critical layer
 
     def __post_init__(self):
         super().__post_init__()
-        if self.reduce not in REDUCES:
-            raise BadMethodOption(f"{self.name}: reduce must be one of {', '.join(REDUCES)}, got {self.reduce!r}")
         if not isinstance(self.anchor_ratio, (int, float)) or not 0.0 < self.anchor_ratio <= 1.0:
             raise BadMethodOption(f"{self.name}: anchor_ratio must be in (0, 1], got {self.anchor_ratio!r}")
         if isinstance(self.n_critical, bool) or not isinstance(self.n_critical, int) or self.n_critical < 1:
