@@ -135,6 +135,11 @@ class QCFuse(Selector):
         return keep.to(ctx.device)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
+        return torch.stack(list(self.layer_scores(ctx).values())).mean(0)
+
+    def layer_scores(self, ctx: SelectionContext) -> dict[int, torch.Tensor]:
+        """{critical layer: [n_context]} each layer's score (`score` is their mean): deltaprop's
+        ``fusion="union"``."""
         layers, rule = self.layer_choice(ctx)
         ctx.stats.update(qcfuse_critical_layers=layers, qcfuse_layer_rule=rule, qcfuse_anchor_ratio=self.anchor_ratio)
         kvs = ctx.chunk_kvs(anchors=self.chunk_anchors())
@@ -142,7 +147,7 @@ class QCFuse(Selector):
         ctx.stats["qcfuse_anchors"] = int(keep[0, 0, ctx.layout.context_start:ctx.layout.context_end].sum())
         queries = anchor_probe(ctx, keep, max(layers))
         per_layer = critical_scores(ctx, ctx.cache, queries, layers, self.reduce)
-        return torch.stack([per_layer[i] for i in layers]).mean(0)
+        return {i: per_layer[i] for i in layers}
 
 
 @torch.no_grad()
