@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.errors import BadMethodOption, InputError, UnknownMethod
-from kvstitch.select import (A3, ALIASES, SELECTORS, CacheClip, DeltaProp, Grouped, InfoFlow, Oracle, Prophet, Random,
-                             SelectionContext, Selector, check_method, format_spec, from_mapping, make_selector,
+from kvstitch.select import (A3, ALIASES, SELECTORS, CacheClip, DeltaProp, Grouped, InfoFlow, Oracle, Prophet, QCFuse,
+                             Random, SelectionContext, Selector, check_method, format_spec, from_mapping, make_selector,
                              methods, resolve_methods, split_specs)
 from kvstitch.select.method import WRAPPED_FLAGS, WRAPPED_HOOKS, field_default, spec_fields, type_hints
 from kvstitch.select.spec import format_value
@@ -36,6 +36,7 @@ COMPOSITES = {
     "deltaprop(base=infoflow(reorder=max), alpha_k=0.5)": lambda: DeltaProp(base=InfoFlow(reorder="max"), alpha_k=0.5),
     "deltaprop:base=infoflow,probe_stride=0": lambda: DeltaProp(base=InfoFlow(), probe_stride=0),
     "deltaprop:base=a3_stitched": lambda: DeltaProp(base=A3(stitched=True)),
+    "deltaprop(base=qcfuse, fusion=union, attend_top=1)": lambda: DeltaProp(base=QCFuse(), fusion="union", attend_top=1),
     "grouped(base=random(seed=3), group_size=4, group_min=3, refill=true)":
         lambda: Grouped(base=Random(seed=3), group_size=4, group_min=3, refill=True),
     "infoflow(layers=[0, 2], weight=value)": lambda: InfoFlow(layers=(0, 2), weight="value"),
