@@ -47,6 +47,14 @@ VARIANTS = {  # name -> (method, options); deltaprop's options spelled out (its 
     # the budget as causal work (budget_unit="work"): the base's top tokens' work buys the most score per unit work
     "deltaprop, work budget": ("deltaprop", {"budget_unit": "work"}),
     "prophet, work budget": ("deltaprop", {"alpha_v": 0.0, "alpha_k": 0.0, "probe_stride": 0, "budget_unit": "work"}),
+    # from the newest methods: the probe over anchors selects (QCFuse); tokens by their best rank over the base's
+    # layers (RelaxKV's per-layer choice, fusion="union"); recomputed tokens see prefix, own and top passages only
+    "qcfuse": ("qcfuse", {}),
+    "deltaprop(qcfuse)": ("deltaprop", {"base": "qcfuse"}),
+    "deltaprop, union": ("deltaprop", {"fusion": "union"}),
+    "deltaprop(infoflow), union": ("deltaprop", {"base": "infoflow", "fusion": "union"}),
+    "deltaprop, attend top 2": ("deltaprop", {"attend_top": 2}),
+    "deltaprop, attend own": ("deltaprop", {"attend_top": 0}),
 }
 
 

@@ -15,7 +15,11 @@ from kvstitch.engine import GenerationRequest
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.engine.batch import DecodeStep, RecomputeStep, can_batch, plain_plan
 from kvstitch.core.errors import InputError
-from kvstitch.serve.server import EngineWorker, Job, Metrics, ServerThread, create_app
+from kvstitch.serve.core import Job
+from kvstitch.serve.prometheus import Metrics
+from kvstitch.serve.server import create_app
+from kvstitch.serve.testing import ServerThread
+from kvstitch.serve.worker import EngineWorker
 from kvstitch.store import MemoryStore
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

@@ -9,7 +9,8 @@ import time
 
 from kvstitch import Engine
 from kvstitch.engine.batch import DecodeStep
-from kvstitch.serve.server import ServerThread, create_app
+from kvstitch.serve.server import create_app
+from kvstitch.serve.testing import ServerThread
 from kvstitch.store import MemoryStore
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine

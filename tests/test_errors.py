@@ -68,13 +68,13 @@ def test_engine_raises_typed_errors(tiny_engine, kwargs, cls):
 
 
 def test_server_maps_errors_by_type_not_message():
-    from kvstitch.serve.server import _input_error
+    from kvstitch.serve.core import input_error
 
     for cls, (code, param) in TYPED.items():
-        api = _input_error(cls("a message without any keyword"))
+        api = input_error(cls("a message without any keyword"))
         assert (api.status, api.code, api.param) == (400, code, param)
     # a plain InputError whose text looks like another kind is not re-classified by its words
-    api = _input_error(InputError("unknown method 'x'; prompt exceeds the limit of 4096 positions"))
+    api = input_error(InputError("unknown method 'x'; prompt exceeds the limit of 4096 positions"))
     assert (api.code, api.param) == ("invalid_request", None)
-    api = _input_error(InputError("bad top_k", param="top_k"))
+    api = input_error(InputError("bad top_k", param="top_k"))
     assert api.body()["error"]["param"] == "top_k"

@@ -162,21 +162,22 @@ def test_answers_kept_abstentions_and_paired_tables_count_what_they_say(tmp_path
     from kvstitch.eval.qa_report import abstention_table, answers_table, paired_kept_table, squad_sections
 
     rows = []
-    for i in range(4):  # full right on 0..2, wrong on 3; "a" keeps 0, 1; "b" keeps 0 only
+    for i in range(4):  # full right on 0..2, wrong on 3; deltaprop keeps 0, 1; "b" keeps 0 only
         rows.append(_row(i, "full", None, i < 3, f"Answer {i}"))
-        rows.append(_row(i, "a", 0.2, i < 2, f"answer {i}." if i < 2 else "other"))
+        rows.append(_row(i, "deltaprop", 0.2, i < 2, f"answer {i}." if i < 2 else "other"))
         rows.append(_row(i, "b", 0.2, i < 1, f"Answer {i}" if i < 1 else "other"))
-    for i in range(4, 8):  # unanswerable: full abstains on 4..6; "a" invents on 4
+    for i in range(4, 8):  # unanswerable: full abstains on 4..6; deltaprop invents on 4
         rows.append(_row(i, "full", None, i < 7, "unanswerable", answerable=False, abstained=i < 7))
-        rows.append(_row(i, "a", 0.2, i > 4, "x" if i == 4 else "unanswerable", answerable=False, abstained=i > 4))
+        rows.append(_row(i, "deltaprop", 0.2, i > 4, "x" if i == 4 else "unanswerable", answerable=False,
+                         abstained=i > 4))
     t = answers_table(rows)
-    a_line = next(l for l in t.splitlines() if l.startswith("| a |"))
+    a_line = next(l for l in t.splitlines() if l.startswith("| deltaprop |"))
     assert "| 4 | 3 | 0.67 [" in a_line and "| 0.50 [" in a_line  # kept 2 of 3; same answer on 0, 1 of 4
     assert "| 400% |" not in a_line and a_line.endswith("| 4.00 |")
     ab = abstention_table(rows)
-    a_ab = next(l for l in ab.splitlines() if l.startswith("| a |"))
+    a_ab = next(l for l in ab.splitlines() if l.startswith("| deltaprop |"))
     assert "| 4 | 3 | 0.667" in a_ab and "| 0.333" in a_ab
     pk = paired_kept_table(rows)
-    assert "| 0.20 | a | b | 3 | 0.67 | 0.33 | 0.33" in pk
+    assert "| 0.20 | deltaprop | b | 3 | 0.67 | 0.33 | 0.33" in pk and "| b | deltaprop |" not in pk
     parts, plots = squad_sections(rows, tmp_path, "squad2_p10")
     assert plots["kept_by_position_squad2_p10"].is_file()

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.errors import BadMethodOption, InputError, UnknownMethod
-from kvstitch.select import (A3, ALIASES, SELECTORS, CacheClip, DeltaProp, Grouped, InfoFlow, Oracle, Prophet, Random,
-                             SelectionContext, Selector, check_method, format_spec, from_mapping, make_selector,
+from kvstitch.select import (A3, ALIASES, SELECTORS, CacheClip, DeltaProp, Grouped, InfoFlow, Oracle, Prophet, QCFuse,
+                             Random, SelectionContext, Selector, check_method, format_spec, from_mapping, make_selector,
                              methods, resolve_methods, split_specs)
 from kvstitch.select.method import WRAPPED_FLAGS, WRAPPED_HOOKS, field_default, spec_fields, type_hints
 from kvstitch.select.spec import format_value
@@ -26,7 +26,7 @@ runner = CliRunner()
 # the registry's names before variants became options: `--methods all` still runs exactly these
 PUBLISHED = ["a3", "a3_stitched", "ape", "cacheblend", "cacheclip", "cacheclip_refill", "deltaprop", "epic", "full",
              "grouped", "infoflow", "infoflow_reorder", "infoflow_reorder_max", "kvshare", "naive", "oracle",
-             "oracle_ideal", "prophet", "random"]
+             "oracle_ideal", "prophet", "qcfuse", "random"]
 # what each alias stood for, written as Python (the objects the old registry classes were)
 ALIAS_OBJECTS = {"a3_stitched": lambda: A3(stitched=True), "cacheclip_refill": lambda: CacheClip(refill=True),
                  "infoflow_reorder": lambda: InfoFlow(reorder="topk_mass"),
@@ -36,6 +36,7 @@ COMPOSITES = {
     "deltaprop(base=infoflow(reorder=max), alpha_k=0.5)": lambda: DeltaProp(base=InfoFlow(reorder="max"), alpha_k=0.5),
     "deltaprop:base=infoflow,probe_stride=0": lambda: DeltaProp(base=InfoFlow(), probe_stride=0),
     "deltaprop:base=a3_stitched": lambda: DeltaProp(base=A3(stitched=True)),
+    "deltaprop(base=qcfuse, fusion=union, attend_top=1)": lambda: DeltaProp(base=QCFuse(), fusion="union", attend_top=1),
     "grouped(base=random(seed=3), group_size=4, group_min=3, refill=true)":
         lambda: Grouped(base=Random(seed=3), group_size=4, group_min=3, refill=True),
     "infoflow(layers=[0, 2], weight=value)": lambda: InfoFlow(layers=(0, 2), weight="value"),
@@ -218,6 +219,10 @@ class Spy(Selector):
         CALLS.append("pick")
         return scores.topk(ctx.budget).indices.sort().values
 
+    def chunk_anchors(self):
+        CALLS.append("chunk_anchors")
+        return None
+
     def recompute_plan(self, ctx):
         CALLS.append("recompute_plan")
         return ForwardPlan()
@@ -329,7 +334,7 @@ def test_cli_ask_takes_a_spec(tiny_model_dir, tmp_path):
 
 def test_cli_eval_records_the_spec_and_resumes_under_an_alias(tiny_model_dir, tmp_path):
     from kvstitch.cli.main import app
-    from kvstitch.eval.report import read_jsonl
+    from kvstitch.eval.rows import read_jsonl
 
     common = ["eval", "--tasks", "niah_single_essay", "--length", "160", "--chunk-tokens", "64", "--n", "1",
               "--ratios", "0.3", "--max-new-tokens", "3", "--haystack", "synthetic", "--no-overlap", "--threads", "1",
@@ -395,7 +400,8 @@ def test_config_file_takes_a_spec_or_a_table(tmp_path):
 def test_server_takes_a_spec_per_request_and_as_its_default(smollm_tokenizer):
     import httpx
 
-    from kvstitch.serve.server import ServerThread, create_app
+    from kvstitch.serve.server import create_app
+    from kvstitch.serve.testing import ServerThread
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
     app = create_app(eng, default_method="deltaprop:base=infoflow_reorder_max,alpha_k=0.5", default_ratio=0.3,

@@ -76,7 +76,8 @@ def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_toke
     assert err_d < 0.9 * err_p, (err_d, err_p)
 
 
-@pytest.mark.parametrize("opts", [{"fit": "mean"}, {"fit": "linear"}, {"budget_unit": "work"}, {"probe_first": True}])
+@pytest.mark.parametrize("opts", [{"fit": "mean"}, {"fit": "linear"}, {"budget_unit": "work"}, {"probe_first": True},
+                                  {"fusion": "union"}, {"base": "qcfuse"}, {"base": "qcfuse", "fusion": "union"}])
 def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer, opts):
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)

@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from kvstitch.corpus.retrieval import build_index
-from kvstitch.serve.server import ServerThread, TextStream, create_app
+from kvstitch.serve.server import create_app
+from kvstitch.serve.stops import TextStream
+from kvstitch.serve.testing import ServerThread
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 
@@ -413,7 +415,9 @@ def test_engine_failure_is_reported_and_the_worker_survives(engine):
 
 
 def test_queue_admission_counts_the_running_job():
-    from kvstitch.serve.server import EngineWorker, Job, Metrics, QueueFull
+    from kvstitch.serve.core import Job, QueueFull
+    from kvstitch.serve.prometheus import Metrics
+    from kvstitch.serve.worker import EngineWorker
 
     loop = asyncio.new_event_loop()
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvstitch.serve.server import ServerThread, create_app
+from kvstitch.serve.server import create_app
+from kvstitch.serve.testing import ServerThread
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 

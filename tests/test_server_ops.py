@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from kvstitch import Engine
 from kvstitch.core.chunk import ChunkKV
-from kvstitch.serve.server import ServerThread, create_app
+from kvstitch.serve.server import create_app
+from kvstitch.serve.testing import ServerThread
 from kvstitch.serve.security import SecurityConfig, api_keys_from, check_bind
 from kvstitch.store import DiskStore, MemoryStore, chunk_key
 

@@ -6,7 +6,8 @@ import asyncio
 
 import httpx
 
-from kvstitch.serve.server import ServerThread, create_app
+from kvstitch.serve.server import create_app
+from kvstitch.serve.testing import ServerThread
 
 from .conftest import SAMPLE_CHUNKS, make_tiny_engine
 from .test_batching import _alone, _messages, _send_all

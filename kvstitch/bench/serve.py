@@ -248,7 +248,8 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
     """Rows per decode policy and concurrency (batched server) + the serial server at the highest concurrency
     (dense decode only; see the module doc)."""
     from kvstitch.core.errors import InputError
-    from kvstitch.serve.server import ServerThread, create_app
+    from kvstitch.serve.server import create_app
+    from kvstitch.serve.testing import ServerThread
 
     log = log or (lambda msg: None)
     if not concurrency or min(concurrency) < 1:

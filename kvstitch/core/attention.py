@@ -52,6 +52,11 @@ class ForwardPlan:
     key_keep: torch.Tensor | None = None
     # a `kvstitch.engine.batch.BatchCache`: batched decode step, attention per row over each request's own cache
     batch: object | None = None
+    # which queries may see which keys, by segment: (segment [n] long of every slot, sees [S, S] bool); a query
+    # at slot q sees a key at slot k only if sees[segment[q], segment[k]] (and causally). Slots >= n (decoded
+    # tokens) are unrestricted, as queries and as keys. Deltaprop's ``attend_top``: recomputed context tokens
+    # attend to the prefix, their own passage and the top passages only (`scope_mask`).
+    scope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _mask(q_slots: torch.Tensor, lo: int, hi: int, window: int | None) -> torch.Tensor:
@@ -71,6 +76,28 @@ def _layer_keep(key_keep: torch.Tensor | None, layer: int, n_keys: int, device) 
     if k.shape[1] < n_keys:
         k = torch.cat([k, k.new_ones(k.shape[0], n_keys - k.shape[1])], dim=1)
     return k
+
+
+def scope_mask(scope: tuple[torch.Tensor, torch.Tensor] | None, q_slots: torch.Tensor, lo: int, hi: int
+               ) -> torch.Tensor | None:
+    """`ForwardPlan.scope` for queries at ``q_slots`` over keys at slots [lo, hi) -> bool [q, hi - lo] (None =
+    no restriction)."""
+    if scope is None:
+        return None
+    segment, sees = scope
+    segment, sees = segment.to(q_slots.device), sees.to(q_slots.device)
+    n = segment.numel()
+    k = torch.arange(lo, min(hi, max(lo, n)), device=q_slots.device)
+    out = torch.ones(q_slots.numel(), hi - lo, dtype=torch.bool, device=q_slots.device)
+    a = int((q_slots < n).sum())  # sorted slots: the first ``a`` queries have a segment
+    out[:a, :k.numel()] = sees[segment[q_slots[:a]]][:, segment[k]]
+    return out
+
+
+def _scoped(mask: torch.Tensor, scope, q_slots: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """A [g, n] position mask narrowed by `ForwardPlan.scope` (unchanged without one)."""
+    allowed = scope_mask(scope, q_slots, lo, hi)
+    return mask if allowed is None else mask & allowed
 
 
 def _with_keep(mask: torch.Tensor, keep: torch.Tensor | None, lo: int, hi: int, n_q_heads: int) -> torch.Tensor:
@@ -144,15 +171,15 @@ def _groups(q_slots: torch.Tensor, group: int):
         start = end
 
 
-def _probs(q, k, slots, scaling, softcap, window, keep=None) -> torch.Tensor:
+def _probs(q, k, slots, scaling, softcap, window, keep=None, scope=None) -> torch.Tensor:
     """Explicit attention probabilities [Hq, q, n] (float32) for scoring hooks: O(|q| N) per layer."""
     rep = q.shape[1] // k.shape[1]
     kk = k[0].float().repeat_interleave(rep, 0)
     s = (q[0].float() @ kk.transpose(-1, -2)) * scaling
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~_with_keep(_mask(slots, 0, k.shape[2], window), keep, 0, k.shape[2], q.shape[1]),
-                      float("-inf"))
+    seen = _scoped(_mask(slots, 0, k.shape[2], window), scope, slots, 0, k.shape[2])
+    s = s.masked_fill(~_with_keep(seen, keep, 0, k.shape[2], q.shape[1]), float("-inf"))
     return torch.softmax(s, dim=-1)
 
 
@@ -186,13 +213,14 @@ def kvstitch_attention(module, query, key, value, attention_mask=None, scaling=N
     if plan.stop_at_attention_layer is not None and layer >= plan.stop_at_attention_layer:
         raise StopForward(layer)
     if plan.ape is not None:
-        out = _ape_attention(query, key, value, slots, scaling, sliding_window, plan.ape, softcap, keep)
-    elif keep is None and nq == nk and sliding_window is None and int(slots[0]) == 0 and int(slots[-1]) == nk - 1:
+        out = _ape_attention(query, key, value, slots, scaling, sliding_window, plan.ape, softcap, keep, plan.scope)
+    elif (keep is None and plan.scope is None and nq == nk and sliding_window is None and int(slots[0]) == 0
+          and int(slots[-1]) == nk - 1):
         out = _attend(query, key, value, None, scaling, softcap, gqa)  # plain causal prefill
     else:
         parts = []
         split = (_CPU_FLASH is not None and query.device.type == "cpu" and sliding_window is None
-                 and softcap is None and keep is None)
+                 and softcap is None and keep is None and plan.scope is None)
         for a, b in _groups(slots, plan.group_queries):
             s = slots[a:b]
             hi = int(s[-1]) + 1
@@ -200,18 +228,19 @@ def kvstitch_attention(module, query, key, value, attention_mask=None, scaling=N
             if split:
                 parts.append(_attend_split(query[:, :, a:b], key, value, s, scaling))
                 continue
-            mask = _with_keep(_mask(s, lo, hi, sliding_window), keep, lo, hi, query.shape[1])
+            mask = _with_keep(_scoped(_mask(s, lo, hi, sliding_window), plan.scope, s, lo, hi), keep, lo, hi,
+                              query.shape[1])
             parts.append(_attend(query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi],
                                  mask, scaling, softcap, gqa))
         out = torch.cat(parts, dim=2)
     if plan.attn_hook is not None and (plan.hook_layers is None or layer in plan.hook_layers):
-        plan.attn_hook(layer, _probs(query, key, slots, scaling, softcap, sliding_window, keep), value[0])
+        plan.attn_hook(layer, _probs(query, key, slots, scaling, softcap, sliding_window, keep, plan.scope), value[0])
     if plan.stop_after_layer is not None and layer >= plan.stop_after_layer:
         raise StopForward(layer)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _ape_attention(query, key, value, slots, scaling, window, ape, softcap=None, keep=None):
+def _ape_attention(query, key, value, slots, scaling, window, ape, softcap=None, keep=None, scope=None):
     """APE (Yang et al., ICLR 2025, Sec. 4) attention of the queries after the parallel-encoded context.
 
     Keys split into the context C = slots [c0, c1) and the rest (shared prefix, query, generated tokens).
@@ -228,8 +257,8 @@ def _ape_attention(query, key, value, slots, scaling, window, ape, softcap=None,
     s = (query[0].float() @ k.transpose(-1, -2)) * scaling
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    visible = _with_keep(_mask(slots, 0, key.shape[2], window), keep, 0, key.shape[2], query.shape[1])
-    visible = visible.expand(s.shape)
+    visible = _scoped(_mask(slots, 0, key.shape[2], window), scope, slots, 0, key.shape[2])
+    visible = _with_keep(visible, keep, 0, key.shape[2], query.shape[1]).expand(s.shape)
     ctx = torch.zeros(key.shape[2], dtype=torch.bool, device=key.device)
     ctx[c0:c1] = True
     s_ctx = s / temperature

@@ -29,12 +29,31 @@ time buys more of them, chosen by score per unit of work (`spend_work`; measured
 the model in a pass of their own before the base scores, so its selection reads corrected keys; one extra pass
 of ~4% of the context (measured in docs/results/own-method).
 
+``fusion="union"`` (off by default) is the per-layer token choice RelaxKV describes, in the form kvstitch's recompute
+allows. A per-layer budget proper (layer l recomputes its own set S_l) is not possible here: a recomputed token goes
+through every layer, since its layer-l input is its own layer-(l-1) output. So the base's per-layer scores choose one
+set: tokens ranked by their best rank over the base's layers (ties by the fused score), i.e. every layer's top r
+tokens for the largest r the budget holds - the union of per-layer sets, the budget split evenly across the
+layers' own choices - rather than the top of the mean, where a few layers of peaked attention decide. Needs a base
+with per-layer scores (`layer_scores`: prophet, infoflow, qcfuse). A correction strength per layer was the other
+candidate; it changes how stale tokens are corrected, not which tokens a layer wants, so it is not this idea.
+
+``attend_top=k`` (off by default: None) limits what the recomputed context tokens attend to in the recompute pass
+(RelaxKV's other idea): the shared prefix (and a conversation's pinned system segment), their own passage and the k
+passages of most base score (the sum of its tokens' scores), through `ForwardPlan.scope`. The question and the
+decoded tokens still attend to everything; a context token never sees the question anyway (causal). ``k=0``: own
+passage and prefix only, which is close to what precompute already computed (shared-prefix precompute: the same
+passage after the same prefix, only farther from it), so its measured shift is small. It changes attention by
+design: 100% recompute is full prefill only when k covers every passage (then no scope is set).
+
 Cost: no extra forward (``probe_first``: one). Per layer, a scatter of the shifts over the stale tokens:
 O(n_context · d) beside the pass's O(|S| · d_model²) projections and MLPs. The chunk's first chunk (already exact in shared-prefix
 precompute) measures a zero shift and is left as it is.
 
 Properties the tests check: a stale token whose chunk-mates' K/V are shifted by a common vector is
-corrected exactly (the mechanism), 100% recompute leaves nothing stale (= full prefill), 0% = naive.
+corrected exactly (the mechanism), 100% recompute leaves nothing stale (= full prefill, every option but
+``attend_top``), 0% = naive; ``fusion="union"`` holds every layer's top tokens; under ``attend_top`` a recomputed
+token is unmoved by the K/V of a passage outside its scope.
 
 Implementation: ``prepare`` wraps the stitched cache in a `DeltaCache` (a `StitchCache` over the same
 buffers) that keeps the stitched context K/V and applies the correction in ``update`` whenever a pass
@@ -45,11 +64,13 @@ recompute passes (the batching server) route through the same ``update``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Literal
 
 import torch
 
+from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext
@@ -82,6 +103,7 @@ class DeltaCache(StitchCache):
         # context tokens some pass recomputed: never corrected again (auto's incremental rounds keep them fresh;
         # refresh rounds recompute them again anyway)
         self.fresh = torch.zeros(self.c1 - self.c0, dtype=torch.bool, device=self.chunk.device)
+        self.chunk_score: torch.Tensor | None = None  # [n_chunks] the base's score per passage (``attend_top``)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         slots = self.slots
@@ -215,6 +237,12 @@ class DeltaProp(Wrapper):
     # pass then recomputes the probes again with the base's top tokens. Costs one extra pass of the probes (~4% of
     # the context at stride 25). The issue's "re-select after a first recompute" (docs/results/own-method)
     probe_first: bool = False
+    # "mean": the base's own score (prophet: the uniform fusion of its layers). "union": tokens by their best rank
+    # over the base's layers, the union of every layer's top tokens (module doc); needs a base with per-layer scores
+    fusion: Literal["mean", "union"] = "mean"
+    # None: recomputed tokens attend to every earlier key. k >= 0: to the shared prefix, their own passage and the k
+    # passages of most base score only; the question and decoding still see everything (module doc)
+    attend_top: int | None = None
 
     def __post_init__(self, base_options: dict | None = None):
         super().__post_init__(base_options)  # the base built, every option's type checked
@@ -228,6 +256,11 @@ class DeltaProp(Wrapper):
                 raise BadMethodOption(f"deltaprop: {k} must be an integer >= 0, got {getattr(self, k)!r}")
         if self.probe_first and not self.probe_stride:
             raise BadMethodOption("deltaprop: probe_first needs probes (probe_stride > 0)")
+        if self.fusion == "union" and not callable(getattr(self.base, "layer_scores", None)):
+            raise BadMethodOption(f"deltaprop: fusion=union needs a base with per-layer scores (prophet, infoflow, "
+                                  f"qcfuse), got {self.base.name!r}")
+        if self.attend_top is not None and self.attend_top < 0:
+            raise BadMethodOption(f"deltaprop: attend_top must be an integer >= 0 or none, got {self.attend_top!r}")
 
     @property
     def exact_budget(self) -> bool:  # budget_unit="work": the budget's work, in more (or fewer) tokens
@@ -246,7 +279,44 @@ class DeltaProp(Wrapper):
             dc.estimate_from = torch.zeros_like(dc.fresh)
             dc.estimate_from[probes.to(dc.fresh.device)] = True
             ctx.recompute(probes)  # probes fresh, every stale token corrected by their shift
-        return self.base.score(ctx)
+        if self.fusion == "union":
+            per_layer = self.base.layer_scores(ctx)
+            fused = torch.stack([s.float().cpu() for s in per_layer.values()]).mean(0)
+            scores = union_scores(list(per_layer.values()), fused)
+        else:
+            scores = fused = self.base.score(ctx)
+        if self.attend_top is not None and isinstance(ctx.cache, DeltaCache):
+            ctx.cache.chunk_score = chunk_score(fused, ctx.cache.chunk, ctx.cache.n_chunks)
+        return scores
+
+    def recompute_plan(self, ctx: SelectionContext) -> ForwardPlan | None:
+        plan = self.base.recompute_plan(ctx)
+        scope = self.scope(ctx) if self.attend_top is not None else None
+        if scope is None:
+            return plan
+        return ForwardPlan(scope=scope) if plan is None else dataclasses.replace(plan, scope=scope)
+
+    def scope(self, ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`ForwardPlan.scope` of ``attend_top`` (None: nothing to limit): segment 0 is the prefix, a pinned system
+        segment and the suffix (seen by all, seeing all); passage c is segment c + 1, seeing segment 0, itself and
+        the top passages."""
+        lay = ctx.layout
+        n_chunks, pinned = len(lay.chunk_ids), lay.pinned
+        if ctx.budget <= 0 or self.attend_top >= n_chunks - pinned:
+            return None  # only the suffix is recomputed, or every passage is in scope
+        score = ctx.cache.chunk_score if isinstance(ctx.cache, DeltaCache) else None
+        if score is None:  # a full budget skips scoring: the base's scores decide the top passages all the same
+            score = chunk_score(self.base.score(ctx).float().cpu(), lay.chunk_index(), n_chunks)
+        score = score[pinned:]
+        top = (torch.sort(score, descending=True, stable=True).indices[:self.attend_top] + pinned).tolist()
+        segment = torch.zeros(lay.n_total, dtype=torch.long)
+        chunk = lay.chunk_index()
+        segment[lay.context_start:lay.context_end] = torch.where(chunk < pinned, 0, chunk + 1)
+        sees = torch.eye(n_chunks + 1, dtype=torch.bool)
+        sees[0, :] = sees[:, 0] = True
+        sees[:, [c + 1 for c in top]] = True
+        ctx.stats["attend_top_chunks"] = [lay.order[c] for c in sorted(top)]
+        return segment.to(ctx.device), sees.to(ctx.device)
 
     def _probes(self, dc: DeltaCache, budget: int) -> torch.Tensor:
         """Every probe_stride-th token of each chunk (its middle one first), at most ``budget`` of them."""
@@ -266,6 +336,35 @@ class DeltaProp(Wrapper):
         if self.budget_unit == "work":
             idx = spend_work(scores, idx, ctx.token_work())
         return idx
+
+
+def union_scores(per_layer: list[torch.Tensor], fused: torch.Tensor) -> torch.Tensor:
+    """``fusion="union"``: per-layer scores (each [n]) -> scores [n] whose top k are the tokens of best rank over
+    the layers (rank 0 = a layer's top token; ties by ``fused``, then position): the union of every layer's top r
+    tokens, r as large as k allows. Scores are n - place in that order (exact integers in float32)."""
+    n = fused.numel()
+    best = torch.stack([_ranks(s.float().cpu()) for s in per_layer]).amin(0)
+    order = torch.argsort(best * n + _ranks(fused.float().cpu()))  # distinct keys: fused ranks are distinct
+    out = torch.empty(n)
+    out[order] = torch.arange(n, 0, -1, dtype=torch.float32)
+    return out
+
+
+def _ranks(scores: torch.Tensor) -> torch.Tensor:
+    """[n] -> each token's place in the descending order (ties by position), int64."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(order.numel())
+    return ranks
+
+
+def chunk_score(scores: torch.Tensor, chunk: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """[n_chunks] float64: each passage's sum of the base's token scores (shifted to be >= 0), ``attend_top``'s
+    ranking of passages."""
+    s = scores.double().cpu()
+    s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))
+    s = s - s.min().clamp(max=0)
+    return torch.zeros(n_chunks, dtype=torch.float64).index_add_(0, chunk.cpu(), s)
 
 
 def spend_work(scores: torch.Tensor, chosen: torch.Tensor, work: torch.Tensor) -> torch.Tensor:

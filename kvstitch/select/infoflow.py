@@ -47,7 +47,7 @@ from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext
 from .method import Selector, register
-from .scoring import band_layers, layer_mean
+from .scoring import band_layers, head_mean, layer_mean
 
 
 @register
@@ -85,6 +85,16 @@ class InfoFlow(Selector):
     def token_scores(self, ctx: SelectionContext, cache=None, key_keep=None, report: bool = False) -> torch.Tensor:
         """Attention norms over ``cache`` (default: the stitched cache) at the chosen layers."""
         cache = ctx.cache if cache is None else cache
+        return layer_mean(self.per_layer(ctx, cache, key_keep, report), ctx.num_kv_heads)
+
+    def layer_scores(self, ctx: SelectionContext) -> dict[int, torch.Tensor]:
+        """{layer: [n_context]} the norms of each chosen layer (`score` is their mean): deltaprop's
+        ``fusion="union"``."""
+        per_layer = self.per_layer(ctx, ctx.cache, None, True)
+        return {i: head_mean(a, ctx.num_kv_heads).float().cpu() for i, a in per_layer.items()}
+
+    def per_layer(self, ctx: SelectionContext, cache, key_keep, report: bool) -> dict[int, torch.Tensor]:
+        """{layer: [Hq, n_context]}: the norms per query head at the chosen layers (``weight`` applied)."""
         layers, rule = self.layer_choice(ctx.num_layers)
         if report:
             ctx.stats.update(infoflow_layers=list(layers), infoflow_layer_rule=rule)
@@ -94,7 +104,7 @@ class InfoFlow(Selector):
             for i, att in per_layer.items():
                 vnorm = cache.layers[i].values[0, :, c0:c1].float().norm(dim=-1)  # [Hkv, n]
                 per_layer[i] = att * vnorm.repeat_interleave(att.shape[0] // vnorm.shape[0], 0)
-        return layer_mean(per_layer, ctx.num_kv_heads)
+        return per_layer
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         return self.token_scores(ctx, report=True)

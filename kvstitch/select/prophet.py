@@ -20,7 +20,7 @@ import torch
 
 from .base import SelectionContext
 from .method import Selector, register
-from .scoring import layer_mean
+from .scoring import head_mean, layer_mean
 
 
 @register
@@ -31,3 +31,7 @@ class Prophet(Selector):
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         per_layer = ctx.query_attention()  # Stage I: every layer
         return layer_mean(per_layer, ctx.num_kv_heads)
+
+    def layer_scores(self, ctx: SelectionContext) -> dict[int, torch.Tensor]:
+        """{layer: [n_context]} α_l(t) before the fusion (`score` is their mean): deltaprop's ``fusion="union"``."""
+        return {i: head_mean(a, ctx.num_kv_heads).float().cpu() for i, a in ctx.query_attention().items()}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -45,7 +45,6 @@ from kvstitch.core.anchors import DEFAULT_SINKS, REPEAT_PROMPT, AnchorSpec
 from .base import SelectionContext
 from .method import Selector, register
 
-REDUCES = ("max", "mean")
 DEFAULT_CRITICAL = 3  # blend/qcfuse_config.py: DEFAULT_CRITICAL_LAYERS
 ANCHOR_RATIO = 0.1  # blend/qcfuse_config.py: DIGEST_RATIO
 FALLBACK_DEPTH = 0.55  # QCFuse's published top-3 critical layers sit at 0.47-0.61 of the depth (mean 0.55)
@@ -82,12 +81,10 @@ class QCFuse(Selector):
     anchor_ratio: float = ANCHOR_RATIO
     n_sink: int = DEFAULT_SINKS
     prompt: str = REPEAT_PROMPT
-    reduce: str = "max"  # over query heads and question tokens, per critical layer
+    reduce: Literal["max", "mean"] = "max"  # over query heads and question tokens, per critical layer
 
     def __post_init__(self):
         super().__post_init__()
-        if self.reduce not in REDUCES:
-            raise BadMethodOption(f"{self.name}: reduce must be one of {', '.join(REDUCES)}, got {self.reduce!r}")
         if not isinstance(self.anchor_ratio, (int, float)) or not 0.0 < self.anchor_ratio <= 1.0:
             raise BadMethodOption(f"{self.name}: anchor_ratio must be in (0, 1], got {self.anchor_ratio!r}")
         if isinstance(self.n_critical, bool) or not isinstance(self.n_critical, int) or self.n_critical < 1:
@@ -138,6 +135,11 @@ class QCFuse(Selector):
         return keep.to(ctx.device)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
+        return torch.stack(list(self.layer_scores(ctx).values())).mean(0)
+
+    def layer_scores(self, ctx: SelectionContext) -> dict[int, torch.Tensor]:
+        """{critical layer: [n_context]} each layer's score (`score` is their mean): deltaprop's
+        ``fusion="union"``."""
         layers, rule = self.layer_choice(ctx)
         ctx.stats.update(qcfuse_critical_layers=layers, qcfuse_layer_rule=rule, qcfuse_anchor_ratio=self.anchor_ratio)
         kvs = ctx.chunk_kvs(anchors=self.chunk_anchors())
@@ -145,7 +147,7 @@ class QCFuse(Selector):
         ctx.stats["qcfuse_anchors"] = int(keep[0, 0, ctx.layout.context_start:ctx.layout.context_end].sum())
         queries = anchor_probe(ctx, keep, max(layers))
         per_layer = critical_scores(ctx, ctx.cache, queries, layers, self.reduce)
-        return torch.stack([per_layer[i] for i in layers]).mean(0)
+        return {i: per_layer[i] for i in layers}
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
-"""The pieces of the server that its routers share (kept apart from `server` so routers import them
-without an import cycle): OpenAI-shaped errors, a job for the engine worker, the queue-full signal."""
+"""The pieces of the server that its parts share (kept apart so they import them without an import cycle):
+OpenAI-shaped errors, a job for the engine worker, the queue-full signal."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvstitch.core.errors import InputError
 
 if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
@@ -29,6 +31,11 @@ class ApiError(Exception):
         from fastapi.responses import JSONResponse
 
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def input_error(e: InputError) -> ApiError:
+    """An `InputError` as a 400: its type sets `code` and `param` (`kvstitch.core.errors`), never its message."""
+    return ApiError(400, str(e), code=e.code, param=e.param)
 
 
 @dataclass

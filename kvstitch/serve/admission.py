@@ -1,4 +1,5 @@
-"""The KV memory of a serving worker's requests in flight: one byte budget shared by all of them.
+"""The server's admission budget: one byte budget for the K/V of every request in flight (not the paged
+pool of a sparse decoder, `kvstitch.decode.pool`, whose bytes it counts).
 
 A worker admits a request only when the K/V it can ever hold fits under the limit: its prompt plus its
 ``max_new_tokens`` answer tokens, in every layer (the stitched cache of a dense request, or the paged host
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+import torch
 
 from kvstitch.core.errors import InputError
 
@@ -49,6 +52,15 @@ class KVShape:
         kv = pages * page_size * self.token_bytes
         boxes = pages * self.num_layers * self.num_kv_heads * 2 * self.head_dim * 4
         return copies * (kv + boxes)
+
+
+def kv_shape(engine) -> KVShape | None:
+    """The engine's per-token K/V size (None for an engine without a model adapter: no pool accounting)."""
+    ad = getattr(engine, "adapter", None)
+    dtype = getattr(engine, "dtype", None)
+    if ad is None or dtype is None:
+        return None
+    return KVShape(ad.num_layers, ad.num_kv_heads, ad.head_dim, torch.empty(0, dtype=dtype).element_size())
 
 
 class KVPool:
