@@ -19,7 +19,7 @@ from pathlib import Path
 def table(rows: list[dict], answers: dict[str, list[str]]) -> str:
     from kvstitch.eval.rows import bootstrap_mean_ci, fmt_ci, ratio_of_means
     from kvstitch.tasks.agreement import same_answer
-    from kvstitch.tasks.scoring import squad_correct
+    from kvstitch.tasks.grading import squad_correct
 
     full = {r["sample"]: r for r in rows if r["config"] == "full"}
     by = defaultdict(list)

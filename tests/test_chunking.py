@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstitch.core.chunking import chunk_directory, chunk_text
+from kvstitch.text.chunking import chunk_directory, chunk_text
 from kvstitch.core.errors import InputError
 
 

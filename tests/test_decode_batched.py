@@ -8,7 +8,7 @@ from kvstitch.decode import DECODE_POLICIES, make_decoder, paged_kernel
 from kvstitch.decode.batched import attend_batch
 from kvstitch.decode.policies import GROUP_REDUCES, get_policy
 from kvstitch.decode.recall import attention_recall
-from kvstitch.decode.scoring import bound_scores
+from kvstitch.decode.page_scores import bound_scores
 
 HQ, HKV, D, P = 6, 2, 8, 4
 SCALE = D ** -0.5

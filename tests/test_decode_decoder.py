@@ -5,7 +5,7 @@ import torch
 
 from kvstitch.decode import DECODE_POLICIES, decode_step_attention_recall, make_decoder
 from kvstitch.decode.pool import K, V
-from kvstitch.decode.scoring import observation_scores
+from kvstitch.decode.page_scores import observation_scores
 from kvstitch.core.errors import InputError
 
 HQ, HKV, D, P = 6, 2, 8, 4

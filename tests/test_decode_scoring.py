@@ -1,4 +1,4 @@
-"""Page bound, GQA observation scores, static permutation and online S (kvstitch.decode.scoring / static)."""
+"""Page bound, GQA observation scores, static permutation and online S (kvstitch.decode.page_scores / static)."""
 
 import math
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstitch.decode.policies import ArkValePolicy, QuestPolicy
-from kvstitch.decode.scoring import bound_scores, observation_probs, observation_scores
+from kvstitch.decode.page_scores import bound_scores, observation_probs, observation_scores
 from kvstitch.decode.static import online_static_ratio, pool_in_token_order, static_permutation
 
 

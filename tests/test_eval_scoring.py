@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvstitch.tasks.scoring import (SCORERS, aggregate, score, scorer_for, string_match_all,
+from kvstitch.tasks.grading import (SCORERS, aggregate, score, scorer_for, string_match_all,
                                     string_match_part)
 from kvstitch.tasks.tasks import TASKS, generate
 
@@ -55,7 +55,7 @@ def test_gold_answers_score_full_marks_and_empty_scores_zero(task):
 
 # ---- real QA: LongBench's qa_f1_score / SQuAD normalisation, on fixed examples computed by hand ----------
 
-from kvstitch.tasks.scoring import answer_correct, exact_match, normalize_answer, qa_f1  # noqa: E402
+from kvstitch.tasks.grading import answer_correct, exact_match, normalize_answer, qa_f1  # noqa: E402
 
 
 def test_normalize_answer_is_longbench_s():

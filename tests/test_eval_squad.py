@@ -12,7 +12,7 @@ from kvstitch.core.errors import InputError
 from kvstitch.eval.runner import EvalConfig, run_eval
 from kvstitch.tasks import squad
 from kvstitch.tasks.datasets import load_dataset, sample_range
-from kvstitch.tasks.scoring import squad_correct, squad_em, squad_f1
+from kvstitch.tasks.grading import squad_correct, squad_em, squad_f1
 
 from .conftest import make_tiny_engine
 

@@ -27,7 +27,7 @@ ALLOWED_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 # belongs to exactly one (the package root, `kvstitch/__init__.py`, is the public facade over all of them);
 # a module may import its own layer and the layers below, never one above.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundations", ["kvstitch.core", "kvstitch.models", "kvstitch.store", "kvstitch.tasks"]),
+    ("foundations", ["kvstitch.core", "kvstitch.models", "kvstitch.store", "kvstitch.tasks", "kvstitch.text"]),
     ("methods", ["kvstitch.select", "kvstitch.decode"]),
     ("engine", ["kvstitch.engine"]),
     ("applications", ["kvstitch.eval", "kvstitch.corpus", "kvstitch.serve", "kvstitch.bench"]),
@@ -44,6 +44,7 @@ SIBLING_DEPENDENCIES: dict[tuple[str, str], str] = {
     ("kvstitch.models", "kvstitch.core"): "the loader registers kvstitch's attention; errors",
     ("kvstitch.store", "kvstitch.core"): "stores hold ChunkKV and raise StoreError",
     ("kvstitch.tasks", "kvstitch.core"): "datasets raise InputError",
+    ("kvstitch.text", "kvstitch.core"): "chunking raises InputError",
     ("kvstitch.serve", "kvstitch.corpus"): "the server retrieves from indexed collections",
     ("kvstitch.eval", "kvstitch.serve"): "calibrate updates the server's TOML config (load_toml)",
     ("kvstitch.bench", "kvstitch.serve"): "the load test runs a real server",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstitch.select import make_selector
-from kvstitch.select.scoring import band_layers
+from kvstitch.select.attention_scores import band_layers
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 from .test_select_prophet import eager_suffix_attention, make_ctx, reference_scores, stitched_kv

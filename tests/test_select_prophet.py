@@ -7,7 +7,7 @@ import torch
 from kvstitch.core.attention import ATTN_IMPL
 from kvstitch.models import cache_kwargs
 from kvstitch.select import SelectionContext, make_selector, top_k_indices
-from kvstitch.select.scoring import group_mean, head_mean
+from kvstitch.select.attention_scores import group_mean, head_mean
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 

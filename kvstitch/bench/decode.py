@@ -15,7 +15,7 @@ length (``kvstitch bench decode``):
   all alike; ``tpot_vs_full`` is the ratio to `full` from that same pass.
 - **NIAH accuracy**: free greedy decode of ``n_niah`` samples with `full` and every (policy, budget),
   prompted and capped as ``kvstitch eval`` does (RULER's answer prefix; answer tokens + 8), scored with
-  the task's RULER scorer (``kvstitch.tasks.scoring``).
+  the task's RULER scorer (``kvstitch.tasks.grading``).
 
 Each sample is prefilled once (``method``, default full prefill); every decoder starts from that cache
 (`Engine.make_decoder` copies it to its host pool; `StitchCache.for_decoder` gives it a length-only cache)
@@ -292,7 +292,7 @@ def _niah(engine, plan: _Plan, s: _Sample, budgets: list[int], policies: list[st
           steps: _Steps) -> tuple[dict[tuple, list[float]], list[dict]]:
     """NIAH: free greedy decode of every sample with full and every (policy, sparse budget) ->
     (``{(policy, budget): scores}``, one prediction record per run). ``s``: the main sample, prefilled."""
-    from kvstitch.tasks.scoring import scorer_for
+    from kvstitch.tasks.grading import scorer_for
 
     score = scorer_for(task)
     niah: dict[tuple, list[float]] = {("full", None): []}

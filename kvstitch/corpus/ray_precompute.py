@@ -142,7 +142,7 @@ class RayPrecompute:
         """The folder's chunks as a request builds them, with the tokenizer alone (no model in the driver)."""
         from transformers import AutoTokenizer
 
-        from kvstitch.core.chunking import chunk_directory
+        from kvstitch.text.chunking import chunk_directory
         from kvstitch.models.loader import resolve_model
         from kvstitch.core.prompt import PromptBuilder
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kvstitch.core.bm25 import BM25, bm25_tokens  # noqa: F401  (re-exported: the collection's fallback)
+from kvstitch.text.bm25 import BM25, bm25_tokens  # noqa: F401  (re-exported: the collection's fallback)
 from kvstitch.core.errors import InputError, KVStitchError
 
 log = logging.getLogger("kvstitch.retrieval")
@@ -370,7 +370,7 @@ def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.P
 
     ``progress(done, total)`` is called after each precompute batch. Returns the saved collection, with
     ``meta["precompute"]`` = `precompute_chunks`' report."""
-    from kvstitch.core.chunking import chunk_directory
+    from kvstitch.text.chunking import chunk_directory
 
     check_collection_name(name)
     pairs = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)

@@ -37,7 +37,7 @@ from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, 
 from .policies import DecodePolicy, get_policy
 from .pool import K, V, DevicePool, HostPool, PageBounds, WorkingSet
 from .recall import RecallMeter, attention_recall, oracle_recall
-from .scoring import group_mean, observation_probs
+from .page_scores import group_mean, observation_probs
 from .static import online_static_ratio, pool_in_token_order, static_permutation
 from .transfer import BatchedTransfer
 

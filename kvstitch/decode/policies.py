@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from kvstitch.core.errors import BadDecodeOption, UnknownDecodePolicy
-from .scoring import bound_scores, box_scores, signed_query
+from .page_scores import bound_scores, box_scores, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
 GROUP_REDUCES = ("max", "mean", "sum", "softmax")

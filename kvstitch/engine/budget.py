@@ -212,7 +212,7 @@ def verification_chunks(engine, layout, m: int, by: str = "bm25", selected: torc
         owner = torch.bucketize(selected.cpu(), ends, right=True)
         scores = torch.bincount(owner, minlength=len(layout.chunk_ids))[layout.pinned:].float()
     else:
-        from kvstitch.core.bm25 import BM25
+        from kvstitch.text.bm25 import BM25
 
         question = layout.question or engine.tokenizer.decode(layout.suffix_ids, skip_special_tokens=True)
         texts = [engine.tokenizer.decode(layout.chunk_ids[i], skip_special_tokens=True) for i in free]

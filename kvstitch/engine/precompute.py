@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from kvstitch.core.chunk import ChunkKV
-from kvstitch.core.chunking import chunk_directory
+from kvstitch.text.chunking import chunk_directory
 from kvstitch.core.anchors import AnchorSpec, anchor_scores
 from kvstitch.core.prompt import PromptBuilder
 from kvstitch.store.codec import roundtrip
@@ -224,8 +224,8 @@ def precompute_texts(engine: ChunkComputer, texts: list[str], chunk_tokens: int 
                      batch_size: int = 8, progress: bool = True, anchors: AnchorSpec | None = None) -> PrecomputeReport:
     """Cache passages ahead of the questions. ``chunk_tokens`` None: each text is one chunk, exactly as
     ``generate(chunks=texts)`` will use it; else each text is a document split into chunks of about that many
-    tokens (`kvstitch.core.chunking.chunk_text`, as `kvstitch precompute` does)."""
-    from kvstitch.core.chunking import chunk_text
+    tokens (`kvstitch.text.chunking.chunk_text`, as `kvstitch precompute` does)."""
+    from kvstitch.text.chunking import chunk_text
     from kvstitch.core.prompt import check_chunks
 
     texts = check_chunks(texts)

@@ -48,7 +48,7 @@ from kvstitch.tasks.agreement import agreeing_prefix, first_token_agree, first_w
 from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
 from .report import write_reports
 from .rows import REFERENCES, ROW_KEY, norm_ratio, sample_key, append_jsonl, read_jsonl
-from kvstitch.tasks.scoring import (abstains, answer_correct, exact_match, qa_f1, scorer_for, squad_correct, squad_em,
+from kvstitch.tasks.grading import (abstains, answer_correct, exact_match, qa_f1, scorer_for, squad_correct, squad_em,
                                      squad_f1)
 
 from kvstitch.tasks.haystack import resolve_haystack

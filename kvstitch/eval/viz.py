@@ -99,7 +99,7 @@ def selection_picture(engine, question: str, chunks: list[str], methods: list[st
                       answer_prefix: str | None = None, with_answers: bool = True,
                       max_new_tokens: int = 24) -> Picture:
     """Selections (and scores, answers) of `methods` on one prompt."""
-    from kvstitch.tasks.scoring import scorer_for
+    from kvstitch.tasks.grading import scorer_for
     from .selection import oracle_sets, select_tokens
     from kvstitch.core.prompt import with_answer_prefix
     from kvstitch.select import check_methods

@@ -35,7 +35,7 @@ from kvstitch.core.attention import ForwardPlan, attention_probs
 from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext
 from .method import Selector, register
-from .scoring import group_mean, head_mean
+from .attention_scores import group_mean, head_mean
 
 
 @register

@@ -57,7 +57,7 @@ from kvstitch.core.prompt import PromptLayout
 from .base import SelectionContext
 from .method import Selector, register
 from .grouping import grouped_top_k
-from .scoring import head_mean
+from .attention_scores import head_mean
 
 # ---- character spans ----------------------------------------------------------------------------
 def _decode(tok, ids) -> str:

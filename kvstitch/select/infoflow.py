@@ -47,7 +47,7 @@ from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import BadMethodOption
 from .base import SelectionContext
 from .method import Selector, register
-from .scoring import band_layers, head_mean, layer_mean
+from .attention_scores import band_layers, head_mean, layer_mean
 
 
 @register

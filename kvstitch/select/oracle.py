@@ -25,7 +25,7 @@ import torch
 
 from .base import SelectionContext
 from .method import Selector, register
-from .scoring import layer_mean
+from .attention_scores import layer_mean
 
 
 @register

@@ -20,7 +20,7 @@ import torch
 
 from .base import SelectionContext
 from .method import Selector, register
-from .scoring import head_mean, layer_mean
+from .attention_scores import head_mean, layer_mean
 
 
 @register

@@ -190,7 +190,7 @@ def anchor_probe(ctx: SelectionContext, keep: torch.Tensor, last_layer: int) -> 
 def probe_queries(ctx: SelectionContext, keep: torch.Tensor | None, last_layer: int) -> dict[int, torch.Tensor]:
     """Run the suffix through layers 0..``last_layer`` over ``ctx.cache``, attending only where ``keep``
     (None: everywhere) -> {layer: post-RoPE queries [Hq, |suffix|, d]}. The suffix's K/V go into the cache's
-    suffix slots (the recompute pass rewrites them; see `kvstitch.select.scoring`)."""
+    suffix slots (the recompute pass rewrites them; see `kvstitch.select.attention_scores`)."""
     lay = ctx.layout
     plan = ForwardPlan(capture_queries=lay.n_suffix, stop_after_layer=last_layer, key_keep=keep)
     ctx.run_pass(ctx.cache, lay.suffix_ids, torch.arange(lay.context_end, lay.n_total), plan)

@@ -5,7 +5,7 @@ with full prefill's answer (`agreement`).
 Only the light, dependency-free pieces are re-exported here; import `metrics` and `datasets` directly.
 """
 
-from .scoring import aggregate, score, scorer_for, string_match_all, string_match_part
+from .grading import aggregate, score, scorer_for, string_match_all, string_match_part
 from .tasks import TASKS, Sample, generate
 from .haystack import whitespace_tokens
 

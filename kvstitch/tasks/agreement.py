@@ -33,7 +33,7 @@ def first_words_agree(text: str, reference: str, words: int = WORDS) -> bool:
 def same_answer(text: str, reference: str) -> bool:
     """The same answer once SQuAD-normalised: the first lines equal after lower-casing and dropping
     punctuation, articles and extra spaces (a short answer judged by what it says, not how)."""
-    from .scoring import first_line, normalize_answer
+    from .grading import first_line, normalize_answer
 
     return normalize_answer(first_line(text)) == normalize_answer(first_line(reference))
 

@@ -14,7 +14,7 @@ CC BY 4.0: see ``kvstitch/data/datasets/NOTICE``). A record that is not one of t
 `InputError` naming the file and the record; nothing is guessed.
 
 The question carries CacheBlend's short-answer instruction (its ``query_prompt``), so answers are a few
-words and scored by LongBench's QA F1 (`kvstitch.tasks.scoring.qa_f1`) on the answer's first line.
+words and scored by LongBench's QA F1 (`kvstitch.tasks.grading.qa_f1`) on the answer's first line.
 """
 
 from __future__ import annotations

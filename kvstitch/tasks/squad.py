@@ -15,7 +15,7 @@ Questions are visited in one seeded permutation of the whole dev set (``SPLIT_SE
 
 SQuAD v2.0 adds unanswerable questions (empty ``answers``); their prompt asks the model to say
 ``unanswerable`` when the passages do not hold the answer, and a reply that does so is an abstention
-(`abstains`). Scored with SQuAD's official EM / F1 (`kvstitch.tasks.scoring.squad_em`, `squad_f1`) on the
+(`abstains`). Scored with SQuAD's official EM / F1 (`kvstitch.tasks.grading.squad_em`, `squad_f1`) on the
 answer's first line, an abstention counting as the empty answer.
 
 Data: the official dev sets v1.1 and v2.0 (Rajpurkar et al. 2016, 2018), CC BY-SA 4.0, vendored in
@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvstitch.core.errors import InputError
-from .scoring import UNANSWERABLE, abstains  # noqa: F401 (part of this module's API)
+from .grading import UNANSWERABLE, abstains  # noqa: F401 (part of this module's API)
 from .tasks import Sample
 
 FILES = {"squad": "squad-dev-v1.1.json.gz", "squad2": "squad-dev-v2.0.json.gz"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import InputError
+from kvstitch.core.errors import InputError
 
 _PARA = re.compile(r"\n[ \t]*\n\s*")
 # a unit ends after . ! ? or an ellipsis (optionally one closing quote/bracket) before spaces, or at a line break
