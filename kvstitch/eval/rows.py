@@ -251,3 +251,32 @@ def colour_cycle() -> list:
 def ratio_of_means(num: Iterable[Any], den: Iterable[Any]) -> float:
     n, d = mean_of(num), mean_of(den)
     return n / d if d and not math.isnan(n) and not math.isnan(d) else math.nan
+
+
+def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:
+    return {sample_key(r): float(r["nll"]) for r in rows if r.get("method") == "naive" and r.get("nll") is not None}
+
+
+def pooled_recovery(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> float:
+    """NLL-gap recovery pooled over samples: sum(NLL_naive - NLL_m) / sum(NLL_naive - NLL_full), each sample's
+    naive NLL from its `naive` row. Robust where the per-sample ratio explodes (a tiny naive-full gap)."""
+    num = den = 0.0
+    for r in rows:
+        nv = naive_nll.get(sample_key(r))
+        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
+            continue
+        num += nv - float(r["nll"])
+        den += nv - float(r["nll_full"])
+    return num / den if abs(den) > 1e-9 else math.nan
+
+
+def pooled_recovery_ci(rows: Sequence[dict], naive_nll: dict[tuple, float]) -> tuple[float, float]:
+    """95% bootstrap interval of `pooled_recovery` (samples resampled with their naive and full NLLs)."""
+    num, den = [], []
+    for r in rows:
+        nv = naive_nll.get(sample_key(r))
+        if nv is None or r.get("nll") is None or r.get("nll_full") is None:
+            continue
+        num.append(nv - float(r["nll"]))
+        den.append(nv - float(r["nll_full"]))
+    return bootstrap_ratio_ci([(num, den)])
