@@ -1,0 +1,439 @@
+"""One sample of an evaluation run: every (method, ratio) of it, one result row each.
+
+Per sample (one prompt layout, chunk caches precomputed once into the engine's store, untimed):
+
+1. ``full``: full prefill, greedy answer. Its answer ids are the teacher-forcing target T of every method.
+2. ``naive`` and every (method, ratio): one prefill with the method (timed: that is the TTFT, with the
+   engine's per-stage times), then one teacher-forced pass of T over the same cache -> next-token logits
+   ``[|T|, V]`` for KL(full || method) and the answer NLL. The greedy answer is read off that pass when its
+   argmax reproduces T token by token (greedy decoding then yields exactly T: every step conditions on the
+   same tokens); otherwise decoding resumes from the first divergence, reusing the K/V of the agreeing
+   prefix. So a method costs one prefill plus one |T|-token pass (plus the decode steps after a divergence)
+   instead of generate + answer_logits (two prefills + a full decode).
+3. Fidelity next to the task score: ``kl`` (mean over answer positions), ``kl_first`` (first token),
+   ``nll`` (nats/token of T), ``nll_recovery`` = (NLL_naive - NLL_m) / (NLL_naive - NLL_full) and
+   ``overlap`` = |S ∩ G| / |G| with G the ``oracle`` selection at the same budget (when `oracle` is
+   registered). Methods that reorder chunks (``infoflow_reorder``) have their indices mapped back to the
+   original token order first.
+4. What would redo the reference's full prefill reuses it (`SampleFullPrefill`): the oracles' exact context
+   and `auto`'s fallback get the same K/V and logits, and are charged its measured time.
+
+The run over all samples (resume, shards, progress, reports) is `eval/runner.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstitch.core.errors import InputError
+from kvstitch.engine.budget import AUTO
+from kvstitch.engine.engine import cpu_name
+from kvstitch.tasks.agreement import agreeing_prefix, first_token_agree, first_words_agree
+from kvstitch.tasks.grading import (abstains, answer_correct, exact_match, qa_f1, scorer_for, squad_correct, squad_em,
+                                     squad_f1)
+from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
+from kvstitch.tasks.tasks import Sample
+from .config import EvalConfig
+from .rows import REFERENCES
+from .selection import oracle_sets, select_tokens, to_original_order
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt
+# ---------------------------------------------------------------------------------------------------
+
+def sample_layout(engine, sample: Sample, answer_prefix: bool = True):
+    """The engine's layout for the sample; with `answer_prefix`, RULER's answer prefix is appended after the
+    assistant header (it belongs to the suffix, so query-driven selectors see it as part of the query)."""
+    from kvstitch.core.prompt import with_answer_prefix
+
+    layout = engine.layout(sample.question, sample.chunks)
+    return with_answer_prefix(layout, engine.tokenizer, sample.meta.get("answer_prefix") if answer_prefix else None)
+
+
+def answer_budget(engine, sample: Sample, cfg: EvalConfig) -> int:
+    if cfg.max_new_tokens is not None:
+        return cfg.max_new_tokens
+    if sample.meta.get("max_new_tokens"):  # real QA: a fixed cap (the gold answer's length says little)
+        return int(sample.meta["max_new_tokens"])
+    n = len(engine.tokenizer.encode(", ".join(sample.answers), add_special_tokens=False))
+    return max(8, n + cfg.answer_slack)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One (sample, method, ratio)
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class MethodRun:
+    method: str
+    ratio: float | None
+    tokens: list[int]  # greedy answer ids (EOS included when produced)
+    text: str
+    ttft_s: float
+    indices: torch.Tensor  # recomputed context indices, in the ORIGINAL token order
+    logits: torch.Tensor | None  # [|target|, V] teacher-forced on the target (None: no target)
+    stats: dict = field(default_factory=dict)
+    reused_tokens: int = 0  # answer tokens read off the teacher-forced pass (not decoded step by step)
+
+
+# Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
+# compute once per sample for all ratios: the oracles run a full prefill to score.
+SCORE_CACHED = ("oracle", "oracle_ideal")
+# Methods that keep chunk caches of their own (CacheClip's auxiliary model): warmed with the store, untimed.
+OWN_CHUNK_CACHES = ("cacheclip",)
+
+
+class SampleFullPrefill:
+    """The sample's full prefill (the reference row's), kept for what would compute the very same thing again:
+    the oracles' exact context K/V and `auto`'s fallback to full prefill. Same prompt, same computation, so the
+    same K/V and logits; the time it took is charged to whoever reuses it, so TTFTs stay what a lone request
+    measures. The engine's full prefills reach it only inside `recording` / `replaying` (its ``full_prefill``
+    hook, `Engine.hooked`)."""
+
+    def __init__(self, engine, layout):
+        self.engine, self.layout = engine, layout
+        self.cache = self.logits = None
+        self.seconds = 0.0
+        self.charged = 0.0  # reused seconds not yet charged (`take_charge`)
+
+    def _same(self, layout, plan, logits_to_keep) -> bool:
+        return layout is self.layout and plan is None and logits_to_keep == 1
+
+    def recording(self):
+        """Keep the sample's full prefill as the engine computes it."""
+
+        def full_prefill(layout, extra, plan, logits_to_keep, compute):
+            t0 = time.perf_counter()
+            cache, logits = compute(layout, extra, plan, logits_to_keep)
+            if self._same(layout, plan, logits_to_keep):
+                self.cache, self.logits, self.seconds = cache, logits, time.perf_counter() - t0
+            return cache, logits
+
+        return self.engine.hooked(full_prefill=full_prefill)
+
+    def replaying(self):
+        """Hand the kept full prefill to whatever asks the engine for the same one (charging its time)."""
+
+        def full_prefill(layout, extra, plan, logits_to_keep, compute):
+            if (self.cache is None or not self._same(layout, plan, logits_to_keep)
+                    or self.cache.layers[0].capacity < layout.n_total + extra):
+                return compute(layout, extra, plan, logits_to_keep)
+            self.cache.truncate(layout.n_total)  # drop the answer a previous user decoded into it
+            self.charged += self.seconds
+            return self.cache, self.logits
+
+        return self.engine.hooked(full_prefill=full_prefill)
+
+    def take_charge(self) -> float:
+        charged, self.charged = self.charged, 0.0
+        return charged
+
+
+def _score_memo(method: str, cache: dict | None, full: SampleFullPrefill | None = None):
+    """A score hook (`EngineHooks.score`) memoising the scores of `SCORE_CACHED` methods without options in
+    `cache` (per sample); they score over the sample's full prefill (``full``) instead of prefilling the
+    context again. -> (the hook, or None for other methods; a function giving the scoring time reused,
+    0.0 when everything was computed here: the caller charges it)."""
+    saved = [0.0]
+    if cache is None or method not in SCORE_CACHED:
+        return None, lambda: saved[0]
+
+    def score(selector, ctx, compute):
+        if method in cache:
+            scores, dt = cache[method]
+            saved[0] = dt
+            return scores
+        reused = 0.0
+        if full is not None and full.cache is not None and hasattr(selector, "exact_cache"):
+            selector.exact_cache, reused = full.cache, full.seconds
+        t0 = time.perf_counter()
+        scores = compute(ctx)
+        cache[method] = (scores, time.perf_counter() - t0 + reused)
+        saved[0] = reused
+        return scores
+
+    return score, lambda: saved[0]
+
+
+@torch.no_grad()
+def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens: int,
+               target: Sequence[int] | None = None, method_options: dict | None = None,
+               score_cache: dict | None = None, auto: dict | None = None,
+               full: SampleFullPrefill | None = None) -> MethodRun:
+    """Prefill with `method` (timed, = TTFT), teacher-force `target`, and produce the greedy answer (see the
+    module doc). With `target` None (the full-prefill reference itself), the answer is decoded normally.
+    ``full``: the sample's full prefill, reused (and its time charged) where the method would redo it."""
+    from kvstitch.select import make_selector
+
+    selector = make_selector(method, **(method_options or {}))
+    score_hook, cached_select_s = _score_memo(method, score_cache, full)
+    target_t = torch.zeros(0, dtype=torch.long) if target is None else torch.as_tensor(target, dtype=torch.long).flatten()
+    T = target_t.numel()
+    n = layout.n_total
+    t0 = time.perf_counter()
+    with full.replaying() if full is not None and not selector.full_prefill else nullcontext(), \
+            engine.hooked(score=score_hook) if score_hook is not None else nullcontext():
+        pre = engine.prefill(layout, method, 0.0 if ratio is None else ratio, max(max_new_tokens, T),
+                             selector=selector, auto=auto)
+    first = int(torch.argmax(pre.logits[-1]))
+    ttft = time.perf_counter() - t0
+    stats, cache, used = pre.stats, pre.cache, pre.layout
+    if full is not None and (fallback := full.take_charge()):  # `auto` fell back: the sample's full prefill
+        ttft += fallback
+        for k in ("fallback_s", "recompute_s"):
+            stats[k] = stats.get(k, 0.0) + fallback
+        stats["fallback_reused"] = True
+    if cached_select_s():  # scores reused from this sample's other ratio: charge their measured cost
+        ttft += cached_select_s()
+        stats["select_s"] = stats.get("select_s", 0.0) + cached_select_s()
+        stats["select_cached"] = True
+    order = list(used.order)
+    dplan = selector.decode_plan(engine, cache, used, stats)
+    tf_logits = engine.teacher_force(pre, target_t, dplan) if T else None
+
+    # greedy answer: as far as the teacher-forced argmax agrees with the target, it IS the greedy answer
+    tokens = [first]
+    k = 0
+    if T:
+        pred = tf_logits.argmax(dim=-1).tolist()
+        k = agreeing_prefix(pred, target_t.tolist())
+        if k == T:
+            tokens = target_t.tolist()
+        else:
+            tokens = target_t[:k].tolist() + [pred[k]]
+    reused = len(tokens)
+    if len(tokens) < max_new_tokens and not engine.finished(tokens):
+        cache.truncate(n + len(tokens) - 1)  # K/V of the agreeing target prefix are valid, drop the rest
+        pre.greedy = list(tokens)
+        tokens = list(engine.decode_tokens(pre, max_new_tokens, plan=dplan))
+    if T and k == T:
+        reused = T
+    for j in range(1, len(tokens)):  # base models stop at a line break (engine rule over the whole answer)
+        if engine.finished(tokens[:j]) and tokens[j - 1] not in engine.eos_ids:
+            tokens = tokens[:j]
+            break
+    if not T:  # the reference itself: logits of its own answer, teacher-forced in one pass like the others
+        target_t = torch.tensor(tokens, dtype=torch.long)
+        tf_logits = engine.teacher_force(pre, target_t, dplan)
+    text = engine.answer_text(tokens)
+    idx = to_original_order(pre.indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
+    stats.pop("order", None)
+    return MethodRun(method, ratio, tokens, text, ttft, idx, tf_logits, stats, reused)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One sample
+# ---------------------------------------------------------------------------------------------------
+
+def _clean(x: float | None) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+def _auto_fields(stats: dict) -> dict:
+    """What an adaptive budget did (`kvstitch.engine.budget`): rounds, convergence, signal, ratios per round."""
+    if "round_log" not in stats:
+        return {}
+    out = {"rounds": stats.get("rounds"), "converged": stats.get("converged"), "signal": _clean(stats.get("signal")),
+           "round_ratios": [r["ratio"] for r in stats["round_log"]]}
+    if "verify" in stats:  # the verification's short prompt (chunks, answer) and each round's verdict
+        out.update(verify=stats["verify"], round_verified=[r.get("verified") for r in stats["round_log"]])
+    return out
+
+
+def method_spec(label: str) -> str:
+    """A row's ``method_spec``: the canonical spec of its ``method`` label (every option spelled out that is not
+    at its default; ``method`` itself is what tables group by)."""
+    from kvstitch.select import make_selector
+
+    return make_selector(label).spec
+
+
+def _stage_fields(stats: dict) -> dict:
+    return {k: float(stats[k]) for k in ("chunk_load_s", "assemble_s", "select_s", "recompute_s") if k in stats}
+
+
+# what a method reports about how it ran (kept in its row): CacheClip's auxiliary model / self-guidance,
+# grouping's unspent budget, the layers InfoFlow / QCFuse scored with and why, the chunk store's precompute mode
+METHOD_STATS = ("cacheclip_aux", "cacheclip_self_guided", "selection_budget", "grouping_dropped",
+                "infoflow_layers", "infoflow_layer_rule", "precompute", "qcfuse_critical_layers",
+                "qcfuse_layer_rule", "qcfuse_anchor_ratio")
+
+
+def _method_fields(stats: dict) -> dict:
+    return {k: stats[k] for k in METHOD_STATS if k in stats}
+
+
+def _chunk_anchors(methods):
+    """The anchor pass the chunk caches need for ``methods`` (`Selector.chunk_anchors`; qcfuse), or None."""
+    from kvstitch.select import SELECTORS, make_selector
+
+    for m in sorted(methods):
+        spec = make_selector(m).chunk_anchors() if m in SELECTORS else None
+        if spec is not None:
+            return spec
+    return None
+
+
+def _oracle_registered() -> bool:
+    from kvstitch.select import methods
+
+    return "oracle" in methods()
+
+
+def sample_fields(sample: Sample, layout) -> dict:
+    """The fields every row of the sample shares (which sample, its prompt's size, the CPU it ran on)."""
+    meta = sample.meta
+    base = {"task": sample.task, "seed": meta.get("seed"), "index": meta.get("index"), "length": meta.get("length"),
+            "chunk_tokens": meta.get("chunk_tokens"), "depth": meta.get("depth"), "n_tokens": layout.n_context,
+            "prompt_tokens": layout.n_total, "n_chunks": len(layout.chunk_ids), "cpu": cpu_name()}
+    if meta.get("squad"):
+        base.update(qid=meta["qid"], gold_position=meta["gold_position"], n_passages=meta["n_passages"],
+                    answerable=meta["answerable"])
+    return base
+
+
+def precompute(engine, sample: Sample, layout, budget: int, methods: set[str]) -> float:
+    """Check the prompt fits the model, then precompute the chunk caches `methods` read (untimed for the
+    methods: the store is warm, as in RAG reuse), with qcfuse's offline anchor pass. -> seconds it took."""
+    limit = engine.adapter.max_positions
+    if layout.n_total + budget > limit:
+        raise InputError(f"{sample.task}#{sample.meta.get('index')}: prompt {layout.n_total} + {budget} tokens > "
+                         f"the model's {limit} positions")
+    t0 = time.perf_counter()
+    engine.chunk_kvs(layout, {}, anchors=_chunk_anchors(methods))
+    for m in methods & set(OWN_CHUNK_CACHES):  # their own (auxiliary) chunk caches, likewise
+        select_tokens(engine, layout, m, 0.5)
+    return time.perf_counter() - t0
+
+
+def run_reference(engine, layout, budget: int, full: SampleFullPrefill, full_row: dict | None) -> tuple[MethodRun, list[int]]:
+    """The full-prefill reference, recorded into `full`; its target ids are the logged ones on resume.
+    -> (its run, the target ids)."""
+    with full.recording():
+        if full_row is not None and full_row.get("answer_ids"):
+            target = [int(t) for t in full_row["answer_ids"]]
+            return run_method(engine, layout, "full", None, budget, target), target
+        ref = run_method(engine, layout, "full", None, budget)
+        return ref, ref.tokens
+
+
+class SampleRows:
+    """Builds the rows of one sample: grades an answer and measures its fidelity against the reference (its
+    target, logits and NLL; naive's NLL for the recovery; the oracle's set at the same budget for the overlap)."""
+
+    def __init__(self, engine, sample: Sample, layout, budget: int, precompute_s: float, ref: MethodRun,
+                 target: list[int], full: SampleFullPrefill, overlap: bool):
+        self.engine, self.sample, self.layout, self.budget = engine, sample, layout, budget
+        self.precompute_s, self.ref, self.target, self.full = precompute_s, ref, target, full
+        self.qa = bool(sample.meta.get("qa"))  # real QA (F1 + exact match), else the RULER task's string match
+        self.squad = bool(sample.meta.get("squad"))  # SQuAD's official EM / F1; v2.0 has unanswerable questions
+        self.scorer = squad_f1 if self.squad else qa_f1 if self.qa else scorer_for(sample.task)
+        self.base = sample_fields(sample, layout)
+        self.nll_full = answer_nll(ref.logits, torch.tensor(target))
+        self.nll_naive: float | None = None
+        self.runs: dict[tuple[str, float | None], MethodRun] = {}
+        self.has_oracle = overlap and _oracle_registered()
+        self.g_sets: dict[float, torch.Tensor] = {}
+
+    def reference_set(self, r: float | None) -> torch.Tensor | None:
+        if not self.has_oracle or r is None or r == AUTO or r <= 0:  # auto: no single budget to compare at
+            return None
+        if r not in self.g_sets:
+            if ("oracle", r) in self.runs:
+                self.g_sets[r] = self.runs[("oracle", r)].indices
+            else:
+                self.g_sets.update(oracle_sets(self.engine, self.layout, [r], exact_cache=self.full.cache))
+        return self.g_sets[r]
+
+    def grades(self, text: str) -> tuple[float, dict]:
+        """(score, the task's other grades: correct, and for real QA exact match / abstention)."""
+        answers = self.sample.answers
+        score = self.scorer(text, answers)
+        if self.squad:
+            return score, {"em": squad_em(text, answers), "correct": squad_correct(text, answers),
+                           "abstained": abstains(text)}
+        if self.qa:
+            return score, {"em": exact_match(text, answers), "correct": answer_correct(text, answers)}
+        return score, {"correct": score >= 1.0}
+
+    def row(self, run: MethodRun) -> dict:
+        logits_full, target, ref = self.ref.logits, self.target, self.ref
+        kl = kl_full_vs_method(logits_full, run.logits)
+        kl_first = kl_full_vs_method(logits_full[:1], run.logits[:1])
+        nll = answer_nll(run.logits, torch.tensor(target))
+        rec = None if self.nll_naive is None else nll_gap_recovery(self.nll_naive, nll, self.nll_full)
+        G = self.reference_set(run.ratio) if run.method not in REFERENCES else None
+        overlap = overlap_ratio(run.indices, G) if G is not None and G.numel() else None
+        extra = {"select_cached": True} if run.stats.get("select_cached") else {}
+        score, grades = self.grades(run.text)
+        extra.update(grades)
+        return {**self.base, **extra, "method": run.method, "method_spec": method_spec(run.method), "ratio": run.ratio,
+                "score": score,
+                "pred": run.text[:300], "answers": list(self.sample.answers), "recomputed": int(run.indices.numel()),
+                "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(self.nll_full),
+                "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
+                **_stage_fields(run.stats), **_method_fields(run.stats), "answer_tokens": len(target),
+                "max_new_tokens": self.budget, "reused_tokens": run.reused_tokens, "precompute_s": self.precompute_s,
+                # agreement with full prefill's own answer, and what it cost
+                "agree_words": first_words_agree(run.text, ref.text), "agree_first": first_token_agree(run.tokens, ref.tokens),
+                "ttft_full_s": ref.ttft_s, "ratio_used": _clean(run.stats.get("ratio_used")),
+                "recompute_cost": _clean(run.stats.get("recompute_cost")), **_auto_fields(run.stats)}
+
+
+def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]], done: dict[tuple, dict],
+                cfg: EvalConfig, on_row=None, on_start=None) -> list[dict]:
+    """Run the missing (method, ratio) combos `todo` of one sample; `done` maps (method, ratio) -> rows
+    already logged for it (their target / NLLs are reused on resume). -> new rows (also passed to
+    `on_row` as they complete)."""
+    layout = sample_layout(engine, sample, cfg.answer_prefix)
+    budget = answer_budget(engine, sample, cfg)
+    precompute_s = precompute(engine, sample, layout, budget, {m for m, _ in todo})
+    new_rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        new_rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    def start(m, r):
+        if on_start is not None:
+            on_start(sample, m, r)
+
+    # the reference: target ids, its logits and NLL
+    start("full", None)
+    full = SampleFullPrefill(engine, layout)  # kept for the oracles' scores and auto's fallback
+    ref, target = run_reference(engine, layout, budget, full, done.get(("full", None)))
+    rows = SampleRows(engine, sample, layout, budget, precompute_s, ref, target, full, cfg.overlap)
+    naive_row = done.get(("naive", None))
+    if naive_row is not None and naive_row.get("nll") is not None:
+        rows.nll_naive = float(naive_row["nll"])
+    pending_full = {**rows.row(ref), "answer_ids": list(target)} if ("full", None) in todo else None
+
+    # naive next: its NLL is the recovery baseline of every other row (and of full's own row)
+    if rows.nll_naive is None:
+        start("naive", None)
+        naive = run_method(engine, layout, "naive", None, budget, target)
+        rows.runs[("naive", None)] = naive
+        rows.nll_naive = answer_nll(naive.logits, torch.tensor(target))
+    if pending_full is not None:
+        pending_full["nll_recovery"] = _clean(nll_gap_recovery(rows.nll_naive, rows.nll_full, rows.nll_full))
+        emit(pending_full)
+    if ("naive", None) in todo:
+        emit(rows.row(rows.runs[("naive", None)]))
+
+    score_cache: dict = {}
+    for m, r in todo:
+        if m in REFERENCES:
+            continue
+        start(m, r)
+        run = run_method(engine, layout, m, r, budget, target, score_cache=score_cache, auto=cfg.auto, full=full)
+        rows.runs[(m, r)] = run
+        emit(rows.row(run))
+    return new_rows
