@@ -36,7 +36,7 @@ def table(rows: list[dict], answers: dict[str, list[str]]) -> str:
         agree = [float(bool(r["agree"])) for r in g]
         fell = sum(1 for r in g if r.get("ratio") == "auto" and (r.get("ratio_used") or 0) >= 1.0)
         speed = ratio_of_means([r["ttft_full_s"] for r in g], [r["ttft_s"] for r in g])
-        lines.append(f"| {cfg} | {len(g)} | {len(right)} | {fmt_ci(sum(kept) / max(1, len(kept)), bootstrap_mean_ci([kept]), 2)} | "
+        lines.append(f"| {cfg} | {len(g)} | {len(right)} | {fmt_ci(sum(kept) / len(kept), bootstrap_mean_ci([kept]), 2) if kept else '–'} | "
                      f"{fmt_ci(sum(same) / len(same), bootstrap_mean_ci([same]), 2)} | "
                      f"{sum(agree) / len(agree):.2f} | {fell} | {speed:.2f} |")
     return "\n".join(lines) + "\n"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import paged_kernel
-from .plan import PagePlan, plan_step
+from .plan import PagePlan
 from .pool import K, V
 
 
@@ -89,12 +89,7 @@ def attend_batch(decoders: list, layer: int, queries: list[torch.Tensor], scalin
 def _plan_rows(decoders: list, layer: int, queries: list[torch.Tensor], scaling: float) -> list[_Row]:
     rows = []
     for i, (dec, q) in enumerate(zip(decoders, queries)):
-        st = dec._layer(layer)
-        dec.scaling = scaling
-        if st.obs_q is not None:
-            dec._observe(st, q)
-        plan = plan_step(st.host.n_tokens, dec.page_size, dec.cap, st.front, dec.window,
-                         select_all=dec.policy.select_all(), sliding_window=st.sliding_window)
+        st, plan = dec.begin_step(layer, q, scaling)
         rows.append(_Row(i, dec, st, q, plan))
     return rows
 

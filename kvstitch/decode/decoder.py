@@ -224,13 +224,18 @@ class SparseDecoder:
         if st.device is not None:
             st.device.write_token(page, offset, k, v)
 
-    def _attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    def begin_step(self, layer: int, q: torch.Tensor, scaling: float):
+        """This layer's state and this step's page plan, the observation window updated with ``q`` (what the
+        lone attend and the batched one both do first) -> (state, plan)."""
         st = self._layer(layer)
         self.scaling = scaling
         if st.obs_q is not None:
             self._observe(st, q)
-        plan = plan_step(st.host.n_tokens, self.page_size, self.cap, st.front, self.window,
-                         select_all=self.policy.select_all(), sliding_window=st.sliding_window)
+        return st, plan_step(st.host.n_tokens, self.page_size, self.cap, st.front, self.window,
+                             select_all=self.policy.select_all(), sliding_window=st.sliding_window)
+
+    def _attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        st, plan = self.begin_step(layer, q, scaling)
         st.selected = self._select_pages(st, plan, q)
         if st.ws is not None:  # CPU: attend over the working set, updated in place (no per-step gather)
             ws = st.ws

@@ -1,0 +1,34 @@
+"""scripts/calibration_answers.py: answers kept and same answer per configuration of a calibrate run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "calibration_answers.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("calibration_answers", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(sample, config, pred, agree=False, ratio=0.1, used=0.1):
+    return {"sample": sample, "config": config, "pred": pred, "agree": agree, "ratio": ratio, "ratio_used": used,
+            "ttft_s": 1.0 if config != "full" else 4.0, "ttft_full_s": 4.0}
+
+
+def test_counts_kept_same_answer_and_fallbacks():
+    rows = [_row("s#0", "full", "Paris"), _row("s#1", "full", "1979"), _row("s#2", "full", "no idea"),
+            _row("s#0", "m@0.1", "paris.", agree=True), _row("s#1", "m@0.1", "1980"), _row("s#2", "m@0.1", "no idea"),
+            _row("s#0", "m@auto", "Paris", ratio="auto", used=1.0), _row("s#1", "m@auto", "1979", ratio="auto"),
+            _row("s#2", "m@auto", "x", ratio="auto")]
+    answers = {"s#0": ["Paris"], "s#1": ["1979"], "s#2": ["Rome"]}
+    t = _load().table(rows, answers)
+    fixed = next(line for line in t.splitlines() if line.startswith("| m@0.1 |"))
+    auto = next(line for line in t.splitlines() if line.startswith("| m@auto |"))
+    # full right on s#0, s#1; m@0.1 keeps s#0 only; same answer on s#0 and s#2 of 3
+    assert fixed.startswith("| m@0.1 | 3 | 2 | 0.50 [") and "| 0.67 [" in fixed and fixed.endswith("| 0 | 4.00 |")
+    assert auto.startswith("| m@auto | 3 | 2 | 1.00 [") and auto.endswith("| 1 | 4.00 |")
