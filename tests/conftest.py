@@ -8,12 +8,21 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# the cores are shared by the xdist workers: each gets its share (at most 2 threads)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
 
 from kvstitch import Engine  # noqa: E402
 from kvstitch.core.attention import ATTN_IMPL, register  # noqa: E402
 from kvstitch.models.loader import resolve_model  # noqa: E402
 from kvstitch.store import MemoryStore  # noqa: E402
+
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker a core, at most 4 (each worker loads the real models once)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
 
 SAMPLE_CHUNKS = [
     "Alice's house is in Paris. The summer festival had ten thousand visitors this year.",
