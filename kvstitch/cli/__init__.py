@@ -1,5 +1,6 @@
-"""The command line (typer): `app` is the ``kvstitch`` command (`main`); each subcommand lives in its own
-module (`eval`, `store`, `serve`, `retrieval`, `viz`, `calibrate`).
+"""The command line (typer): `app` is the ``kvstitch`` command (`main`); each larger subcommand lives in its
+own module (`demo`, `bench`, `eval`, `store`, `serve`, `retrieval`, `viz`, `calibrate`), the options several
+commands share in `options` and the helpers they share in `common`.
 
 `app` is looked up on first use, so ``python -m kvstitch.cli.eval`` runs its module without `main` having
 imported it first."""

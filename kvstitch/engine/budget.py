@@ -325,6 +325,19 @@ def _verify(engine, short: ShortPrompt, probe: Probe, accept: str, entry: dict, 
         else first_words_agree(entry["answer"], ref)
 
 
+def _short_prompt(engine, layout, auto: AutoBudget, ranking, first_k: int, n_probe: int,
+                  stats: dict) -> ShortPrompt:
+    """The verification's short prompt over ``auto.verify_chunks`` passages (by ``auto.verify_by``; "attention"
+    reads the first round's ``first_k`` selected tokens), its chunks and set-up time recorded in ``stats``."""
+    t0 = time.perf_counter()
+    chunks = verification_chunks(engine, layout, auto.verify_chunks, auto.verify_by,
+                                 ranking(first_k) if auto.verify_by == "attention" else None)
+    short = ShortPrompt(engine, layout, auto.verify_chunks, n_probe, chunks)
+    stats["verify"] = {"chunks": [layout.order[i] for i in short.chunks], "answer": None,
+                       "seconds": time.perf_counter() - t0}
+    return short
+
+
 def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, stats: dict, recompute_plan=None):
     """Run the rounds (module doc) -> `RoundsResult`, or None when the engine must fall back to full prefill.
     ``selector``: ranks the context (`Selector.ranking`); ``extra``: decode room after the prompt."""
@@ -339,7 +352,6 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         return None
     n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
     rounds = auto.rounds()
-    short: ShortPrompt | None = None
     if auto.verify_chunks and len(layout.chunk_ids) - layout.pinned <= auto.verify_chunks:
         # the short prompt would be the whole prompt
         stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
@@ -350,13 +362,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
                            precompute=engine.precompute_mode, chunks=kvs, score_hook=engine.hooks.score)
     ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
     layout, cache = ctx.layout, ctx.cache
-    if auto.verify_chunks:
-        t0 = time.perf_counter()
-        chunks = verification_chunks(engine, layout, auto.verify_chunks, auto.verify_by,
-                                     ranking(round(rounds[0] * n)) if auto.verify_by == "attention" else None)
-        short = ShortPrompt(engine, layout, auto.verify_chunks, n_probe, chunks)
-        stats["verify"] = {"chunks": [layout.order[i] for i in short.chunks], "answer": None,
-                           "seconds": time.perf_counter() - t0}
+    short = _short_prompt(engine, layout, auto, ranking, round(rounds[0] * n), n_probe, stats) \
+        if auto.verify_chunks else None
     plan = recompute_plan(ctx) if recompute_plan is not None else None
     c0, c1 = layout.context_start, layout.context_end
     # refresh mode restores the stitched K/V of earlier rounds' tokens before recomputing them again
