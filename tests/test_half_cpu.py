@@ -64,6 +64,7 @@ def test_upcast_linears_switches_only_half_precision_linears():
 
 
 def test_multiplies_natively_reads_the_cpus_features(monkeypatch):
+    monkeypatch.delenv("KVSTITCH_NATIVE_HALF", raising=False)
     cpu = torch.device("cpu")
     assert multiplies_natively(torch.float32, cpu)
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
@@ -76,6 +77,16 @@ def test_multiplies_natively_reads_the_cpus_features(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     assert not multiplies_natively(torch.bfloat16, cpu)  # private probes gone: assume emulated
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_the_environment_forces_either_path(monkeypatch, forced):
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: forced == "0", raising=False)  # the CPU says the opposite
+    monkeypatch.setenv("KVSTITCH_NATIVE_HALF", forced)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert multiplies_natively(dtype, torch.device("cpu")) is (forced == "1")
+    assert multiplies_natively(torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -13,9 +13,14 @@ the order of the float32 sum (measured: 1 element in 10^4 differs by one half-pr
 such CPUs. Weights stay in the half dtype (half the memory); only the layer being run is upcast, and only for
 inputs of at least `UPCAST_MIN_ROWS` tokens (one decode token is cheaper on the scalar kernel than converting the
 weight). GPUs and CPUs with native bf16 never take this path.
+
+``KVSTITCH_NATIVE_HALF=0`` takes it on any CPU (to reproduce, on an AVX512-BF16 machine, what an AVX2 machine
+runs) and ``=1`` never takes it; unset, the CPU's features decide.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +39,9 @@ def multiplies_natively(dtype: torch.dtype, device: torch.device) -> bool:
         return dtype == torch.float16 or torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False  # other accelerators (mps, xpu): not known to
+    forced = os.environ.get("KVSTITCH_NATIVE_HALF", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
     # torch.cpu's feature probes are private: where one is missing, assume no native support
     names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported") if dtype == torch.bfloat16 else ("_is_amx_fp16_supported",)
     probes = [getattr(torch.cpu, name, None) for name in names]
