@@ -14,6 +14,7 @@ import typer
 
 from kvstitch.core.errors import InputError
 from kvstitch.eval.runner import DEFAULT_TASKS, RESULTS, EvalConfig, parse_shard, run_eval
+from kvstitch.eval.config import parse_ratios
 
 
 def compare_command(
@@ -124,7 +125,8 @@ def eval_command(
                                                 "alpha_k=0.5)' (see `kvstitch methods`), or 'all': every method "
                                                 "and alias at its defaults (full and naive always run)"),
         exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
-        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
+        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget) or one auto "
+                                                   "spec, e.g. '0.1,auto(tol=0.05,verify_chunks=2)'"),
         auto_tol: Optional[float] = typer.Option(None, help="'auto': KL tolerance between rounds (default: AutoBudget)"),
         auto_max_ratio: Optional[float] = typer.Option(None, help="'auto': ceiling (1 = fall back to full prefill)"),
         auto_probe_tokens: Optional[int] = typer.Option(None, help="'auto': answer tokens compared between rounds"),
@@ -187,9 +189,8 @@ def eval_command(
         torch.set_num_threads(threads)
     try:
         lengths = [int(x) for x in _csv(length)]
-        ratio_list = [x.lower() if x.lower() == "auto" else float(x) for x in _csv(ratios)]
     except ValueError as e:
-        raise InputError(f"--length and --ratios take comma-separated numbers (or 'auto'): {e}") from None
+        raise InputError(f"--length takes comma-separated numbers: {e}") from None
     from kvstitch.engine.budget import AutoBudget
     from kvstitch.store import check_precompute
     from kvstitch.tasks.haystack import resolve_haystack
@@ -219,6 +220,7 @@ def eval_command(
     auto = {k: v for k, v in (("tol", auto_tol), ("max_ratio", auto_max_ratio), ("probe_tokens", auto_probe_tokens),
                               ("mode", auto_mode), ("schedule", sched), ("min_p", auto_min_p),
                               ("verify_chunks", auto_verify_chunks)) if v is not None} or None
+    ratio_list, auto = parse_ratios(ratios, auto)  # an auto spec in --ratios: its options join the flags'
     AutoBudget.of(auto)  # bad auto options fail before the model loads
     cfg = EvalConfig(tasks=_csv(tasks), lengths=lengths, methods=resolve_methods(methods, exclude), ratios=ratio_list,
                      n=20 if n is None else n, chunk_tokens=chunk_tokens, seed=seed, max_new_tokens=max_new_tokens,

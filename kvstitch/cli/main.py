@@ -126,7 +126,10 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         method: str = typer.Option("prophet", help="selection method, a spec: NAME or NAME(opt=value, ...), e.g. "
                                                    "'deltaprop(base=infoflow)' (see `kvstitch methods`)"),
         ratio: str = typer.Option("auto", help="recompute ratio in [0, 1], or 'auto' (rounds of growing budget "
-                                               "until the answer is stable; full prefill if it never is)"),
+                                               "until the answer is stable; full prefill if it never is), or an "
+                                               "auto spec such as 'auto(tol=0.05)'"),
+        decode: str = typer.Option("dense", "--decode", help="decode policy, a spec: dense, or a sparse one such "
+                                                             "as prkv, 'prkv(static_ratio=0.5,kv_budget=512)'"),
         guard: bool = typer.Option(False, "--guard", help="verify the answer against full prefill (costs a full "
                                                           "prefill; returns full prefill's answer if they differ)"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
@@ -146,10 +149,11 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         from kvstitch.serve.config import read_answer_settings
 
         settings, ctx = read_answer_settings(config), click.get_current_context()
-        given = {n for n in ("method", "ratio", "model") if ctx.get_parameter_source(n).name != "DEFAULT"}
+        given = {n for n in ("method", "ratio", "model", "decode") if ctx.get_parameter_source(n).name != "DEFAULT"}
         method = settings["method"] if "method" in settings and "method" not in given else method
         ratio = str(settings["ratio"]) if "ratio" in settings and "ratio" not in given else ratio
         model = settings["model"] if "model" in settings and "model" not in given else model
+        decode = settings["decode"] if "decode" in settings and "decode" not in given else decode
         auto = settings.get("auto")
     messages = None
     if system is not None or messages_file is not None:
@@ -186,11 +190,14 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         if not p.is_file():
             raise InputError(f"chunk file {str(p)!r} does not exist or is not a file")
         texts.append(p.read_text(encoding="utf-8", errors="replace"))
-    from kvstitch.engine.budget import parse_ratio
+    from kvstitch.decode import make_policy
+    from kvstitch.engine.budget import AutoBudget, ratio_value
     from kvstitch.select import check_method
 
-    ratio = parse_ratio(ratio)  # a bad value fails before the model loads
-    for m in (method, compare):  # and so does a bad method spec
+    ratio = ratio_value(ratio)  # a bad value fails before the model loads
+    auto = None if isinstance(ratio, AutoBudget) else auto  # an auto spec on the command line: its options
+    decode = make_policy(decode)  # and so does a bad decode policy
+    for m in (method, compare):  # and a bad method spec
         if m is not None:
             check_method(m)
     if messages is not None and not texts:  # plain chat: nothing to stitch
@@ -201,7 +208,7 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
     runs = [(method, ratio)] + ([(compare, ratio)] if compare else [])
     results = [eng.generate(question if messages is None else None, texts, method=m, recompute_ratio=r,
                             max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None,
-                            auto=auto)
+                            auto=auto, decode=decode)
                for m, r in runs]
     for res in results:  # each method under its label (a spec may hold brackets: escaped)
         console.print(f"[bold]{escape(res.method)}[/] ({_budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): "
@@ -244,7 +251,8 @@ def _budget_note(stats: GenerationStats) -> str:
 @app.command()
 @friendly_errors
 def demo(method: str = typer.Option("deltaprop", help="stitched method to compare with full prefill"),
-         ratio: str = typer.Option("auto", help="recompute ratio, or 'auto' (adaptive budget, the default)"),
+         ratio: str = typer.Option("auto", help="recompute ratio, or 'auto' (adaptive budget, the default), or "
+                                                "an auto spec such as 'auto(schedule=[0.1],verify_chunks=2)'"),
          auto_schedule: str = typer.Option(DEMO_AUTO["schedule"],
                                            help="'auto': the rounds' ratios, comma-separated"),
          auto_verify_chunks: int = typer.Option(DEMO_AUTO["verify_chunks"],
@@ -261,15 +269,17 @@ def demo(method: str = typer.Option("deltaprop", help="stitched method to compar
     full prefill of the question over its two best-matching passages), answers, the budget each used and TTFT
     side by side. The default setting was chosen on a calibration split (docs/results/demo/README.md)."""
     from kvstitch.core.errors import InputError
-    from kvstitch.engine.budget import AutoBudget, parse_ratio
+    from kvstitch.engine.budget import AutoBudget, ratio_value
     from kvstitch.tasks.agreement import first_words_agree
 
-    ratio = parse_ratio(ratio)
+    ratio = ratio_value(ratio)
     try:
         sched = tuple(float(x) for x in _csv(auto_schedule))
     except ValueError:
         raise InputError(f"--auto-schedule takes comma-separated ratios, e.g. 0.1 or 0.05,0.1; got {auto_schedule!r}") from None
     auto = AutoBudget.of({"schedule": sched, "verify_chunks": auto_verify_chunks})  # bad values fail before loading
+    if isinstance(ratio, AutoBudget):  # an auto spec ("auto(tol=0.05)"): its options, not the flags'
+        auto, ratio = ratio, "auto"
     data = json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())
     if questions is not None:
         if questions < 1:
@@ -393,8 +403,8 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
                     ratio: float = typer.Option(0.2), max_batch: int = typer.Option(16, help="the server's max_batch"),
                     serial: bool = typer.Option(True, help="also run the serial server (max_batch=1) at the "
                                                            "highest concurrency (dense decode)"),
-                    decode: str = typer.Option("full", help="comma-separated decode policies, each a sweep of its own "
-                                                            "(full or dense = dense decode; prkv, quest, ...)"),
+                    decode: str = typer.Option("dense", help="comma-separated decode policy specs, each a sweep of "
+                                                             "its own (dense; prkv, quest, 'prkv(static_ratio=0.5)')"),
                     context: Optional[int] = typer.Option(None, help="long-context mode: every request has documents "
                                                                      "of its own, about this many tokens, and wants "
                                                                      "max_tokens of answer"),
@@ -410,12 +420,13 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
     import torch
 
     from kvstitch.bench.ttft import write_results
-    from kvstitch.bench.serve import DENSE, bench_serve, serve_table
+    from kvstitch.bench.serve import bench_serve, serve_table
+    from kvstitch.select import split_specs
     from .store import parse_size
 
     _set_threads(threads)
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
-    policies = tuple(DENSE if p == "dense" else p for p in _csv(decode))
+    policies = tuple(split_specs(decode))
     eng = _load(model, store, dtype)
     rows = bench_serve(eng, _csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
                        tuple(_csv(methods)), ratio, max_batch, serial=serial, log=console.print, decode=policies,
@@ -467,8 +478,9 @@ def _policy_options(specs: list[str]) -> dict[str, dict]:
 def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (capped at the model's positions "
                                                            "- 256, and reported)"),
                      budget: str = typer.Option("256,512,1024", help="comma-separated KV budgets (tokens)"),
-                     policies: str = typer.Option("prkv,quest,snapkv,arkvale,shadowkv",
-                                                  help="comma-separated sparse decode policies (full always runs)"),
+                     policies: str = typer.Option("prkv,quest,snapkv,arkvale,shadowkv", "--policies", "--decode",
+                                                  help="comma-separated sparse decode policy specs, e.g. "
+                                                       "'prkv(static_ratio=0.5),quest' (dense always runs)"),
                      niah: int = typer.Option(5, help="NIAH samples scored per (policy, budget); 0 = none"),
                      niah_task: str = typer.Option("niah_multikey", help="RULER task of the samples"),
                      new_tokens: int = typer.Option(160, help="decode steps for recall / TPOT (> the refresh "
@@ -484,14 +496,15 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
                      threads: Optional[int] = ThreadsOpt, dtype: Optional[str] = DtypeOpt,
                      out: Path = typer.Option(Path("docs/results"), help="output directory"),
                      model: Optional[str] = ModelOpt) -> None:
-    """Sparse decode on a real model: attention recall, TPOT vs full and NIAH accuracy per policy and budget."""
+    """Sparse decode on a real model: attention recall, TPOT vs dense and NIAH accuracy per policy and budget."""
     from kvstitch.bench.ttft import write_results
     from kvstitch.bench.decode import bench_decode_model, decode_table
     from kvstitch.core.errors import InputError
+    from kvstitch.select import split_specs
 
     _set_threads(threads)
     try:
-        budgets, names = _csv_ints(budget), _csv(policies)
+        budgets, names = _csv_ints(budget), split_specs(policies)
     except ValueError:
         raise InputError(f"--budget takes comma-separated integers, got {budget!r}") from None
     options = _policy_options(policy_option or [])

@@ -12,7 +12,8 @@ from typing import Optional
 import typer
 
 from kvstitch.serve import server
-from kvstitch.engine.budget import parse_ratio
+from kvstitch.decode import make_policy
+from kvstitch.engine.budget import split_ratio
 from kvstitch.core.errors import InputError
 from kvstitch.corpus.retrieval import collections_root
 from kvstitch.select import check_method
@@ -66,13 +67,15 @@ def serve_command(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="model dtype: float32 (CPU default), bfloat16 (CUDA "
                                                               "default) or fast (bfloat16 where native, else float32)"),
     method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
-    ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
+    ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, 'auto' or an auto spec such as "
+                                                      "'auto(tol=0.05)' (per-request: 'ratio')"),
     auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "
                                                             "'{\"schedule\": [0.05, 0.1]}' (a config's [auto] table; "
                                                             "per-request: 'auto')"),
     guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
                                                                "prefill (disagreements in /metrics)"),
-    decode: str = typer.Option("full", "--decode", help="default decode policy (per-request: 'decode')"),
+    decode: str = typer.Option("dense", "--decode", help="default decode policy, a spec: dense, prkv, "
+                                                          "'prkv(static_ratio=0.5)' (per-request: 'decode')"),
     host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
     port: int = typer.Option(8000, "--port", help="port to bind"),
     max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
@@ -123,8 +126,8 @@ def serve_command(
     check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
-    ratio = parse_ratio(ratio)
-    auto_options = parse_auto_option(auto)
+    ratio, auto_options = split_ratio(ratio, parse_auto_option(auto))  # an auto spec carries its options
+    decode = make_policy(decode).spec
     from kvstitch.serve.security import api_keys_from, check_bind
     from .store import parse_size
 
