@@ -4,6 +4,7 @@ one forward (`Engine.decode_batch`); every batched answer equals the same reques
 import pytest
 import torch
 
+from kvstitch.decode import make_policy
 from kvstitch.engine.batch import DecodeStep
 from kvstitch.engine import GenerationRequest, GenerationResult
 
@@ -77,7 +78,8 @@ def test_batched_policy_equals_alone(engine, policy):
     results, tokens, sizes = drive(engine, reqs)
     for r, a, t in zip(results, alone, tokens):
         assert r.token_ids == a.token_ids == t and r.text == a.text
-        assert r.stats["batched_decode"] and r.stats["decode_policy"] == policy
+        fields = {k: v for k, v in POLICIES[policy].items() if k != "page_size"}  # page_size: the decoder's
+        assert r.stats["batched_decode"] and make_policy(r.stats["decode_policy"]) == make_policy(policy, **fields)
     assert max(sizes) == 4 and sizes[-1] == 1  # shared passes, and the longest request ended alone
     sel, ctx = results[-1].stats["decoder"]["mean_selected_tokens"], results[-1].stats["context_tokens"]
     assert sel < 0.6 * ctx  # the policy really selected: fewer tokens than the context
@@ -87,7 +89,7 @@ def test_mixed_policies_dense_and_cancellation_in_one_batch(engine):
     """Every policy and dense decode in the same passes; one request cancelled mid-answer leaves the others
     untouched; a request that ends early leaves the batch."""
     names = ["dense", *sorted(POLICIES)]
-    reqs = [_request(i, "full" if name == "dense" else name, 6 + 3 * (i % 4)) for i, name in enumerate(names)]
+    reqs = [_request(i, name, 6 + 3 * (i % 4)) for i, name in enumerate(names)]
     alone = [engine.run(r) for r in reqs]
     results, tokens, sizes = drive(engine, reqs, cancel={2: 3})
     assert results[2] == "cancelled" and tokens[2] == alone[2].token_ids[:3]

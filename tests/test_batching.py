@@ -37,7 +37,7 @@ def _alone(engine, body):
     return engine.generate(messages=body["messages"], chunks=body["documents"], method=body.get("method", "random"),
                            recompute_ratio=ratio, max_new_tokens=body["max_tokens"],
                            temperature=body.get("temperature", 0.0), top_p=body.get("top_p", 1.0),
-                           seed=body.get("seed", 0), decode=body.get("decode", "full"),
+                           seed=body.get("seed", 0), decode=body.get("decode", "dense"),
                            kv_budget=body.get("kv_budget"), guard=body.get("guard"))
 
 

@@ -147,14 +147,14 @@ def test_half_precision_pools_take_the_torch_path(monkeypatch):
 
 
 def test_diagnostic_rows_record_the_same_recall(path):
-    tw = Twins([("prkv", {}), ("quest", {}), ("full", {})], [50, 70, 90], seed=3)
+    tw = Twins([("prkv", {}), ("quest", {}), ("dense", {})], [50, 70, 90], seed=3)
     for dec in tw.ref + tw.bat:
         dec.diagnostic = True
     tw.run([6, 6, 6])
     for ref, bat in zip(tw.ref, tw.bat):
         a, b = ref.recall.steps(), bat.recall.steps()
         assert a.shape == b.shape and a.numel() and torch.allclose(a, b, atol=1e-5)
-    assert tw.bat[2].recall.mean() == pytest.approx(1.0)  # full attends everything
+    assert tw.bat[2].recall.mean() == pytest.approx(1.0)  # dense attends everything
 
 
 def test_rank_pages_equals_box_scores_row_by_row():
@@ -163,7 +163,7 @@ def test_rank_pages_equals_box_scores_row_by_row():
     g = torch.Generator().manual_seed(4)
     q = torch.randn(3, HKV, HQ // HKV, D, generator=g)
     boxes = [torch.randn(HKV, c, 2 * D, generator=g).abs() for c in (5, 9, 7)]
-    policies = [get_policy(p) for p in PAGED if p != "full"] + [get_policy("quest", group_reduce=r) for r in GROUP_REDUCES]
+    policies = [get_policy(p) for p in PAGED if p != "dense"] + [get_policy("quest", group_reduce=r) for r in GROUP_REDUCES]
     policies.append(get_policy("arkvale", kv_head_groups=2))
     for pol in policies:
         got = pol.rank_pages(q, boxes, [1, 2, 3], SCALE)

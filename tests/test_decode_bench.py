@@ -30,7 +30,7 @@ def test_bench_reports_every_policy_and_budget_with_consistent_recall():
     for r in rows:
         assert r["recall"] <= r["oracle_recall"] + 1e-6  # no selection beats the true top-k of its size
         assert r["attend_ms"] > 0 and r["latency_vs_full"] > 0
-        if r["budget"] == 600 or r["policy"] == "full":  # the budget covers 512 + 12 tokens: dense
+        if r["budget"] == 600 or r["policy"] == "dense":  # the budget covers 512 + 12 tokens: dense
             assert abs(r["recall"] - 1) < 1e-5 and r["max_abs_err_vs_dense"] < 1e-5
         else:
             assert 0 < r["recall"] < 1 and r["mean_selected_tokens"] <= 128 + 64  # k + the local window

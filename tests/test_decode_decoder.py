@@ -59,7 +59,7 @@ PAGED = sorted(set(DECODE_POLICIES) - {"shadowkv"})  # shadowkv: tests/test_deco
 
 
 def test_registry_has_the_six_policies():
-    assert set(DECODE_POLICIES) == {"full", "snapkv", "quest", "arkvale", "prkv", "shadowkv"}
+    assert set(DECODE_POLICIES) == {"dense", "snapkv", "quest", "arkvale", "prkv", "shadowkv"}
 
 
 @pytest.mark.parametrize("policy", PAGED)

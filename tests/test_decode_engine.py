@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvstitch import InputError
-from kvstitch.decode import DECODE_POLICIES
+from kvstitch.decode import DECODE_POLICIES, make_policy
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
@@ -19,7 +19,7 @@ def test_large_budget_equals_dense_decode(tiny_engine, policy):
     sparse = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="random", recompute_ratio=0.3,
                                   max_new_tokens=6, decode=policy, kv_budget=4096, decode_options=opts)
     assert sparse.token_ids == dense.token_ids
-    assert sparse.stats["decode_policy"] == policy
+    assert sparse.stats["decode_policy"] == make_policy(policy, **(opts or {})).spec  # what ran, options in it
 
 
 @pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)

@@ -22,7 +22,7 @@ def test_rows_for_every_policy_and_budget_and_dense_budget_recall_is_one(family,
     full_rank = {"shadowkv": {"rank": eng.adapter.num_kv_heads * eng.adapter.head_dim}}  # exact at 4096
     rows, meta = bench_decode_model(eng, context=320, budgets=[96, 4096], policies=POLICIES, n_niah=2,
                                     new_tokens=4, page_size=8, warmup=1, progress=False, policy_options=full_rank)
-    assert rows[0]["policy"] == "full" and rows[0]["budget"] is None
+    assert rows[0]["policy"] == "dense" and rows[0]["budget"] is None
     assert rows[0]["tpot_ms"] > 0 and rows[0]["niah_n"] == 2
     # a floor row per sparse budget (dense decode over k + window tokens), none for the dense budget
     assert [(r["budget"], r["policy"]) for r in rows[1:]] == (
@@ -96,7 +96,7 @@ def test_generate_diagnostic_option_reports_recall(tiny_engine):
         with pytest.raises(InputError, match=message):
             tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="full", decode="quest", kv_budget=96,
                                  decode_options=opts)
-    with pytest.raises(InputError, match="decode='full'"):
+    with pytest.raises(InputError, match="decode='dense'"):
         tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="full", decode_options={"diagnostic": True})
 
 
@@ -117,7 +117,7 @@ def test_cli_writes_json_and_markdown(tiny_model_dir, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [(row["policy"], row["budget"]) for row in data["rows"]] == [
-        ("full", None), ("floor", 96), ("prkv", 96), ("quest", 96), ("floor", 128), ("prkv", 128), ("quest", 128)]
+        ("dense", None), ("floor", 96), ("prkv", 96), ("quest", 96), ("floor", 128), ("prkv", 128), ("quest", 128)]
     assert data["meta"]["model_name"] == str(tiny_model_dir)
     assert data["meta"]["policy_options"] == {"prkv": {"group_reduce": "max", "static_ratio": 0.5}}
     md = (tmp_path / "bench_decode.md").read_text()

@@ -289,7 +289,7 @@ def test_serve_config_flags_over_env_over_file(monkeypatch, tmp_path):
     assert seen["load"]["dtype"] == "fast"  # the model dtype reaches Engine.load
     assert out.output.count("configuration (flag > env") == 1
     for part in ("port=9000 (env)", "ratio=0.5 (flag)", "method=random (file)", "api_key=<1 key> (file)",
-                 "decode=full (default)"):
+                 "decode=dense (default)"):
         assert part in out.output
     assert "file-key-123456" not in out.output
     cfg.write_text("prot = 1\n")

@@ -7,13 +7,13 @@ length (``kvstitch bench decode``):
   the decoder in diagnostic mode, and **oracle** recall: the best any selection of as many tokens could
   cover. Both are averaged over the layers that select (Gemma 3's sliding-window layers attend densely
   over their window, recall 1 by construction; `recall_per_layer` keeps every layer). Every policy is
-  teacher-forced with the tokens that dense (`full`) decode produces, so all see the same steps;
+  teacher-forced with the tokens that dense (`dense`) decode produces, so all see the same steps;
   **top1** is the share of those steps where the policy's greedy token equals dense decode's.
 - **TPOT**: the median time of one decode step (the whole model), in a separate pass without
-  diagnostics. Per budget, `full` (dense decode over the contiguous cache, what ``decode="full"`` does)
+  diagnostics. Per budget, `dense` (dense decode over the contiguous cache, what ``decode="dense"`` does)
   and every policy run in lockstep, alternating step by step (the order rotates), so machine noise hits
   all alike; ``tpot_vs_full`` is the ratio to `full` from that same pass.
-- **NIAH accuracy**: free greedy decode of ``n_niah`` samples with `full` and every (policy, budget),
+- **NIAH accuracy**: free greedy decode of ``n_niah`` samples with `dense` and every (policy, budget),
   prompted and capped as ``kvstitch eval`` does (RULER's answer prefix; answer tokens + 8), scored with
   the task's RULER scorer (``kvstitch.tasks.grading``).
 
@@ -36,12 +36,13 @@ from rich.progress import Progress
 
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import InputError
-from kvstitch.decode.policies import DECODE_POLICIES
+from kvstitch.decode.policies import is_dense, make_policy
 
 DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale", "shadowkv")
 DEFAULT_BUDGETS = (256, 512, 1024)
 DEFAULT_NEW_TOKENS = 160  # > T = 128: the static set is refreshed within the measured decode
 OBS_WINDOW = 64           # the local window (PRKV Sec. 5.1), also the observation window
+DENSE = "dense"           # the reference row: dense decode over the contiguous cache
 
 
 def _sync(device: torch.device) -> None:
@@ -68,14 +69,14 @@ def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method
         raise InputError("give at least one kv budget")
     for b in budgets:
         _positive_int("every kv budget", b)
-    policies = [p for p in dict.fromkeys(policies) if p != "full"]  # full (dense) is always the reference
-    unknown = [p for p in policies if p not in DECODE_POLICIES]
-    if unknown:
-        raise InputError(f"unknown decode policy {', '.join(map(repr, unknown))}; "
-                         f"known: {', '.join(sorted(DECODE_POLICIES))}")
+    # labels: canonical specs; dense is always the reference
+    policies = [p for p in dict.fromkeys(make_policy(p).spec for p in policies) if not is_dense(p)]
     if not policies:
-        raise InputError("give at least one sparse decode policy (full, the dense reference, always runs)")
-    extra = set(policy_options or {}) - set(policies)
+        raise InputError("give at least one sparse decode policy (dense, the reference, always runs)")
+    budgeted = [p for p in policies if make_policy(p).kv_budget is not None]
+    if budgeted:
+        raise InputError(f"{budgeted[0]!r} sets kv_budget: the bench sweeps the budgets (--budget), not the policy")
+    extra = set(policy_options or {}) - {make_policy(p).name for p in policies}
     if extra:
         raise InputError(f"policy options for {sorted(extra)}, which are not benchmarked")
     if task not in TASKS:
@@ -100,7 +101,8 @@ def _probe(engine, policy: str, budget: int, options: dict):
 
 
 def _options(policy: str, policy_options: dict | None, page_size: int | None) -> dict:
-    opts = dict((policy_options or {}).get(policy, {}))
+    """The decoder options of ``policy`` (a spec): the fields ``policy_options`` sets for its policy name."""
+    opts = dict((policy_options or {}).get(make_policy(policy).name, {}))
     if page_size is not None:
         opts["page_size"] = page_size
     return opts
@@ -224,7 +226,7 @@ class _Steps:
 
 def _reference(engine, s: _Sample, new_tokens: int, steps: _Steps) -> list[int]:
     """Dense greedy decode, EOS ignored (also warms the decode path up): the tokens every run is forced with."""
-    steps.stage("reference (full)")
+    steps.stage(f"reference ({DENSE})")
     cache, _ = s.runner(None, None, {})
     ref = [s.first]
     for _ in range(new_tokens):
@@ -235,14 +237,14 @@ def _reference(engine, s: _Sample, new_tokens: int, steps: _Steps) -> list[int]:
 
 def _time_steps(engine, s: _Sample, ref: list[int], budgets: list[int], policies: list[str], opts: dict,
                 new_tokens: int, warmup: int, steps: _Steps, on_top: int) -> dict[tuple, list[float]]:
-    """TPOT: per budget, full + the floor + every policy in lockstep (the order rotates step by step),
-    teacher-forced with the reference tokens -> ``{(policy or "full" or "floor", budget): step seconds
+    """TPOT: per budget, dense + the floor + every policy in lockstep (the order rotates step by step),
+    teacher-forced with the reference tokens -> ``{(policy or "dense" or "floor", budget): step seconds
     after warm-up}``. The floor is dense decode over ``budget + on_top`` tokens (`_Sample.floor_runner`)."""
     device = engine.device
     times: dict[tuple, list[float]] = {}
     for b in budgets:
         steps.stage(f"TPOT, budget {b}")
-        runners = {("full", None): s.runner(None, None, {}), ("floor", b): s.floor_runner(b + on_top, new_tokens + 1)}
+        runners = {(DENSE, None): s.runner(None, None, {}), ("floor", b): s.floor_runner(b + on_top, new_tokens + 1)}
         runners.update({(p, b): s.runner(p, b, opts[p]) for p in policies})
         names = list(runners)
         step_times = {name: [] for name in names}
@@ -290,12 +292,12 @@ def _recall(engine, s: _Sample, ref: list[int], budgets: list[int], policies: li
 def _niah(engine, plan: _Plan, s: _Sample, budgets: list[int], policies: list[str], n_niah: int, task: str,
           method: str, recompute_ratio: float, method_options: dict | None,
           steps: _Steps) -> tuple[dict[tuple, list[float]], list[dict]]:
-    """NIAH: free greedy decode of every sample with full and every (policy, sparse budget) ->
+    """NIAH: free greedy decode of every sample with dense and every (policy, sparse budget) ->
     (``{(policy, budget): scores}``, one prediction record per run). ``s``: the main sample, prefilled."""
     from kvstitch.tasks.grading import scorer_for
 
     score = scorer_for(task)
-    niah: dict[tuple, list[float]] = {("full", None): []}
+    niah: dict[tuple, list[float]] = {(DENSE, None): []}
     niah.update({(p, b): [] for b in budgets for p in policies})
     preds: list[dict] = []
     for i in range(n_niah):
@@ -310,7 +312,7 @@ def _niah(engine, plan: _Plan, s: _Sample, budgets: list[int], policies: list[st
         for key in niah:
             p, b = key
             steps.stage(f"NIAH {i + 1}/{n_niah}: {p}" + (f" @ {b}" if b else ""))
-            text = s_i.generate(None if p == "full" else p, b, plan.opts.get(p, {}), plan.caps[i])
+            text = s_i.generate(None if p == DENSE else p, b, plan.opts.get(p, {}), plan.caps[i])
             niah[key].append(score(text, answers))
             preds.append({"sample": i, "policy": p, "budget": b, "pred": text, "answers": answers,
                           "score": niah[key][-1]})
@@ -321,7 +323,7 @@ def _niah(engine, plan: _Plan, s: _Sample, budgets: list[int], policies: list[st
 
 def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], dense: list[int], n_max: int,
           times: dict, recall: dict, niah: dict, on_top: int) -> list[dict]:
-    """The `full` row, then per budget a `floor` row (sparse budgets) and one row per policy; what was not
+    """The `dense` row, then per budget a `floor` row (sparse budgets) and one row per policy; what was not
     measured is None."""
     def ms(ts: list[float]) -> float:
         return 1e3 * statistics.median(ts) if ts else math.nan
@@ -330,14 +332,14 @@ def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], 
         return statistics.mean(niah[key]) if niah.get(key) else math.nan
 
     base = {"context_tokens": s.layout.n_context, "prompt_tokens": s.n, "new_tokens": new_tokens}
-    full_all = [t for b in budgets if b not in dense for t in times[("full", b)]]
-    rows = [{"policy": "full", "budget": None, **base, "recall": 1.0, "oracle_recall": 1.0, "recall_min": 1.0,
+    full_all = [t for b in budgets if b not in dense for t in times[(DENSE, b)]]
+    rows = [{"policy": DENSE, "budget": None, **base, "recall": 1.0, "oracle_recall": 1.0, "recall_min": 1.0,
              "top1_agreement": 1.0, "tpot_ms": ms(full_all), "tpot_vs_full": 1.0 if full_all else math.nan,
-             "niah_acc": acc(("full", None)), "niah_n": len(niah[("full", None)]),
+             "niah_acc": acc((DENSE, None)), "niah_n": len(niah[(DENSE, None)]),
              "note": "dense decode over the contiguous cache (reference)"}]
     for b in budgets:
         if b not in dense:
-            tp, tf = ms(times[("floor", b)]), ms(times[("full", b)])
+            tp, tf = ms(times[("floor", b)]), ms(times[(DENSE, b)])
             rows.append({"policy": "floor", "budget": b, **base, "recall": None, "oracle_recall": None,
                          "recall_min": None, "top1_agreement": None, "tpot_ms": tp, "full_tpot_ms": tf,
                          "tpot_vs_full": tp / tf, "niah_acc": None, "niah_n": 0, "mean_selected_tokens": b + on_top,
@@ -350,7 +352,7 @@ def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], 
                            niah_n=0, note=f"budget + window >= {n_max} tokens (prompt + new tokens): dense; "
                                           f"TPOT and NIAH not run")
             else:
-                tp, tf = ms(times[(p, b)]), ms(times[("full", b)])
+                tp, tf = ms(times[(p, b)]), ms(times[(DENSE, b)])
                 row.update(tpot_ms=tp, full_tpot_ms=tf, tpot_vs_full=tp / tf, niah_acc=acc((p, b)),
                            niah_n=len(niah[(p, b)]), note="")
             rows.append(row)
@@ -364,7 +366,7 @@ def _add_bounds(engine, rows: list[dict], plan: _Plan, context: int) -> None:
 
     m = model_bytes(engine)
     for r in rows:
-        if r["policy"] == "full":
+        if r["policy"] == DENSE:
             continue
         if r["policy"] == "floor":
             cap = r["mean_selected_tokens"]
@@ -390,7 +392,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     ``n_niah``: NIAH samples (``task``, needle depths spread over [0, 1]); recall and TPOT use the
     middle one. ``page_size`` / ``policy_options`` (per policy: its fields) go to the decoders.
 
-    Returns (rows, meta): a `full` row (budget None) then one row per (budget, policy); what was not
+    Returns (rows, meta): a `dense` row (budget None) then one row per (budget, policy); what was not
     measured (TPOT / NIAH of a dense budget, NIAH with ``n_niah=0``) is None.
     """
     budgets, policies = _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task,
@@ -401,7 +403,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
 
     # work units: prefills, decode steps (reference, timing, recall) and NIAH runs (their answer cap each)
     n_budgets = len(budgets)
-    total = (len(samples) + new_tokens * (1 + n_budgets * (2 + 2 * len(policies)))  # timing: full, floor, policies
+    total = (len(samples) + new_tokens * (1 + n_budgets * (2 + 2 * len(policies)))  # timing: dense, floor, policies
              + sum(caps[:n_niah]) * (1 + n_budgets * len(policies)))
     with Progress(disable=not progress) as bar:
         steps = _Steps(bar, total)

@@ -12,7 +12,7 @@ The K/V stream imitates what makes long-context decode attention hard for page s
 
 `bench_policies_synthetic` decodes the same stream twice per budget with every policy in lockstep
 (alternating call by call, so a busy machine slows all alike): once in diagnostic mode for recall,
-once without for the per-step attend latency, reported as a ratio to `full` from the same pass.
+once without for the per-step attend latency, reported as a ratio to `dense` from the same pass.
 Run ``python -m kvstitch.bench.decode_synthetic`` for the default table (8192 context, budgets 256/512/1024).
 """
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kvstitch.decode.decoder import SparseDecoder, make_decoder
 from kvstitch.decode.recall import decode_step_attention_recall
 
-POLICIES = ("full", "snapkv", "quest", "arkvale", "prkv")
+POLICIES = ("dense", "snapkv", "quest", "arkvale", "prkv")
 
 
 @dataclass
@@ -166,7 +166,7 @@ def bench_policies_synthetic(context: int = 8192, budgets=(256, 512, 1024), poli
     """Recall and attend latency for every (policy, budget) on one synthetic stream.
 
     Per budget, two lockstep passes over the same stream: a diagnostic one (recall) and a timed one
-    (``full`` always runs in it, so latency ratios come from the same run). One row per (policy, budget):
+    (``dense`` always runs in it, so latency ratios come from the same run). One row per (policy, budget):
     ``recall`` (mean over steps, layers, query heads), ``oracle_recall`` (ground-truth top-k with as many
     tokens), ``recall_min``, ``recall_after_switch`` (steps looking for needle B), ``attend_ms`` (median
     per step over all layers, after ``warmup`` steps), ``latency_vs_full``, ``latency_vs_sdpa`` (torch SDPA
@@ -178,12 +178,12 @@ def bench_policies_synthetic(context: int = 8192, budgets=(256, 512, 1024), poli
     stream = synthetic_stream(context, steps, num_layers=num_layers, num_q_heads=num_q_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, obs_window=obs_window, seed=seed)
     switch = math.ceil(3 / 8 * steps)
-    timed_policies = dict.fromkeys(("full", *policies))
+    timed_policies = dict.fromkeys(("dense", *policies))
     rows = []
     for budget in budgets:
         timed = {p: _prefilled(stream, p, budget, page_size, device, policy_kwargs) for p in timed_policies}
         times = _lockstep(stream, timed, device, sdpa=True)
-        full_ms, sdpa_ms = (1e3 * statistics.median(times[name][warmup:]) for name in ("full", "sdpa"))
+        full_ms, sdpa_ms = (1e3 * statistics.median(times[name][warmup:]) for name in ("dense", "sdpa"))
         decoders = {p: timed[p] for p in policies}
         if recall:
             decoders = {p: _prefilled(stream, p, budget, page_size, device, policy_kwargs) for p in policies}

@@ -13,7 +13,7 @@ requests per packed recompute pass / per batched decode pass during the row (the
 
 Long contexts and sparse decode: with ``context`` every request has documents of its own (a RULER-style
 sample of ``context`` tokens, seeded by the request's index, so nothing is shared across requests) and asks
-for a long answer of ``max_tokens``; with several ``decode`` policies (``full`` is dense decode) each runs
+for a long answer of ``max_tokens``; with several ``decode`` policies (``dense``, or sparse specs) each runs
 the whole concurrency sweep on a server of its own, and its answers are compared with the same request
 decoded alone *with that policy* (its concurrency-1 row when the sweep has one). Such rows add the decode
 side: TPOT p50/p95 (client side: the time between the first and the last streamed token over the tokens
@@ -33,6 +33,7 @@ import statistics
 import threading
 import time
 
+from kvstitch.decode.policies import is_dense, make_policy
 from .ttft import context_of_length
 from kvstitch.engine.precompute import ensure_chunks
 
@@ -60,7 +61,7 @@ def request_mix(engine, n_requests: int, docs: int = 8, doc_tokens: int = 256, d
 
 LONG_QUESTION = ("Go through the passages one by one and, for each, write a detailed paragraph on what it says, "
                  "quoting every number it mentions.")
-DENSE = "full"  # the server's name for dense decode
+DENSE = "dense"  # the server's name for dense decode (rows written before it say "full": `is_dense` reads both)
 
 
 def long_context_mix(engine, n_requests: int, context: int, doc_tokens: int = 256, max_tokens: int = 128,
@@ -255,7 +256,8 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
     if not concurrency or min(concurrency) < 1:
         raise InputError(f"concurrency levels must be positive, got {concurrency}")
     if not decode:
-        raise InputError("name at least one decode policy (full = dense)")
+        raise InputError("name at least one decode policy (dense, or a sparse one such as prkv)")
+    decode = tuple(dict.fromkeys(make_policy(p).spec for p in decode))  # rows are labelled by canonical spec
     if context is not None:
         bodies = long_context_mix(engine, n_requests, context, doc_tokens, max_tokens, methods, ratio)
     else:
@@ -286,7 +288,7 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
 
     rows = []
     for policy in decode:
-        todo = [b if policy == DENSE else {**b, "decode": policy, **({"kv_budget": kv_budget} if kv_budget else {})}
+        todo = [b if is_dense(policy) else {**b, "decode": policy, **({"kv_budget": kv_budget} if kv_budget else {})}
                 for b in bodies]
         with server(max_batch) as srv:
             alone = None
@@ -302,7 +304,7 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
                     alone = texts
                     row.update(answers_equal_alone=True, mismatches=0)  # it is the reference
                 rows.append(row)
-        if serial and max_batch > 1 and policy == DENSE:
+        if serial and max_batch > 1 and is_dense(policy):
             with server(1) as srv:
                 rows.append(measure(srv, "serial (max_batch=1)", policy, max(concurrency), todo, alone)[0])
             base = rows[-1]["completion_tokens_per_s"]
@@ -310,7 +312,7 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
                 if r["decode"] == policy and r["concurrency"] == max(concurrency) and base > 0:
                     r["speedup_vs_serial"] = r["completion_tokens_per_s"] / base
     _add_bounds(engine, rows, context or docs_per_request * doc_tokens, max_tokens, kv_budget)
-    dense = {r["concurrency"]: r for r in rows if r["decode"] == DENSE and r["server"].startswith("batched")}
+    dense = {r["concurrency"]: r for r in rows if is_dense(r["decode"]) and r["server"].startswith("batched")}
     for r in rows:
         d = dense.get(r["concurrency"])
         if d is not None:  # end to end (completion tokens/s) and decode alone (the decode passes' throughput)
@@ -328,7 +330,7 @@ def _add_bounds(engine, rows: list[dict], context: int, max_tokens: int, kv_budg
     caps: dict[str, int] = {}
     for r in rows:
         policy = r.get("decode", DENSE)
-        if policy == DENSE:
+        if is_dense(policy):
             continue
         if policy not in caps:
             caps[policy] = engine.new_decoder(policy, kv_budget).cap
@@ -338,7 +340,7 @@ def _add_bounds(engine, rows: list[dict], context: int, max_tokens: int, kv_budg
 
 
 def serve_table(rows: list[dict]) -> str:
-    sparse = any(r.get("decode", DENSE) != DENSE for r in rows)
+    sparse = any(not is_dense(r.get("decode", DENSE)) for r in rows)
     head = ("| server | decode | concurrency | requests | answered | req/s | completion tok/s | TTFT p50 (s) | "
             "TTFT p95 (s) | TPOT p50 (s) | TPOT p95 (s) | 429 rate | prefill batch | decode batch | equal to alone | "
             "vs serial |")

@@ -74,12 +74,13 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
     import torch
 
     from kvstitch.bench.ttft import write_results
-    from kvstitch.bench.serve import DENSE, bench_serve, serve_table
+    from kvstitch.bench.serve import bench_serve, serve_table
+    from kvstitch.select import split_specs
     from .store import parse_size
 
     set_threads(threads)
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
-    policies = tuple(DENSE if p == "dense" else p for p in csv_list(decode))
+    policies = tuple(split_specs(decode))
     eng = load_engine(model, store, dtype)
     rows = bench_serve(eng, csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
                        tuple(csv_list(methods)), ratio, max_batch, serial=serial, log=console.print, decode=policies,
@@ -143,14 +144,15 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
                      chunk_tokens: int = typer.Option(256), seed: int = typer.Option(0),
                      threads: Threads = None, dtype: Dtype = None, out: ResultsDir = RESULTS_DIR,
                      model: Model = None) -> None:
-    """Sparse decode on a real model: attention recall, TPOT vs full and NIAH accuracy per policy and budget."""
+    """Sparse decode on a real model: attention recall, TPOT vs dense and NIAH accuracy per policy and budget."""
     from kvstitch.bench.ttft import write_results
     from kvstitch.bench.decode import bench_decode_model, decode_table
     from kvstitch.core.errors import InputError
+    from kvstitch.select import split_specs
 
     set_threads(threads)
     try:
-        budgets, names = csv_ints(budget), csv_list(policies)
+        budgets, names = csv_ints(budget), split_specs(policies)
     except ValueError:
         raise InputError(f"--budget takes comma-separated integers, got {budget!r}") from None
     options = _policy_options(policy_option or [])

@@ -28,7 +28,8 @@ def calibrate_command(
                                                                       "specs, e.g. 'prophet,deltaprop(base=infoflow)'"),
     ratios: str = typer.Option("0.05,0.1,0.2,0.4", "--ratios", help="fixed recompute ratios to compare"),
     auto: Optional[list[str]] = typer.Option(None, "--auto", help="an auto setting to compare (repeatable): "
-                                             "'schedule=0.05/0.1,tol=0.01' or JSON; default: "
+                                             "'auto(schedule=[0.05,0.1],tol=0.01)', 'schedule=0.05/0.1,tol=0.01' "
+                                             "or JSON; default: "
                                              + "; ".join(DEFAULT_AUTOS)),
     target: float = typer.Option(0.9, "--target", help="agreement with full prefill the chosen setting must reach"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config to write the choice into (the file "

@@ -21,7 +21,8 @@ DEMO_AUTO = {"schedule": "0.1", "verify_chunks": 2}
 
 
 def demo_command(method: str = typer.Option("deltaprop", help="stitched method to compare with full prefill"),
-         ratio: str = typer.Option("auto", help="recompute ratio, or 'auto' (adaptive budget, the default)"),
+         ratio: str = typer.Option("auto", help="recompute ratio, or 'auto' (adaptive budget, the default), or "
+                                                "an auto spec such as 'auto(schedule=[0.1],verify_chunks=2)'"),
          auto_schedule: str = typer.Option(DEMO_AUTO["schedule"],
                                            help="'auto': the rounds' ratios, comma-separated"),
          auto_verify_chunks: int = typer.Option(DEMO_AUTO["verify_chunks"],
@@ -38,11 +39,13 @@ def demo_command(method: str = typer.Option("deltaprop", help="stitched method t
     full prefill of the question over its two best-matching passages), answers, the budget each used and TTFT
     side by side. The default setting was chosen on a calibration split (docs/results/demo/README.md)."""
     from kvstitch.core.errors import InputError
-    from kvstitch.engine.budget import AutoBudget, parse_ratio
+    from kvstitch.engine.budget import AutoBudget, ratio_value
     from kvstitch.tasks.agreement import first_words_agree
 
-    ratio = parse_ratio(ratio)
+    ratio = ratio_value(ratio)
     auto = AutoBudget.of({"schedule": parse_schedule(auto_schedule), "verify_chunks": auto_verify_chunks})  # bad values fail before loading
+    if isinstance(ratio, AutoBudget):  # an auto spec ("auto(tol=0.05)"): its options, not the flags'
+        auto, ratio = ratio, "auto"
     data = json.loads(resources.files("kvstitch").joinpath("data/samples/demo.json").read_text())
     if questions is not None:
         if questions < 1:

@@ -14,6 +14,7 @@ import typer
 
 from kvstitch.core.errors import InputError
 from kvstitch.eval.runner import DEFAULT_TASKS, RESULTS, EvalConfig, parse_shard, run_eval
+from kvstitch.eval.config import parse_ratios
 
 from .common import csv_list, parse_schedule
 from .options import DTYPE_HELP, Model, Store, Threads
@@ -137,7 +138,8 @@ def eval_command(
                                                 "alpha_k=0.5)' (see `kvstitch methods`), or 'all': every method "
                                                 "and alias at its defaults (full and naive always run)"),
         exclude: str = typer.Option("", help="methods to leave out of 'all' (e.g. cacheclip)"),
-        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget)"),
+        ratios: str = typer.Option("0.1,0.2", help="recompute ratios, and/or 'auto' (adaptive budget) or one auto "
+                                                   "spec, e.g. '0.1,auto(tol=0.05,verify_chunks=2)'"),
         auto_tol: AutoTol = None, auto_max_ratio: AutoMaxRatio = None, auto_probe_tokens: AutoProbeTokens = None,
         auto_mode: AutoMode = None, auto_schedule: AutoSchedule = None, auto_min_p: AutoMinP = None,
         auto_verify_chunks: AutoVerifyChunks = None,
@@ -186,13 +188,14 @@ def eval_command(
     console = Console(stderr=True)
     if threads:
         torch.set_num_threads(threads)
-    lengths, ratio_list = _lengths_and_ratios(length, ratios)
+    lengths = _lengths(length)
     check_precompute(precompute_mode)  # before the model loads
     records = _records(dataset, samples, n, passages, merge_passages, seed)
     shard_kn = parse_shard(shard)
     haystack = _haystack(haystack)
-    auto = _auto_options(tol=auto_tol, max_ratio=auto_max_ratio, probe_tokens=auto_probe_tokens, mode=auto_mode,
-                         schedule=auto_schedule, min_p=auto_min_p, verify_chunks=auto_verify_chunks)
+    ratio_list, auto = _auto_options(ratios, tol=auto_tol, max_ratio=auto_max_ratio, probe_tokens=auto_probe_tokens,
+                                     mode=auto_mode, schedule=auto_schedule, min_p=auto_min_p,
+                                     verify_chunks=auto_verify_chunks)
     cfg = EvalConfig(tasks=csv_list(tasks), lengths=lengths, methods=resolve_methods(methods, exclude),
                      ratios=ratio_list, n=20 if n is None else n, chunk_tokens=chunk_tokens, seed=seed,
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, overlap=overlap,
@@ -205,14 +208,13 @@ def eval_command(
     console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
 
 
-def _lengths_and_ratios(length: str, ratios: str) -> tuple[list[int], list]:
-    """``--length`` -> context lengths; ``--ratios`` -> recompute ratios, each a float or "auto"."""
+def _lengths(length: str) -> list[int]:
+    """``--length`` -> context lengths."""
     try:
         lengths = [int(x) for x in csv_list(length)]
-        ratio_list = [x.lower() if x.lower() == "auto" else float(x) for x in csv_list(ratios)]
     except ValueError as e:
-        raise InputError(f"--length and --ratios take comma-separated numbers (or 'auto'): {e}") from None
-    return lengths, ratio_list
+        raise InputError(f"--length takes comma-separated numbers: {e}") from None
+    return lengths
 
 
 def _records(dataset: Optional[str], samples: str, n: Optional[int], passages: Optional[int], merge: int,
@@ -241,18 +243,20 @@ def _haystack(name: str) -> str:
         raise InputError(str(e)) from None
 
 
-def _auto_options(tol: Optional[float], max_ratio: Optional[float], probe_tokens: Optional[int],
+def _auto_options(ratios: str, tol: Optional[float], max_ratio: Optional[float], probe_tokens: Optional[int],
                   mode: Optional[str], schedule: Optional[str], min_p: Optional[float],
-                  verify_chunks: Optional[int]) -> Optional[dict]:
-    """The 'auto' options given on the command line (None: none), checked by `AutoBudget` before the model loads."""
+                  verify_chunks: Optional[int]) -> tuple[list, Optional[dict]]:
+    """``--ratios`` -> the ratios (floats and/or "auto") and the 'auto' options: the flags', joined by those of an
+    auto spec in ``--ratios``; None: none. Checked by `AutoBudget` before the model loads."""
     from kvstitch.engine.budget import AutoBudget
 
     sched = parse_schedule(schedule) if schedule is not None else None
     auto = {k: v for k, v in (("tol", tol), ("max_ratio", max_ratio), ("probe_tokens", probe_tokens), ("mode", mode),
                               ("schedule", sched), ("min_p", min_p), ("verify_chunks", verify_chunks))
             if v is not None} or None
+    ratio_list, auto = parse_ratios(ratios, auto)
     AutoBudget.of(auto)
-    return auto
+    return ratio_list, auto
 
 
 def _command_line() -> str:

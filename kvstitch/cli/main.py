@@ -15,7 +15,7 @@ from kvstitch.core.errors import InputError
 
 from .bench import bench_app
 from .common import budget_note, console, friendly_errors, load_engine
-from .options import CollectionsDir, Dtype, Model, Store
+from .options import DECODE_DEFAULT, CollectionsDir, Decode, Dtype, Model, Store
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Stitched KV-cache reuse with selective recompute for long-context RAG.")
@@ -73,7 +73,9 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         method: str = typer.Option("prophet", help="selection method, a spec: NAME or NAME(opt=value, ...), e.g. "
                                                    "'deltaprop(base=infoflow)' (see `kvstitch methods`)"),
         ratio: str = typer.Option("auto", help="recompute ratio in [0, 1], or 'auto' (rounds of growing budget "
-                                               "until the answer is stable; full prefill if it never is)"),
+                                               "until the answer is stable; full prefill if it never is), or an "
+                                               "auto spec such as 'auto(tol=0.05)'"),
+        decode: Decode = DECODE_DEFAULT,
         guard: bool = typer.Option(False, "--guard", help="verify the answer against full prefill (costs a full "
                                                           "prefill; returns full prefill's answer if they differ)"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
@@ -84,14 +86,17 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
     """Answer QUESTION over passage files (--chunk) or the top-k chunks of an indexed collection (--collection).
     With --system or --messages the prompt is a conversation in the model's chat template (passages after the
     system prompt); without passages it is then a plain chat (full prefill)."""
-    from kvstitch.engine.budget import parse_ratio
+    from kvstitch.decode import make_policy
+    from kvstitch.engine.budget import AutoBudget, ratio_value
     from kvstitch.select import check_method
 
-    method, ratio, model, auto = _with_config(config, method, ratio, model)
+    method, ratio, model, decode, auto = _with_config(config, method, ratio, model, decode)
     messages, query = _conversation(question, system, messages_file, bool(chunk), bool(collection))
     texts = _passages(query, chunk or [], collection, top_k, store, collections_dir)
-    ratio = parse_ratio(ratio)  # a bad value fails before the model loads
-    for m in (method, compare):  # and so does a bad method spec
+    ratio = ratio_value(ratio)  # a bad value fails before the model loads
+    auto = None if isinstance(ratio, AutoBudget) else auto  # an auto spec on the command line: its options
+    decode = make_policy(decode)  # and so does a bad decode policy
+    for m in (method, compare):  # and a bad method spec
         if m is not None:
             check_method(m)
     if messages is not None and not texts:  # plain chat: nothing to stitch
@@ -102,7 +107,7 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
     runs = [(method, ratio)] + ([(compare, ratio)] if compare else [])
     results = [eng.generate(question if messages is None else None, texts, method=m, recompute_ratio=r,
                             max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None,
-                            auto=auto)
+                            auto=auto, decode=decode)
                for m, r in runs]
     for res in results:  # each method under its label (a spec may hold brackets: escaped)
         console.print(f"[bold]{escape(res.method)}[/] ({budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): "
@@ -111,21 +116,22 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         console.print(f"speedup of {method} over {compare}: {results[1].ttft_s / results[0].ttft_s:.2f}x TTFT")
 
 
-def _with_config(config: Optional[Path], method: str, ratio: str, model: Optional[str]):
-    """``ask --config``: the file's method, ratio and model where the command line gave none -> (method, ratio,
-    model, the file's auto options or None)."""
+def _with_config(config: Optional[Path], method: str, ratio: str, model: Optional[str], decode: str):
+    """``ask --config``: the file's method, ratio, model and decode policy where the command line gave none ->
+    (method, ratio, model, decode, the file's auto options or None)."""
     if config is None:
-        return method, ratio, model, None
+        return method, ratio, model, decode, None
     import click
 
     from kvstitch.serve.config import read_answer_settings
 
     settings, ctx = read_answer_settings(config), click.get_current_context()
-    given = {n for n in ("method", "ratio", "model") if ctx.get_parameter_source(n).name != "DEFAULT"}
+    given = {n for n in ("method", "ratio", "model", "decode") if ctx.get_parameter_source(n).name != "DEFAULT"}
     method = settings["method"] if "method" in settings and "method" not in given else method
     ratio = str(settings["ratio"]) if "ratio" in settings and "ratio" not in given else ratio
     model = settings["model"] if "model" in settings and "model" not in given else model
-    return method, ratio, model, settings.get("auto")
+    decode = settings["decode"] if "decode" in settings and "decode" not in given else decode
+    return method, ratio, model, decode, settings.get("auto")
 
 
 def _conversation(question: Optional[str], system: Optional[str], messages_file: Optional[Path], chunk: bool,

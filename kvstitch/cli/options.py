@@ -32,14 +32,18 @@ RESULTS_DIR = Path("docs/results")
 ResultsDir = Annotated[Path, typer.Option("--out", help="output directory")]
 
 # ---- decode policies -------------------------------------------------------------------------------------
-DECODE_DEFAULT = "full"
-Decode = Annotated[str, typer.Option("--decode", help="default decode policy (per-request: 'decode')")]
-DecodeSweep = Annotated[str, typer.Option("--decode", help="comma-separated decode policies, each a sweep of its own "
-                                                           "(full or dense = dense decode; prkv, quest, ...)")]
+DECODE_DEFAULT = "dense"
+Decode = Annotated[str, typer.Option("--decode", help="decode policy, a spec: dense, or a sparse one such as prkv, "
+                                                      "'prkv(static_ratio=0.5,kv_budget=512)'")]
+ServeDecode = Annotated[str, typer.Option("--decode", help="default decode policy, a spec: dense, prkv, "
+                                                           "'prkv(static_ratio=0.5)' (per-request: 'decode')")]
+DecodeSweep = Annotated[str, typer.Option("--decode", help="comma-separated decode policy specs, each a sweep of its "
+                                                           "own (dense; prkv, quest, 'prkv(static_ratio=0.5)')")]
 KvBudget = Annotated[Optional[int], typer.Option("--kv-budget", help="sparse decode's kv_budget (default: the "
                                                                      "server's)")]
-DecodePolicies = Annotated[str, typer.Option("--policies", help="comma-separated sparse decode policies (full always "
-                                                                "runs)")]
+DecodePolicies = Annotated[str, typer.Option("--policies", "--decode", help="comma-separated sparse decode policy "
+                                                                            "specs, e.g. 'prkv(static_ratio=0.5),quest' "
+                                                                            "(dense always runs)")]
 DecodeBudgets = Annotated[str, typer.Option("--budget", help="comma-separated KV budgets (tokens)")]
 PageSize = Annotated[Optional[int], typer.Option("--page-size", help="decoder page size (default 32, PRKV Sec. 5.1)")]
 PolicyOption = Annotated[Optional[list[str]], typer.Option(

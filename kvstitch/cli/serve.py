@@ -12,14 +12,15 @@ from typing import Optional
 import typer
 
 from kvstitch.serve import server
-from kvstitch.engine.budget import parse_ratio
+from kvstitch.decode import make_policy
+from kvstitch.engine.budget import split_ratio
 from kvstitch.core.errors import InputError
 from kvstitch.corpus.retrieval import collections_root
 from kvstitch.select import check_method
 from kvstitch.serve.config import SECRET, read_config
 from kvstitch.serve.security import SecurityConfig
 
-from .options import DECODE_DEFAULT, CollectionsDir, Decode, Dtype, Model, Store
+from .options import DECODE_DEFAULT, CollectionsDir, Dtype, Model, ServeDecode, Store
 
 
 # ---- --config and the effective configuration ---------------------------------------------------------
@@ -63,13 +64,14 @@ def serve_command(
     ctx: typer.Context,
     model: Model = None, store: Store = None, dtype: Dtype = None,
     method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
-    ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, or 'auto' (per-request: 'ratio')"),
+    ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, 'auto' or an auto spec such as "
+                                                      "'auto(tol=0.05)' (per-request: 'ratio')"),
     auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "
                                                             "'{\"schedule\": [0.05, 0.1]}' (a config's [auto] table; "
                                                             "per-request: 'auto')"),
     guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
                                                                "prefill (disagreements in /metrics)"),
-    decode: Decode = DECODE_DEFAULT,
+    decode: ServeDecode = DECODE_DEFAULT,
     host: str = typer.Option("127.0.0.1", "--host", help="interface to bind"),
     port: int = typer.Option(8000, "--port", help="port to bind"),
     max_queue: int = typer.Option(16, "--max-queue", help="waiting requests past which clients get 429"),
@@ -117,8 +119,8 @@ def serve_command(
     check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
-    ratio = parse_ratio(ratio)
-    auto_options = parse_auto_option(auto)
+    ratio, auto_options = split_ratio(ratio, parse_auto_option(auto))  # an auto spec carries its options
+    decode = make_policy(decode).spec
     security = _security(host, api_key, insecure, max_body, max_documents, max_request_tokens, cors_origin)
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
     if not 0.0 <= recall_sample <= 1.0:

@@ -43,6 +43,12 @@ class BadRatio(InputError):
     code, param = "invalid_request", "ratio"
 
 
+class BadAutoOption(InputError):
+    """Options the adaptive budget (``recompute_ratio="auto"``, `AutoBudget`) does not take, or values it refuses."""
+
+    code, param = "invalid_request", "auto"
+
+
 class PromptTooLong(InputError):
     """Prompt + new tokens exceed the model's positions (nothing is ever truncated)."""
 
@@ -56,7 +62,7 @@ class UnknownDecodePolicy(InputError):
 
 
 class BadDecodeOption(InputError):
-    """Options a decode policy does not take."""
+    """Options a decode policy does not take, or values it refuses."""
 
     code, param = "invalid_decode", "decode"
 

@@ -34,7 +34,7 @@ import torch
 from kvstitch.core.errors import InputError
 from .attention import biased_attention, grouped_attention
 from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
-from .policies import DecodePolicy, get_policy
+from .policies import DecodePolicy, make_policy, policy_budget
 from .pool import K, V, DevicePool, HostPool, PageBounds, WorkingSet
 from .recall import RecallMeter, attention_recall, oracle_recall
 from .page_scores import group_mean, observation_probs
@@ -458,23 +458,25 @@ def attend_rows(decoders: list["SparseDecoder"], layer: int, queries: list[torch
     return out
 
 
-def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int = 1024, *, num_layers: int,
+def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int | None = None, *, num_layers: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 32, device="cpu",
                  dtype: torch.dtype = torch.float32, device_pages: int | None = None,
                  scaling: float | None = None, window_in_budget: bool = False, offload: str = "auto",
                  op_threads: int | None = 1, **policy_kwargs) -> SparseDecoder:
-    """A `SparseDecoder` for a registered policy name (``policy_kwargs`` are the policy's fields, e.g.
-    ``static_ratio``, ``refresh_interval``, ``window``, ``sinks``) or a policy instance.
+    """A `SparseDecoder` for a policy: a registered name, a spec string (``"prkv(static_ratio=0.5)"``) or a
+    policy object (`make_policy`); ``policy_kwargs`` are the policy's fields, e.g. ``static_ratio``,
+    ``refresh_interval``, ``window``, ``sinks``. ``kv_budget``: the policy's own if it has one, else this, else
+    1024 (`policy_budget`: both given and different is an error).
 
     ``page_size``: 32 (PRKV Sec. 5.1, for Quest / ArkVale / PRKV alike). ``device_pages``: device-pool slots
     per layer and KV head (default twice the step's pages; grows when a step needs more, e.g. for
-    ``full``). ``window_in_budget``: count the local window inside ``kv_budget`` (default: on top, as the
+    ``dense``). ``window_in_budget``: count the local window inside ``kv_budget`` (default: on top, as the
     paper counts ``k``). ``offload``: ``"pool"`` (device pool + batched transfer), ``"direct"`` (read the
     host pool in place: CPU only) or ``"auto"`` (direct on CPU, pool elsewhere). ``op_threads``: intra-op
     threads for the decoder's own per-layer ops (default 1, see `SparseDecoder._op_threads`; 0 = all).
     A policy with its own decoder (``shadowkv``) gets that class.
     """
-    pol = get_policy(policy, **policy_kwargs)
+    pol = make_policy(policy, **policy_kwargs)
     cls = getattr(pol, "decoder_class", None) or SparseDecoder
-    return cls(pol, kv_budget, num_layers, num_q_heads, num_kv_heads, head_dim, page_size, device, dtype,
+    return cls(pol, policy_budget(pol, kv_budget), num_layers, num_q_heads, num_kv_heads, head_dim, page_size, device, dtype,
                device_pages, scaling, window_in_budget, offload, op_threads)

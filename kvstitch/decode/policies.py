@@ -10,45 +10,131 @@ A policy only decides; `SparseDecoder` owns the pools and the state. What a poli
 
 | name      | static set                     | dynamic pages                                  |
 |-----------|--------------------------------|------------------------------------------------|
-| `full`    | -                              | all (dense reference)                          |
+| `dense`   | -                              | all (dense reference; alias `full`)            |
 | `snapkv`  | S = 1 (SnapKV+, PRKV Sec. 5.3) | most recent (only the slack of the page rounding) |
 | `quest`   | -                              | top by bound, per KV head                      |
 | `arkvale` | -                              | top by bound, shared by a group of KV heads    |
 | `prkv`    | S = 0.25 or online (App. G)    | top by bound (group mean), per KV head         |
 | `shadowkv`| outlier chunks (static)        | top 8-token chunks by landmark, per KV head; keys rebuilt from a low-rank factorisation (`shadowkv`) |
+
+A policy is an object (``PRKV(static_ratio=0.5, kv_budget=512)``) or its spec string in the grammar of
+`kvstitch.core.spec` (``"prkv(static_ratio=0.5,kv_budget=512)"``, ``"prkv:kv_budget=512"``): `make_policy`
+builds either, checking every option against its annotation, and `DecodePolicy.spec` writes the canonical
+spec back (the name, then the options that differ from their defaults, in declaration order). ``kv_budget``
+is the one field no policy reads itself: the decoder's budget, None = the request's (`policy_budget`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from kvstitch.core.errors import BadDecodeOption, UnknownDecodePolicy
+from kvstitch.core.spec import Call, format_value, parse_call
 from .page_scores import bound_scores, box_scores, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
+# names dense decoding had: commands, configs and result files written with them keep working
+DECODE_ALIASES: dict[str, str] = {"full": "dense"}
+DEFAULT_KV_BUDGET = 1024  # tokens, when neither the policy nor the request gives one
 GROUP_REDUCES = ("max", "mean", "sum", "softmax")
 
 
 def register(cls: type["DecodePolicy"]) -> type["DecodePolicy"]:
+    """Class decorator: ``cls.name`` becomes a decode policy of every surface (its options: its fields)."""
     DECODE_POLICIES[cls.name] = cls
     return cls
 
 
-def get_policy(policy: "str | DecodePolicy", **kwargs) -> "DecodePolicy":
-    """A policy instance from a registered name (``kwargs`` are its fields) or an instance as is."""
-    if isinstance(policy, DecodePolicy):
-        if kwargs:
-            raise BadDecodeOption(f"policy options {sorted(kwargs)} given with a policy instance")
+def policies() -> list[str]:
+    """Names of the registered decode policies (aliases: `DECODE_ALIASES`)."""
+    return sorted(DECODE_POLICIES)
+
+
+def unknown_policy(name) -> UnknownDecodePolicy:
+    return UnknownDecodePolicy(f"unknown decode policy {name!r:.60}; known: {', '.join(policies())}; "
+                               f"aliases: {', '.join(f'{a} = {n}' for a, n in sorted(DECODE_ALIASES.items()))}")
+
+
+def make_policy(decode: "str | Call | DecodePolicy" = "dense", **options) -> "DecodePolicy":
+    """The policy object of ``decode``: a registered name or alias, a spec string (``"prkv(static_ratio=0.5)"``,
+    ``"prkv:kv_budget=512"``) or a policy object; ``options`` (its fields as Python keywords, e.g. a request's
+    ``decode_options``) merged in. Unknown names and options are typed errors naming the valid ones."""
+    if isinstance(decode, DecodePolicy):
+        policy = decode
+    elif isinstance(decode, (str, Call)):
+        call = decode if isinstance(decode, Call) else parse_call(decode, "decode policy", BadDecodeOption)
+        name = DECODE_ALIASES.get(call.name, call.name)
+        if name not in DECODE_POLICIES:
+            raise unknown_policy(call.name)
+        _check_names(DECODE_POLICIES[name], call.options)
+        policy = DECODE_POLICIES[name](**call.options)
+    else:
+        raise unknown_policy(decode)
+    if not options:
         return policy
-    if policy not in DECODE_POLICIES:
-        raise UnknownDecodePolicy(f"unknown decode policy {policy!r}; known: {', '.join(sorted(DECODE_POLICIES))}")
-    try:
-        return DECODE_POLICIES[policy](**kwargs)
-    except TypeError as err:
-        raise BadDecodeOption(f"bad options for decode policy {policy!r}: {err}") from None
+    _check_names(type(policy), options)
+    return dataclasses.replace(policy, **options)
+
+
+get_policy = make_policy  # the name the decoder and benches have used
+
+
+def _check_names(cls: type["DecodePolicy"], options: dict) -> None:
+    takes = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [k for k in options if k not in takes]
+    if unknown:
+        raise BadDecodeOption(f"bad options for decode policy {cls.name!r}: unknown option {unknown[0]!r:.60}; "
+                              f"{cls.name} takes: {', '.join(takes)}")
+
+
+def is_dense(decode) -> bool:
+    """True when ``decode`` (a name, spec or policy) attends the whole cache: the engine then decodes densely
+    over its contiguous cache, with no sparse decoder."""
+    return make_policy(decode).select_all()
+
+
+def policy_budget(policy: "DecodePolicy", kv_budget: int | None) -> int:
+    """The K/V budget of a decoder of ``policy``: its own ``kv_budget``, else ``kv_budget`` (a request's), else
+    `DEFAULT_KV_BUDGET`. Both given and different is an error (which one was meant is unclear)."""
+    if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
+        raise BadDecodeOption(f"kv_budget must be a positive integer, got {kv_budget!r}", param="kv_budget")
+    if policy.kv_budget is not None and kv_budget is not None and policy.kv_budget != kv_budget:
+        raise BadDecodeOption(f"two kv budgets: the decode policy {policy.spec!r} says {policy.kv_budget}, "
+                              f"kv_budget says {kv_budget}; give one", param="kv_budget")
+    return policy.kv_budget or kv_budget or DEFAULT_KV_BUDGET
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "none"}
+
+
+def check_types(policy: "DecodePolicy") -> None:
+    """Every option of ``policy`` against its annotation (an integer given for a number becomes a float), or a
+    `BadDecodeOption` saying what the option takes."""
+    for f in dataclasses.fields(policy):
+        if not f.init:
+            continue
+        value, hint = getattr(policy, f.name), _hints(type(policy))[f.name]
+        arms = typing.get_args(hint) or (hint,)
+        if value is None or isinstance(value, (bool, str, float)):
+            ok = type(value) in arms
+        else:
+            ok = isinstance(value, int) and (int in arms or float in arms)
+        if not ok:
+            raise BadDecodeOption(f"{policy.name}: {f.name} must be {' or '.join(_WORDS.get(a, str(a)) for a in arms)}"
+                                  f", got {value!r:.60}")
+        if type(value) is int and int not in arms:
+            object.__setattr__(policy, f.name, float(value))
 
 
 @dataclass
@@ -59,10 +145,25 @@ class DecodePolicy:
     static: ClassVar[bool] = False
     sinks: int = 4
     window: int = 64
+    kv_budget: int | None = None  # the decoder's budget (tokens); None: the request's (`policy_budget`)
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.sinks < 0 or self.window < 1:
             raise BadDecodeOption(f"{self.name}: sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise BadDecodeOption(f"{self.name}: kv_budget must be a positive integer (or none: the request's), "
+                                  f"got {self.kv_budget}")
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string: parses back to an equal policy (module doc)."""
+        opts = [f"{f.name}={format_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                if f.init and getattr(self, f.name) != f.default]
+        return self.name + (f"({','.join(opts)})" if opts else "")
+
+    def __str__(self) -> str:
+        return self.spec
 
     def fixed_tokens(self, page_size: int) -> tuple[int, int]:
         """(sink tokens, local-window tokens) for this page size."""
@@ -114,13 +215,17 @@ def bound_matmuls(q2: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
 
 @register
 @dataclass
-class FullPolicy(DecodePolicy):
-    """Dense attention over the whole cache: the reference every other policy is measured against."""
+class Dense(DecodePolicy):
+    """Dense attention over the whole cache: the reference every other policy is measured against (the engine
+    decodes it over its contiguous cache; a `SparseDecoder` of it attends every page)."""
 
-    name: ClassVar[str] = "full"
+    name: ClassVar[str] = "dense"
 
     def select_all(self) -> bool:
         return True
+
+
+FullPolicy = DensePolicy = Dense
 
 
 @dataclass
@@ -178,7 +283,7 @@ class BoundPolicy(DecodePolicy):
 
 @register
 @dataclass
-class QuestPolicy(BoundPolicy):
+class Quest(BoundPolicy):
     """Quest (Tang et al., 2024): top pages per KV head by the bounding-box upper bound of q·k."""
 
     name: ClassVar[str] = "quest"
@@ -186,7 +291,7 @@ class QuestPolicy(BoundPolicy):
 
 @register
 @dataclass
-class ArkValePolicy(BoundPolicy):
+class ArkVale(BoundPolicy):
     """ArkVale (Chen et al., 2024): sink *pages* plus top pages by the cuboid digest, recalled from the host
     pool, plus the same 64-token local window as Quest and PRKV (PRKV Sec. 5.1 runs all three with page
     size 32 and local window 64). Its pages hold every head (NHD), so ``kv_head_groups`` groups of KV heads
@@ -240,7 +345,7 @@ class StaticSet:
 
 @register
 @dataclass
-class SnapKVPolicy(StaticSet, DecodePolicy):
+class SnapKV(StaticSet, DecodePolicy):
     """SnapKV (Li et al., 2024) for decoding, as PRKV evaluates it (SnapKV+, Sec. 5.1/5.3): the whole
     budget is the static set (observation-window attention, pooled) refreshed every T steps, plus the
     local window; the page-rounding slack goes to the most recent pages."""
@@ -272,7 +377,7 @@ class SnapKVPolicy(StaticSet, DecodePolicy):
 
 @register
 @dataclass
-class PRKVPolicy(StaticSet, BoundPolicy):
+class PRKV(StaticSet, BoundPolicy):
     """PRKV (Sec. 4.1): static tokens (ratio S of the budget, top by GQA-aware observation attention over
     the observation window = the 64-token local window, restructured to the front and refreshed every
     T = 128 steps) + dynamic pages by the bounding box + local window (64) + sinks. ``static_ratio="auto"`` chooses S per layer at prefill (App. G)."""
@@ -285,3 +390,7 @@ class PRKVPolicy(StaticSet, BoundPolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_static()
+
+
+# the class names policies were first published under
+QuestPolicy, ArkValePolicy, SnapKVPolicy, PRKVPolicy = Quest, ArkVale, SnapKV, PRKV

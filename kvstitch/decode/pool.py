@@ -154,7 +154,7 @@ class DevicePool:
         """Make ``pages`` (``[kv_heads, M]`` host page ids, distinct per row, CPU) resident; return their slots.
 
         Hits are only re-stamped; all misses move in one `BatchedTransfer.fetch` (Sec. 4.2). The pool grows
-        when one step needs more than ``slots`` pages per head (dense layers, ``full``).
+        when one step needs more than ``slots`` pages per head (dense layers, ``dense``).
         """
         H, M = pages.shape
         self._grow_pages(host.capacity_pages)

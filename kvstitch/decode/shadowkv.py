@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from kvstitch.core.errors import InputError
+from kvstitch.core.errors import BadDecodeOption, InputError
 from kvstitch.core.rope import rerotate
 from .attention import grouped_attention
 from .decoder import SparseDecoder
@@ -265,7 +265,7 @@ class ShadowKVDecoder(SparseDecoder):
 
 @register
 @dataclass
-class ShadowKVPolicy(DecodePolicy):
+class ShadowKV(DecodePolicy):
     """ShadowKV (Sun et al., 2024): low-rank pre-RoPE keys + chunk landmarks + static outlier chunks on the
     device, values offloaded, sparse fetch of the selected chunks (`ShadowKVDecoder`, module docstring)."""
 
@@ -282,9 +282,10 @@ class ShadowKVPolicy(DecodePolicy):
             v = getattr(self, name)
             low = 0 if name == "outlier_chunks" else 1
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-                raise InputError(f"shadowkv: {name} must be an integer >= {low}, got {v!r}")
-        if self.chunk_size is None:
-            raise InputError("shadowkv: chunk_size must be an integer >= 1")
+                raise BadDecodeOption(f"shadowkv: {name} must be an integer >= {low}, got {v!r}")
 
     def page_scores(self, q, kmin, kmax, first_page):  # the decoder scores landmarks itself
         raise NotImplementedError("shadowkv scores chunk landmarks in ShadowKVDecoder")
+
+
+ShadowKVPolicy = ShadowKV  # the class name it was first published under

@@ -43,6 +43,11 @@ decode steps and two rounds cost more than the whole prefill (``stats["auto_skip
 the fallback), ``rounds``, ``converged``, ``signal`` (last round's mean KL), ``round_log`` (per round: ratio,
 new tokens, agreed, KL, first divergence), ``recompute_cost`` (context tokens forwarded over all rounds,
 fallback included, / context tokens). ``tol=0`` never converges: every request falls back to full prefill.
+
+The options are an `AutoBudget` object, and ``recompute_ratio`` takes one directly (``AutoBudget(tol=0.05)``)
+or its spec string in the grammar of `kvstitch.core.spec` (``"auto(verify_by=attention,accept=answer)"``,
+``"auto:tol=0.05"``); ``"auto"`` alone is the engine's default options (`split_ratio`). `AutoBudget.spec` is
+the canonical spec: ``auto`` then the options that differ from their defaults.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ from typing import ClassVar
 
 import torch
 
-from kvstitch.core.errors import BadRatio, InputError
+from kvstitch.core.errors import BadAutoOption, BadRatio, InputError
+from kvstitch.core.spec import format_value, parse_call
 from kvstitch.tasks.agreement import agreeing_prefix, first_words_agree, same_answer
 
 AUTO = "auto"
@@ -88,43 +94,71 @@ class AutoBudget:
     OFF: ClassVar[dict] = {"min_p": None, "verify_chunks": 0, "verify_by": "bm25", "accept": "words"}
 
     def __post_init__(self):
-        sched = tuple(float(r) for r in self.schedule)
+        sched = self.schedule
+        if isinstance(sched, (int, float)) and not isinstance(sched, bool):
+            sched = (sched,)  # "auto(schedule=0.1)": one round
+        if not isinstance(sched, (list, tuple)) or any(isinstance(r, bool) or not isinstance(r, (int, float))
+                                                       for r in sched):
+            raise BadAutoOption(f"auto schedule must be increasing ratios in (0, 1], got {self.schedule!r}")
+        sched = tuple(float(r) for r in sched)
         if not sched or any(not (0.0 < r <= 1.0) for r in sched) or list(sched) != sorted(set(sched)):
-            raise InputError(f"auto schedule must be increasing ratios in (0, 1], got {self.schedule!r}",)
+            raise BadAutoOption(f"auto schedule must be increasing ratios in (0, 1], got {self.schedule!r}")
         object.__setattr__(self, "schedule", sched)
-        if not (isinstance(self.max_ratio, (int, float)) and 0.0 < self.max_ratio <= 1.0):
-            raise InputError(f"auto max_ratio must be in (0, 1], got {self.max_ratio!r}")
-        if not (isinstance(self.tol, (int, float)) and math.isfinite(self.tol) and self.tol >= 0):
-            raise InputError(f"auto tol must be a finite number >= 0, got {self.tol!r}")
-        if not (isinstance(self.probe_tokens, int) and self.probe_tokens >= 1):
-            raise InputError(f"auto probe_tokens must be a positive integer, got {self.probe_tokens!r}")
-        if not (isinstance(self.patience, int) and self.patience >= 1):
-            raise InputError(f"auto patience must be a positive integer, got {self.patience!r}")
-        if not (isinstance(self.min_context, int) and self.min_context >= 0):
-            raise InputError(f"auto min_context must be an integer >= 0, got {self.min_context!r}")
-        if self.min_p is not None and not (isinstance(self.min_p, (int, float)) and 0.0 < self.min_p <= 1.0):
-            raise InputError(f"auto min_p must be a probability in (0, 1] (or None), got {self.min_p!r}")
-        if isinstance(self.verify_chunks, bool) or not (isinstance(self.verify_chunks, int) and self.verify_chunks >= 0):
-            raise InputError(f"auto verify_chunks must be an integer >= 0, got {self.verify_chunks!r}")
-        if self.mode not in MODES:
-            raise InputError(f"auto mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.verify_by not in VERIFY_BY:
-            raise InputError(f"auto verify_by must be one of {', '.join(VERIFY_BY)}, got {self.verify_by!r}")
-        if self.accept not in ACCEPT:
-            raise InputError(f"auto accept must be one of {', '.join(ACCEPT)}, got {self.accept!r}")
+        for name in ("max_ratio", "tol", "min_p"):  # numbers: 1 and 1.0 are one option value, one spec
+            v = getattr(self, name)
+            if isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, name, float(v))
+        self._check()
+
+    def _check(self) -> None:
+        if isinstance(self.max_ratio, bool) or not (isinstance(self.max_ratio, float) and 0.0 < self.max_ratio <= 1.0):
+            raise BadAutoOption(f"auto max_ratio must be in (0, 1], got {self.max_ratio!r}")
+        if isinstance(self.tol, bool) or not (isinstance(self.tol, float) and math.isfinite(self.tol) and self.tol >= 0):
+            raise BadAutoOption(f"auto tol must be a finite number >= 0, got {self.tol!r}")
+        for name, low in (("probe_tokens", 1), ("patience", 1), ("min_context", 0), ("verify_chunks", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, int) and v >= low):
+                raise BadAutoOption(f"auto {name} must be an integer >= {low}, got {v!r}")
+        if self.min_p is not None and (isinstance(self.min_p, bool) or not (isinstance(self.min_p, float)
+                                                                           and 0.0 < self.min_p <= 1.0)):
+            raise BadAutoOption(f"auto min_p must be a probability in (0, 1] (or None), got {self.min_p!r}")
+        for name, allowed in (("mode", MODES), ("verify_by", VERIFY_BY), ("accept", ACCEPT)):
+            if getattr(self, name) not in allowed:
+                raise BadAutoOption(f"auto {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
     @classmethod
-    def of(cls, value: "AutoBudget | dict | None") -> "AutoBudget":
+    def of(cls, value: "AutoBudget | dict | str | None") -> "AutoBudget":
+        """The options from an object, a dict of them, a spec string (``"auto(tol=0.05)"``) or None (defaults)."""
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
+        if isinstance(value, str):
+            call = parse_call(value, "auto budget", BadAutoOption)
+            if call.name.lower() != AUTO:
+                raise BadAutoOption(f"an auto budget spec starts with 'auto', got {value!r:.60}")
+            value = call.options
         if isinstance(value, dict):
-            known = {f.name for f in fields(cls)}
-            if set(value) - known:
-                raise InputError(f"unknown auto option(s) {sorted(set(value) - known)}; known: {', '.join(sorted(known))}")
-            return cls(**{k: tuple(v) if k == "schedule" else v for k, v in value.items()})
-        raise InputError(f"auto options must be a dict or AutoBudget, got {type(value).__name__}")
+            known = [f.name for f in fields(cls)]
+            if set(value) - set(known):
+                raise BadAutoOption(f"unknown auto option(s) {sorted(set(value) - set(known))}; known: "
+                                    f"{', '.join(known)}")
+            return cls(**value)
+        raise BadAutoOption(f"auto options must be a dict, an AutoBudget or an auto spec, got {type(value).__name__}")
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string (``auto``, or ``auto(tol=0.05,...)``): parses back to an equal object."""
+        opts = [f"{k}={format_value(v)}" for k, v in self.options().items()]
+        return AUTO + (f"({','.join(opts)})" if opts else "")
+
+    def options(self) -> dict:
+        """The options that differ from their defaults, in declaration order (lists for tuples: JSON)."""
+        return {f.name: list(v) if isinstance(v, tuple) else v for f in fields(self)
+                if (v := getattr(self, f.name)) != f.default}
+
+    def __str__(self) -> str:
+        return self.spec
 
     def rounds(self) -> list[float]:
         """The rounds' ratios below the ceiling, then the ceiling itself when it is < 1 (its own last round)."""
@@ -134,19 +168,48 @@ class AutoBudget:
         return out or [self.max_ratio]
 
 
-def parse_ratio(value) -> float | str:
-    """A fixed ratio in [0, 1] or "auto"; anything else is an `InputError` naming the value."""
+def ratio_value(value) -> "float | str | AutoBudget":
+    """A recompute ratio as given -> a fraction in [0, 1], "auto" (the engine's default options), or the
+    `AutoBudget` of an object or an auto spec string (``"auto(tol=0.05)"``); else a `BadRatio` naming the forms."""
+    if isinstance(value, AutoBudget):
+        return value
     if isinstance(value, str):
-        v = value.strip().lower()
-        if v == AUTO:
+        v = value.strip()
+        if v.lower() == AUTO:
             return AUTO
+        if v[:len(AUTO)].lower() == AUTO and v[len(AUTO):].lstrip()[:1] in ("(", ":"):
+            return AutoBudget.of(v)
         try:
             value = float(v)
         except ValueError:
-            raise BadRatio(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}") from None
+            raise BadRatio(f"{_RATIO_FORMS}, got {value!r:.60}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise BadRatio(f"recompute_ratio must be a number in [0, 1] or 'auto', got {value!r}")
+        raise BadRatio(f"{_RATIO_FORMS}, got {value!r:.60}")
     return float(value)
+
+
+_RATIO_FORMS = "recompute_ratio must be a number in [0, 1] or 'auto' (with options: 'auto(tol=0.05)')"
+
+
+def parse_ratio(value) -> float | str:
+    """A fixed ratio in [0, 1] or "auto" (an auto spec or object is "auto": its options, `split_ratio`)."""
+    v = ratio_value(value)
+    return AUTO if isinstance(v, AutoBudget) else v
+
+
+def split_ratio(value, auto: "AutoBudget | dict | str | None" = None) -> tuple:
+    """A request's ``recompute_ratio`` and ``auto`` -> (a fraction or "auto", the auto options or None: the
+    engine's default). A ratio that is itself an auto budget (an object, a spec) carries the options; ``auto``
+    given beside it must be the same options."""
+    v = ratio_value(value)
+    if not isinstance(v, AutoBudget):
+        if auto is not None:
+            AutoBudget.of(auto)  # bad options fail here, whatever the ratio
+        return v, auto
+    if auto is not None and AutoBudget.of(auto) != v:
+        raise BadAutoOption(f"two auto budgets: recompute_ratio is {v.spec!r}, auto is {AutoBudget.of(auto).spec!r}; "
+                            f"give one")
+    return AUTO, v
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import InputError
+from kvstitch.decode.policies import DecodePolicy, make_policy
 from kvstitch.models import cache_kwargs
 from .batch import DecodeStep
 from .request import STOP, GenerationRequest, GenerationResult, Prefill
@@ -87,8 +88,9 @@ def first_tokens(engine, pre: Prefill, max_new_tokens: int, temperature: float, 
     return [sample(engine, pre.logits[-1], temperature, top_p, seed, no_eos=min_new_tokens > 0)]
 
 
-def decode_plan(engine, pre: Prefill, decode: str, kv_budget: int | None, decode_options: dict | None,
-                plan: ForwardPlan | None, batch_steps: bool, reserve: int) -> tuple[ForwardPlan, bool]:
+def decode_plan(engine, pre: Prefill, decode: str | DecodePolicy, kv_budget: int | None,
+                decode_options: dict | None, plan: ForwardPlan | None, batch_steps: bool,
+                reserve: int) -> tuple[ForwardPlan, bool]:
     """The plan of the steps after the first token: ``plan``, else the method's decode plan, else plain; a
     sparse ``decode`` policy gets its decoder (`make_decoder`) -> (plan, whether steps can be batched)."""
     stats, cache = pre.stats, pre.cache
@@ -96,13 +98,15 @@ def decode_plan(engine, pre: Prefill, decode: str, kv_budget: int | None, decode
     plan = custom or ForwardPlan()
     batchable = batch_steps and custom is None  # dense, or through a sparse decoder (`decode_batch`)
     stats["batched_decode"] = batchable
-    stats["decode_policy"] = decode  # "full" = dense attention over the contiguous cache
-    if decode != "full":
+    policy = make_policy(decode)
+    stats["decode_policy"] = policy.spec  # "dense": attention over the contiguous cache, no decoder
+    if not policy.select_all():
         options = dict(decode_options or {})
         diagnostic = options.pop("diagnostic", False)
-        plan.decoder = engine.make_decoder(cache, decode, kv_budget, prompt_ids=pre.layout.ids,
+        plan.decoder = engine.make_decoder(cache, policy, kv_budget, prompt_ids=pre.layout.ids,
                                            diagnostic=diagnostic, reserve_tokens=reserve,
                                            release=batch_steps, **options)
+        stats["decode_policy"] = plan.decoder.policy.spec  # decode_options may set policy fields
         stats["kv_budget"] = plan.decoder.kv_budget
         cache.decoder = plan.decoder
     return plan, batchable
@@ -110,7 +114,7 @@ def decode_plan(engine, pre: Prefill, decode: str, kv_budget: int | None, decode
 
 @torch.no_grad()
 def decode_tokens(engine, pre: Prefill, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                  seed: int = 0, decode: str | DecodePolicy = "dense", kv_budget: int | None = None,
                   decode_options: dict | None = None, plan: ForwardPlan | None = None,
                   batch_steps: bool = False, min_new_tokens: int = 0):
     """Yield the answer's tokens after ``pre`` (see `Engine.decode_tokens`)."""
@@ -176,15 +180,16 @@ def decode_step(engine, cache: StitchCache, token: int, decoder=None) -> torch.T
     return logits
 
 
-def new_decoder(engine, policy: str, kv_budget: int | None, options: dict | None = None):
-    """An empty `SparseDecoder` sized for the engine's model (``options``: `GenerationRequest.decode_options`)."""
+def new_decoder(engine, policy: str | DecodePolicy, kv_budget: int | None, options: dict | None = None):
+    """An empty `SparseDecoder` sized for the engine's model (``options``: `GenerationRequest.decode_options`;
+    the budget: `kvstitch.decode.policy_budget`)."""
     from kvstitch.decode import make_decoder
 
     options = dict(options or {})
     if not isinstance(options.pop("diagnostic", False), bool):
         raise InputError("decode option 'diagnostic' must be true or false")
     ad = engine.adapter
-    return make_decoder(policy, kv_budget or 1024, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+    return make_decoder(policy, kv_budget, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
                         num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device, dtype=engine.dtype,
                         **options)
 
@@ -202,7 +207,7 @@ def observation_queries(engine, cache: StitchCache, prompt_ids: torch.Tensor, wi
 
 
 @torch.no_grad()
-def make_decoder(engine, cache: StitchCache, policy: str, kv_budget: int | None = None, *,
+def make_decoder(engine, cache: StitchCache, policy: str | DecodePolicy, kv_budget: int | None = None, *,
                  prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None, diagnostic: bool = False,
                  reserve_tokens: int | None = None, release: bool = False, **options):
     """Hand the prefilled ``cache`` to a sparse decoder (see `Engine.make_decoder`)."""

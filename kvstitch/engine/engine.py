@@ -31,6 +31,7 @@ from kvstitch.core.prompt import PromptBuilder, PromptLayout
 from kvstitch.core.rope import inv_freq_table, self_check
 from kvstitch.models import adapter_for, cache_kwargs, load_model
 from kvstitch.models.half_cpu import multiplies_natively
+from kvstitch.decode.policies import DecodePolicy
 from kvstitch.select import Selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
 from . import decoding, prefill, verify
@@ -306,7 +307,8 @@ class Engine:
                                        functools.partial(prefill.compute_full_prefill, self))
 
     @torch.no_grad()
-    def prefill(self, layout: PromptLayout, method: str | Selector = "full", recompute_ratio: float | str = 0.2,
+    def prefill(self, layout: PromptLayout, method: str | Selector = "full",
+                recompute_ratio: float | str | AutoBudget = 0.2,
                 max_new_tokens: int = 32, method_options: dict | None = None,
                 auto: AutoBudget | dict | None = None, selector: Selector | None = None) -> Prefill:
         """Prefill ``layout`` with ``method`` for callers that drive decoding themselves (`decode_tokens`,
@@ -315,16 +317,16 @@ class Engine:
         The cold-path policy (`kvstitch.engine.cold`) applies to requests (`generate`, `stream`), not here: missing
         chunks are precomputed and ``method`` always runs."""
         req = GenerationRequest(layout=layout, method=method, recompute_ratio=recompute_ratio,
-                                max_new_tokens=max_new_tokens, method_options=method_options)
+                                max_new_tokens=max_new_tokens, method_options=method_options, auto=auto)
         checked = check_request(self, req, selector)
-        return prefill.prefill(self, layout, checked.selector, checked.ratio, max_new_tokens, {}, auto)
+        return prefill.prefill(self, layout, checked.selector, checked.ratio, max_new_tokens, {}, checked.auto)
 
     # ---- the public entry points --------------------------------------------------------------
     @torch.no_grad()
     def generate(self, question: str | None = None, chunks: list[str] | None = None, *,
                  messages: list[dict] | None = None, method: str | Selector = DEFAULT_METHOD,
-                 recompute_ratio: float | str = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                 recompute_ratio: float | str | AutoBudget = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, decode: str | DecodePolicy = "dense", kv_budget: int | None = None,
                  auto: AutoBudget | dict | None = None, guard: str | None = None,
                  method_options: dict | None = None, decode_options: dict | None = None, min_new_tokens: int = 0,
                  layout: PromptLayout | None = None) -> GenerationResult:
@@ -348,8 +350,8 @@ class Engine:
     @torch.no_grad()
     def stream(self, question: str | None = None, chunks: list[str] | None = None, *,
                messages: list[dict] | None = None, method: str | Selector = DEFAULT_METHOD,
-               recompute_ratio: float | str = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+               recompute_ratio: float | str | AutoBudget = 0.2, max_new_tokens: int = 32, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, decode: str | DecodePolicy = "dense", kv_budget: int | None = None,
                auto: AutoBudget | dict | None = None, guard: str | None = None,
                method_options: dict | None = None, decode_options: dict | None = None, min_new_tokens: int = 0,
                layout: PromptLayout | None = None):
@@ -388,7 +390,7 @@ class Engine:
                        "context_tokens": layout.n_context, "suffix_tokens": layout.n_suffix,
                        "chunks": len(layout.chunk_ids), "tokenize_s": time.perf_counter() - t_start}
         pre = yield from prefill.prefill_steps(self, layout, selector, checked.ratio, req.max_new_tokens, stats,
-                                               req.auto, cold=True, batch=batch_prefill)
+                                               checked.auto, cold=True, batch=batch_prefill)
         if req.guard:
             yield from verify.guarded(self, req, pre, t_start)
         else:
@@ -406,13 +408,13 @@ class Engine:
         return decoding.answer_text(self, list(tokens), strip)
 
     def decode_tokens(self, pre: Prefill, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int = 0, decode: str = "full", kv_budget: int | None = None,
+                      seed: int = 0, decode: str | DecodePolicy = "dense", kv_budget: int | None = None,
                       decode_options: dict | None = None, plan: ForwardPlan | None = None,
                       batch_steps: bool = False, min_new_tokens: int = 0):
         """Yield the answer's tokens after ``pre``: tokens an adaptive prefill already computed greedily
         (``pre.greedy``, their K/V in the cache) first, then decoded ones, until EOS / the cap / a base
         model's line break. After the first token a method's decode plan (APE's attention, A3's eviction)
-        applies; ``decode`` != "full" hands the cache to a sparse decoder. ``batch_steps``: plain steps are
+        applies; a sparse ``decode`` policy (any but `dense`) hands the cache to a sparse decoder. ``batch_steps``: plain steps are
         yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`). ``min_new_tokens``: EOS
         is masked (and a base model's line break does not end the answer) until the answer has that many
         tokens (vLLM's ``min_tokens``; tokens an adaptive prefill already computed are kept as they are)."""
@@ -433,7 +435,7 @@ class Engine:
         `StitchCache.for_decoder`). Returns the next-token logits ``[1, V]`` (float32)."""
         return decoding.decode_step(self, cache, token, decoder)
 
-    def new_decoder(self, policy: str, kv_budget: int | None, options: dict | None = None):
+    def new_decoder(self, policy: str | DecodePolicy, kv_budget: int | None, options: dict | None = None):
         """An empty `SparseDecoder` sized for this model (``options``: `GenerationRequest.decode_options`)."""
         return decoding.new_decoder(self, policy, kv_budget, options)
 
@@ -443,7 +445,7 @@ class Engine:
         left untouched)."""
         return decoding.observation_queries(self, cache, prompt_ids, window)
 
-    def make_decoder(self, cache: StitchCache, policy: str, kv_budget: int | None = None, *,
+    def make_decoder(self, cache: StitchCache, policy: str | DecodePolicy, kv_budget: int | None = None, *,
                      prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None,
                      diagnostic: bool = False, reserve_tokens: int | None = None, release: bool = False,
                      **options):

@@ -130,8 +130,9 @@ def auto_prefill(engine, layout: PromptLayout, selector, max_new_tokens: int, st
     """recompute_ratio="auto": the rounds of `kvstitch.engine.budget`; full prefill answers when none converged
     below the ceiling. ``auto`` None: the engine's ``default_auto``."""
     t0 = time.perf_counter()
-    got = adaptive_prefill(engine, layout, selector, AutoBudget.of(engine.default_auto if auto is None else auto),
-                           max_new_tokens, stats, selector.recompute_plan)
+    budget = AutoBudget.of(engine.default_auto if auto is None else auto)
+    stats["auto_spec"] = budget.spec
+    got = adaptive_prefill(engine, layout, selector, budget, max_new_tokens, stats, selector.recompute_plan)
     if got is None:
         t1 = time.perf_counter()
         cache, logits = engine.full_prefill(layout, extra=max_new_tokens)

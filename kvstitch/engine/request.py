@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstitch.core.cache import StitchCache
-from kvstitch.core.errors import InputError, PromptTooLong, UnknownDecodePolicy
+from kvstitch.core.errors import InputError, PromptTooLong
 from kvstitch.core.prompt import PromptBuilder, PromptLayout
+from kvstitch.decode.policies import DecodePolicy, make_policy, policy_budget
 from kvstitch.select import Selector, make_selector
-from .budget import AutoBudget, parse_ratio
+from .budget import AutoBudget, split_ratio
 from .stats import GenerationStats
 
 DEFAULT_METHOD = "prophet"
@@ -30,21 +31,23 @@ class GenerationRequest:
     # `kvstitch.select`
     method: str | Selector = DEFAULT_METHOD
     # the fraction of the context tokens to recompute, or "auto": rounds of growing budget until the answer is
-    # stable (options in ``auto``, see `kvstitch.engine.budget`)
-    recompute_ratio: float | str = 0.2
+    # stable (options in ``auto``, or the ratio is them: ``AutoBudget(tol=0.05)`` / "auto(tol=0.05)", see
+    # `kvstitch.engine.budget`)
+    recompute_ratio: float | str | AutoBudget = 0.2
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0  # of the sampling (temperature > 0)
-    # "full" (dense attention) or a sparse policy (prkv, quest, snapkv, arkvale, ...) over ``kv_budget`` tokens
-    decode: str = "full"
-    kv_budget: int | None = None
+    # "dense" (alias "full") or a sparse policy over ``kv_budget`` tokens: a name (prkv, quest, snapkv, arkvale,
+    # shadowkv), a spec ("prkv(static_ratio=0.5)") or an object (``PRKV(kv_budget=512)``), see `kvstitch.decode`
+    decode: str | DecodePolicy = "dense"
+    kv_budget: int | None = None  # None: the policy's own ``kv_budget``, else 1024
     auto: AutoBudget | dict | None = None  # options of recompute_ratio="auto" (None: the engine's default_auto)
     # "full": verify the greedy answer against full prefill (full prefill's answer is returned when they differ)
     guard: str | None = None
     method_options: dict | None = None  # options merged into ``method`` (kept for callers that name it)
     # of the sparse decoder: ``diagnostic=True`` records attention recall (``stats.decode_recall``);
-    # ``page_size``, ``device_pages`` and the policy's fields go to `kvstitch.decode.make_decoder`
+    # ``page_size``, ``device_pages`` (and fields of the policy, merged into it) go to `kvstitch.decode.make_decoder`
     decode_options: dict | None = None
     min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
     layout: PromptLayout | None = None  # a prompt laid out already (`Engine.layout`) instead of question + chunks
@@ -76,11 +79,14 @@ class Prefill:
 
 @dataclass
 class CheckedRequest:
-    """A request that passed `check_request`: its prompt, its method object and its parsed ratio."""
+    """A request that passed `check_request`: its prompt, its method object, its parsed ratio (with the auto
+    options, when the ratio carries them) and its decode policy object."""
 
     layout: PromptLayout
     selector: Selector
     ratio: float | str  # a fraction, or "auto"
+    auto: AutoBudget | dict | None = None  # options of "auto" (None: the engine's default_auto)
+    decode: DecodePolicy | None = None
 
 
 def build_layout(builder: PromptBuilder, question: str | None, chunks: list[str] | None,
@@ -108,8 +114,8 @@ def check_request(engine, req: GenerationRequest, selector: Selector | None = No
     object to use instead of parsing ``req.method`` (the eval harness memoises its scores)."""
     layout = req.layout or build_layout(engine.builder, req.question, req.chunks, req.messages)
     selector = selector or make_selector(req.method, **(req.method_options or {}))
-    ratio = parse_ratio(req.recompute_ratio)
-    check_decode(engine, req.decode, req.kv_budget, req.decode_options)
+    ratio, auto = split_ratio(req.recompute_ratio, req.auto)
+    policy = check_decode(engine, req.decode, req.kv_budget, req.decode_options)
     if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
     limit = engine.adapter.max_positions
@@ -120,22 +126,19 @@ def check_request(engine, req: GenerationRequest, selector: Selector | None = No
         raise InputError(f"guard must be None or 'full', got {req.guard!r}")
     if isinstance(req.min_new_tokens, bool) or not isinstance(req.min_new_tokens, int) or req.min_new_tokens < 0:
         raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
-    if req.decode != "full" and selector.adjusts_decode():
+    if not policy.select_all() and selector.adjusts_decode():
         raise InputError(f"method {selector.label!r} changes decode attention (APE scaling / A3 eviction); a "
-                         f"sparse decoder ({req.decode!r}) would silently drop that: use decode='full'")
-    return CheckedRequest(layout, selector, ratio)
+                         f"sparse decoder ({policy.spec!r}) would silently drop that: use decode='dense'")
+    return CheckedRequest(layout, selector, ratio, auto, policy)
 
 
-def check_decode(engine, decode: str, kv_budget: int | None, decode_options: dict | None) -> None:
-    """The decode policy, its budget and options (a sparse decoder is built once, empty, to check them)."""
-    from kvstitch.decode import DECODE_POLICIES
-
-    if decode != "full" and decode not in DECODE_POLICIES:
-        raise UnknownDecodePolicy(f"unknown decode policy {decode!r}; known: full, "
-                                  f"{', '.join(sorted(DECODE_POLICIES))}")
-    if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
-        raise InputError(f"kv_budget must be a positive integer, got {kv_budget!r}")
-    if decode_options is not None and (decode == "full" or not isinstance(decode_options, dict)):
-        raise InputError("decode_options (a dict) configure a sparse decoder; decode='full' (dense) takes none")
-    if decode != "full":
-        engine.new_decoder(decode, kv_budget, decode_options)  # bad options / a too-small budget fail here
+def check_decode(engine, decode, kv_budget: int | None, decode_options: dict | None) -> DecodePolicy:
+    """The decode policy (a name, spec or object -> the object), its budget and options (a sparse decoder is
+    built once, empty, to check them)."""
+    policy = make_policy(decode)
+    policy_budget(policy, kv_budget)  # a bad budget, or two different ones, whatever the policy
+    if decode_options is not None and (policy.select_all() or not isinstance(decode_options, dict)):
+        raise InputError("decode_options (a dict) configure a sparse decoder; decode='dense' takes none")
+    if not policy.select_all():
+        engine.new_decoder(policy, kv_budget, decode_options)  # bad options / a too-small budget fail here
+    return policy

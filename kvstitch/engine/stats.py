@@ -62,11 +62,13 @@ class GenerationStats(MutableMapping):
     signal: float | None = None  # the last round's mean KL to the round before
     auto_skipped: str | None = None  # why no round ran: "short_context" or "few_chunks"
     verify: dict | None = None  # verified rounds: {"chunks", "answer" (the short prompt's), "seconds"}
+    auto_spec: str | None = None  # the options the rounds ran with, as a spec ("auto", "auto(tol=0.05)")
     # ---- the guard (guard="full", `Engine.verify_against_full`) ---------------------------------------
     guard: dict | None = None  # {"agreed", "first_divergence", "check_s"}
     # ---- decoding ------------------------------------------------------------------------------------
     decode_tokens: int = 0  # answer tokens (EOS included when produced)
-    decode_policy: str | None = None  # "full" (dense) or the sparse policy; unset when one token answered
+    # the decode policy's canonical spec ("dense", "prkv", "prkv(static_ratio=0.5)"); unset when one token answered
+    decode_policy: str | None = None
     batched_decode: bool | None = None  # steps ran in the server's batched decode passes
     kv_budget: int | None = None  # the sparse decoder's K/V budget (tokens)
     decoder: dict | None = None  # the sparse decoder's counters (`SparseDecoder.stats`)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstitch.core.spec import parse_call
 from kvstitch.engine.budget import AUTO, AutoBudget
 from kvstitch.core.errors import InputError
 
@@ -49,9 +50,13 @@ class Config:
 
 
 def parse_auto(spec: str) -> dict:
-    """One ``--auto`` setting: ``"schedule=0.05/0.1,tol=0.01"`` (any `AutoBudget` field; lists with '/') or
-    JSON -> the options dict (checked by `AutoBudget`)."""
+    """One ``--auto`` setting: an auto spec (``"auto(schedule=[0.05,0.1],tol=0.01)"``, the grammar of
+    `kvstitch.core.spec`), ``"schedule=0.05/0.1,tol=0.01"`` (any `AutoBudget` field; lists with '/') or JSON
+    -> the options dict (checked by `AutoBudget`)."""
     spec = spec.strip()
+    if spec.lower() == AUTO or spec[:len(AUTO)].lower() == AUTO and spec[len(AUTO):].lstrip()[:1] in ("(", ":"):
+        AutoBudget.of(spec)  # unknown or bad options fail here, before the model loads
+        return dict(parse_call(spec, "auto budget").options)  # as written: what the setting's label shows
     if spec.startswith("{"):
         try:
             opts = json.loads(spec)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstitch.engine.budget import AUTO
+from kvstitch.core.errors import BadAutoOption
+from kvstitch.core.spec import split_specs
+from kvstitch.engine.budget import AUTO, AutoBudget, ratio_value
 from .rows import REFERENCES, ROW_KEY, norm_ratio
 
 PROTOCOL_VERSION = 1
@@ -99,3 +101,28 @@ def combos(methods: Sequence[str], ratios: Sequence[float],
             rs.append(AUTO)
         out.extend((m, norm_ratio(m, r)) for r in sorted(rs, key=lambda r: (r == AUTO, 0 if r == AUTO else r)))
     return out
+
+
+def parse_ratios(text: str, auto: dict | None = None) -> tuple[list, dict | None]:
+    """``--ratios``: fixed ratios, "auto" and auto specs ("0.1,auto(tol=0.05)", split by `split_specs`) -> (the
+    ratios, "auto" for an auto spec; the auto options: ``auto`` (the ``--auto-*`` flags) with the spec's). A run
+    has one auto setting (its rows are keyed by ratio "auto"): two different specs, or a spec and a flag that set
+    one option to different values, are errors."""
+    ratios: list = []
+    spec: AutoBudget | None = None
+    for item in split_specs(text):
+        value = ratio_value(item)
+        if isinstance(value, AutoBudget):
+            if spec is not None and value != spec:
+                raise BadAutoOption(f"--ratios: one auto setting per run, got {spec.spec!r} and {value.spec!r}")
+            spec, value = value, AUTO
+        if value not in ratios:
+            ratios.append(value)
+    if spec is None:
+        return ratios, auto
+    flags, given = AutoBudget.of(auto), spec.options()
+    clash = [k for k in (auto or {}) if k in given and getattr(flags, k) != getattr(spec, k)]
+    if clash:
+        raise BadAutoOption(f"--ratios {spec.spec!r} and the --auto-* flags set {', '.join(clash)} differently")
+    return ratios, {**(auto or {}), **given} or None
+

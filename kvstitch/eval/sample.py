@@ -237,11 +237,12 @@ def _clean(x: float | None) -> float | None:
 
 
 def _auto_fields(stats: dict) -> dict:
-    """What an adaptive budget did (`kvstitch.engine.budget`): rounds, convergence, signal, ratios per round."""
+    """What an adaptive budget did (`kvstitch.engine.budget`): its options as a spec (``auto_spec``; the row's
+    ``ratio`` stays "auto", what tables group by), rounds, convergence, signal, ratios per round."""
     if "round_log" not in stats:
         return {}
-    out = {"rounds": stats.get("rounds"), "converged": stats.get("converged"), "signal": _clean(stats.get("signal")),
-           "round_ratios": [r["ratio"] for r in stats["round_log"]]}
+    out = {"auto_spec": stats.get("auto_spec"), "rounds": stats.get("rounds"), "converged": stats.get("converged"),
+           "signal": _clean(stats.get("signal")), "round_ratios": [r["ratio"] for r in stats["round_log"]]}
     if "verify" in stats:  # the verification's short prompt (chunks, answer) and each round's verdict
         out.update(verify=stats["verify"], round_verified=[r.get("verified") for r in stats["round_log"]])
     return out

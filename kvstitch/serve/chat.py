@@ -14,7 +14,8 @@ from typing import Any
 from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.corpus.retrieval import CollectionCache, CollectionNotFound
 from kvstitch.engine import GenerationResult
-from kvstitch.engine.budget import parse_ratio
+from kvstitch.decode.policies import make_policy
+from kvstitch.engine.budget import split_ratio
 from kvstitch.select import check_method
 from kvstitch.select import methods as registered_methods
 from kvstitch.store.resilient import resilient
@@ -65,19 +66,20 @@ class ChatService:
     metrics, the collections and the request defaults. `create_app` wires the HTTP routes to its methods;
     FastAPI appears here only in the responses `chat` returns. Arguments as `create_app`'s."""
 
-    def __init__(self, engine, default_method: str = "prophet", default_ratio: float = 0.2, max_queue: int = 16,
-                 collections_dir: str | Path | None = None, default_decode: str = "full",
+    def __init__(self, engine, default_method: str = "prophet", default_ratio: float | str = 0.2, max_queue: int = 16,
+                 collections_dir: str | Path | None = None, default_decode: str = "dense",
                  max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                  disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20, guard_rate: float = 0.0,
                  max_batch: int = 8, kv_pool_bytes: int | None = None, recall_sample: float = 0.0):
         default_method = check_method(default_method)
-        default_ratio = parse_ratio(default_ratio)
+        default_ratio, default_auto = split_ratio(default_ratio)
+        if default_auto is not None:  # an auto spec as the default ratio: its options are the engine's default
+            engine.default_auto = default_auto
         if not 0.0 <= guard_rate <= 1.0:
             raise InputError(f"guard rate must be in [0, 1], got {guard_rate}")
         self.guard_rng = random.Random(0)
         self.policies = decode_policies()
-        if default_decode not in self.policies:
-            raise InputError(f"unknown decode policy {default_decode!r}; known: {', '.join(sorted(self.policies))}")
+        default_decode = make_policy(default_decode).spec  # a name, alias or spec -> its canonical spec
         self.metrics = Metrics()
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")

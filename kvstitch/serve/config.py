@@ -16,6 +16,10 @@ or a table naming the method and its options::
     name = "deltaprop"
     alpha_k = 0.5
     base = { name = "infoflow", reorder = "max" }     # or base = "infoflow(reorder=max)"
+
+``decode`` likewise: a policy spec (``decode = "prkv(static_ratio=0.5)"``, see `kvstitch.decode`) or a table
+(``[decode]`` with ``name = "prkv"`` and its fields). ``ratio`` is a number, ``"auto"`` or an auto spec
+(``ratio = "auto(tol=0.05)"``); an ``[auto]`` table holds the options of a plain ``"auto"``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ SECRET = {"api_key"}  # options whose values are masked when the configuration i
 
 
 RECORD = "calibration"  # a table `kvstitch calibrate` writes for people to read: no option of any command
-ANSWER_SETTINGS = ("method", "ratio", "auto", "model")  # what `kvstitch ask --config` takes from the file
+ANSWER_SETTINGS = ("method", "ratio", "auto", "model", "decode")  # what `kvstitch ask --config` takes from the file
 
 
 def read_config(path: str | Path, known: set[str]) -> dict:
@@ -50,7 +54,25 @@ def read_config(path: str | Path, known: set[str]) -> dict:
         out[name] = json.dumps(v) if name == "auto" and isinstance(v, dict) else v
     if "method" in out:
         out["method"] = method_setting(out["method"], p)
+    if "decode" in out:
+        out["decode"] = decode_setting(out["decode"], p)
     return out
+
+
+def decode_setting(value, path) -> str:
+    """A config file's ``decode`` (a spec string or a table with ``name``) -> the policy's canonical spec."""
+    from kvstitch.decode import make_policy, policies
+
+    try:
+        if isinstance(value, dict):
+            opts = dict(value)
+            name = opts.pop("name", None)
+            if not isinstance(name, str):
+                raise InputError(f"a decode table needs a 'name' (one of {', '.join(policies())})", param="decode")
+            return make_policy(name, **opts).spec
+        return make_policy(value).spec
+    except InputError as e:
+        raise type(e)(f"{path}: decode: {e}") from None
 
 
 def method_setting(value, path) -> str:
@@ -64,7 +86,7 @@ def method_setting(value, path) -> str:
 
 
 def read_answer_settings(path: str | Path) -> dict:
-    """``method``, ``ratio``, ``auto`` (a dict) and ``model`` from a config file (`kvstitch ask --config`): the
+    """``method``, ``ratio``, ``auto`` (a dict), ``model`` and ``decode`` from a config file (`kvstitch ask --config`): the
     keys it has among those, at the top level or under ``[serve]``; other keys are not ask's and are left alone."""
     data = load_toml(Path(path).expanduser())
     if isinstance(data.get("serve"), dict):
@@ -72,6 +94,8 @@ def read_answer_settings(path: str | Path) -> dict:
     out = {k: data[k] for k in ANSWER_SETTINGS if k in data}
     if "method" in out:
         out["method"] = method_setting(out["method"], path)
+    if "decode" in out:
+        out["decode"] = decode_setting(out["decode"], path)
     if "auto" in out and not isinstance(out["auto"], dict):
         raise InputError(f"{path}: 'auto' must be a table of options of ratio 'auto'")
     return out

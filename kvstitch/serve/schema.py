@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from kvstitch.core.errors import InputError
 from kvstitch.core.prompt import normalize_messages
-from kvstitch.engine.budget import AutoBudget, parse_ratio
+from kvstitch.decode.policies import make_policy, policy_budget
+from kvstitch.engine.budget import AutoBudget, split_ratio
 from kvstitch.select import make_selector
 from .core import ApiError, input_error
 
@@ -32,7 +33,7 @@ class ChatRequest:
     top_k: int
     method: str  # the method's label (an alias, or its canonical spec: every option in it)
     ratio: float | str  # a fraction, or "auto" (kvstitch.engine.budget)
-    decode: str
+    decode: str  # the decode policy's canonical spec ("dense", "prkv(static_ratio=0.5)")
     kv_budget: int | None
     max_tokens: int
     temperature: float
@@ -42,7 +43,7 @@ class ChatRequest:
     include_usage: bool
     model: str | None
     guard: str | None = None  # "full": verify the answer against full prefill
-    auto: dict | None = None  # options of ratio "auto" (kvstitch.engine.budget.AutoBudget)
+    auto: AutoBudget | dict | None = None  # options of ratio "auto" (given, or carried by an auto spec ratio)
     min_tokens: int = 0  # EOS masked until the answer has this many tokens
 
 
@@ -75,10 +76,11 @@ def _float(body: dict, name: str, default, lo: float, hi: float):
     return float(v)
 
 
-def parse_chat_request(body, default_method: str, default_ratio: float, default_decode: str,
-                       default_max_tokens: int, decode_policies: set[str]) -> ChatRequest:
+def parse_chat_request(body, default_method: str, default_ratio: float | str, default_decode: str,
+                       default_max_tokens: int, decode_policies: set[str] | None = None) -> ChatRequest:
     """The checked request (a 400 `ApiError` naming the first bad field), its fields checked in this order:
-    messages, unknown and unsupported parameters, stop, passages, method settings, sampling, streaming."""
+    messages, unknown and unsupported parameters, stop, passages, method settings, sampling, streaming.
+    ``decode_policies``: the policy names this server offers (None: every registered one)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     question, messages = _messages(body)
@@ -167,9 +169,9 @@ def _passages(body: dict) -> tuple[list[str] | None, str | None, int]:
     return documents, collection, _int(body, "top_k", 4, 1, MAX_TOP_K)
 
 
-def _method_settings(body: dict, default_method: str, default_ratio: float, default_decode: str,
-                     decode_policies: set[str]) -> tuple:
-    """(method label, ratio, guard, auto, decode, kv_budget)."""
+def _method_settings(body: dict, default_method: str, default_ratio: float | str, default_decode: str,
+                     decode_policies: set[str] | None) -> tuple:
+    """(method label, ratio, guard, auto, decode spec, kv_budget)."""
     method = body.get("method", default_method)
     if not isinstance(method, str):
         raise _bad(f"'method' must be a method spec (a string), got {method!r:.60}", "method")
@@ -182,25 +184,39 @@ def _method_settings(body: dict, default_method: str, default_ratio: float, defa
         raise input_error(e) from None
     if "ratio" in body and "recompute_ratio" in body:
         raise _bad("pass 'ratio' or 'recompute_ratio', not both", "ratio")
+    auto = body.get("auto")
+    if auto is not None:
+        try:
+            auto = AutoBudget.of(auto)
+        except InputError as e:
+            raise _bad(f"'auto': {e}", "auto") from None
     ratio_name = "ratio" if "ratio" in body else "recompute_ratio"
-    try:
-        ratio = parse_ratio(body.get(ratio_name, default_ratio))
+    try:  # an auto spec ("auto(tol=0.05)") carries its options: (ratio "auto", those options)
+        ratio, auto = split_ratio(body.get(ratio_name, default_ratio), auto)
     except InputError as e:
         raise _bad(f"'{ratio_name}': {e}", ratio_name) from None
     guard = body.get("guard")
     if guard not in (None, "full"):
         raise _bad(f"'guard' must be \"full\" or absent, got {guard!r:.60}", "guard")
-    auto = body.get("auto")
-    if auto is not None:
-        try:
-            AutoBudget.of(auto)
-        except InputError as e:
-            raise _bad(f"'auto': {e}", "auto") from None
+    decode, kv_budget = _decode_settings(body, default_decode, decode_policies)
+    return method, ratio, guard, auto, decode, kv_budget
+
+
+def _decode_settings(body: dict, default_decode: str, decode_policies: set[str] | None) -> tuple[str, int | None]:
+    """(the decode policy's canonical spec, kv_budget): a name, an alias or a spec string."""
     decode = body.get("decode", default_decode)
-    if not isinstance(decode, str) or decode not in decode_policies:
-        raise _bad(f"unknown decode policy {decode!r:.60}; known: {', '.join(sorted(decode_policies))}",
+    kv_budget = _int(body, "kv_budget", None, 1)
+    if not isinstance(decode, str):
+        raise _bad(f"'decode' must be a decode policy spec (a string), got {decode!r:.60}", "decode", "invalid_decode")
+    try:
+        policy = make_policy(decode)
+        policy_budget(policy, kv_budget)  # two different budgets are an error
+    except InputError as e:
+        raise input_error(e) from None
+    if decode_policies is not None and policy.name not in decode_policies:
+        raise _bad(f"decode policy {policy.name!r} is not served here; known: {', '.join(sorted(decode_policies))}",
                    "decode", "invalid_decode")
-    return method, ratio, guard, auto, decode, _int(body, "kv_budget", None, 1)
+    return policy.spec, kv_budget
 
 
 def _sampling(body: dict, default_max_tokens: int) -> tuple[int, int, float, float, int]:
@@ -219,12 +235,7 @@ def _sampling(body: dict, default_max_tokens: int) -> tuple[int, int, float, flo
 
 
 def decode_policies() -> set[str]:
-    names = {"full"}
-    try:
-        from kvstitch.decode import DECODE_POLICIES
+    """The registered decode policy names (`kvstitch.decode`; the alias ``full`` is accepted too)."""
+    from kvstitch.decode import DECODE_POLICIES
 
-        names |= set(DECODE_POLICIES)
-    except Exception:  # noqa: BLE001 - the decode package is optional for the server
-        pass
-    return names
-
+    return set(DECODE_POLICIES)

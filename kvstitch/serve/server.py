@@ -14,7 +14,9 @@ Request extensions (top-level JSON fields; the OpenAI Python client sends them w
     collection: str, top_k: int ... or retrieve the top-k chunks of an indexed collection (`kvstitch index`)
     method, ratio (or recompute_ratio), decode, kv_budget: per-request overrides; ``method`` is a spec string
                                 ("deltaprop(base=infoflow,alpha_k=0.5)", see `kvstitch methods`); the older
-                                ``method_options`` object is merged into it
+                                ``method_options`` object is merged into it; ``decode`` a policy spec
+                                ("dense", "prkv(static_ratio=0.5)", "prkv:kv_budget=512"); ``ratio`` a
+                                number, "auto" or an auto spec ("auto(tol=0.05)"; ``auto``: its options)
 The whole conversation is the prompt: the model's chat template over every message (system/developer,
 user, assistant, tool results as text), the passages appended to the system message - after the system
 prompt, before the conversation (`PromptBuilder.build_messages`). The system prompt is a stitched segment
@@ -91,8 +93,8 @@ def _install_error_handlers(app) -> None:
                         "internal_error").response()
 
 
-def create_app(engine, default_method: str = "prophet", default_ratio: float = 0.2, max_queue: int = 16,
-               collections_dir: str | Path | None = None, default_decode: str = "full",
+def create_app(engine, default_method: str = "prophet", default_ratio: float | str = 0.2, max_queue: int = 16,
+               collections_dir: str | Path | None = None, default_decode: str = "dense",
                max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
                guard_rate: float = 0.0, security: "SecurityConfig | None" = None, max_batch: int = 8,

@@ -10,6 +10,7 @@ import time
 import torch
 
 from kvstitch.core.errors import InputError, KVStitchError
+from kvstitch.decode.policies import is_dense
 from kvstitch.engine import STOP, GenerationRequest, GenerationResult
 from kvstitch.engine.batch import DecodeStep, RecomputeStep
 from .admission import KVPool, kv_shape
@@ -213,8 +214,11 @@ class EngineWorker:
         except Exception:  # noqa: BLE001 - the engine raises the same error, as a 400, when the job starts
             return 0
         kw["layout"] = layout
-        return self.kv_shape.request_bytes(layout.n_total, int(kw.get("max_new_tokens") or 0),
-                                           sparse=kw.get("decode", "full") != "full",
+        try:
+            sparse = not is_dense(kw.get("decode", "dense"))
+        except InputError:  # likewise: a bad policy is the engine's 400
+            sparse = False
+        return self.kv_shape.request_bytes(layout.n_total, int(kw.get("max_new_tokens") or 0), sparse=sparse,
                                            copies=2 if kw.get("guard") else 1)  # guard: a full prefill beside it
 
     def _idle_precompute(self) -> bool:
