@@ -155,7 +155,8 @@ def test_eval_on_squad2_records_gold_position_abstention_and_official_scores(smo
 def _row(i, method, ratio, correct, pred, answerable=True, abstained=False, depth=0.5):
     return {"task": "squad2_p10", "seed": 0, "index": i, "length": 0, "chunk_tokens": 0, "method": method,
             "ratio": ratio, "correct": correct, "pred": pred, "answerable": answerable, "abstained": abstained,
-            "score": float(correct), "em": float(correct), "depth": depth, "ttft_s": 1.0, "ttft_full_s": 4.0}
+            "score": float(correct), "em": float(correct), "depth": depth, "ttft_s": 1.0, "ttft_full_s": 4.0,
+            "select_s": 0.25 if method == "deltaprop" else None}
 
 
 def test_answers_kept_abstentions_and_paired_tables_count_what_they_say(tmp_path):
@@ -173,11 +174,26 @@ def test_answers_kept_abstentions_and_paired_tables_count_what_they_say(tmp_path
     t = answers_table(rows)
     a_line = next(l for l in t.splitlines() if l.startswith("| deltaprop |"))
     assert "| 4 | 3 | 0.67 [" in a_line and "| 0.50 [" in a_line  # kept 2 of 3; same answer on 0, 1 of 4
-    assert "| 400% |" not in a_line and a_line.endswith("| 4.00 |")
+    assert "| 400% |" not in a_line and a_line.endswith("| 4.00 | 0.250 |")  # speed-up, then selection seconds
     ab = abstention_table(rows)
     a_ab = next(l for l in ab.splitlines() if l.startswith("| deltaprop |"))
     assert "| 4 | 3 | 0.667" in a_ab and "| 0.333" in a_ab
     pk = paired_kept_table(rows)
     assert "| 0.20 | deltaprop | b | 3 | 0.67 | 0.33 | 0.33" in pk and "| b | deltaprop |" not in pk
     parts, plots = squad_sections(rows, tmp_path, "squad2_p10")
-    assert plots["kept_by_position_squad2_p10"].is_file()
+    assert plots["kept_by_position_squad2_p10"].is_file() and plots["kept_vs_speedup_squad2_p10"].is_file()
+
+
+def test_the_kept_pareto_counts_only_the_questions_full_prefill_gets_right(monkeypatch, tmp_path):
+    from kvstitch.eval import plots
+
+    seen = {}
+    real = plots.ratio_of_means
+    monkeypatch.setattr(plots, "mean_of", lambda xs: seen.setdefault("y", list(xs)) and 0.5)
+    monkeypatch.setattr(plots, "ratio_of_means", lambda a, b: real(a, b))
+    rows = [_row(i, "full", None, i < 2, "a") for i in range(4)]
+    rows += [_row(i, "deltaprop", 0.2, i in (0, 3), "a") for i in range(4)]  # right on 0 (full right) and 3 (not)
+    plots.plot_pareto(rows, tmp_path / "k.png", y="kept")
+    assert seen["y"] == [1.0, 0.0]  # questions 0 and 1 only: kept on 0, lost on 1
+    with pytest.raises(ValueError):
+        plots.plot_pareto(rows, tmp_path / "k.png", y="score")

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .rows import (REFERENCE_METHODS, REFERENCES, as_number, colour_cycle, group_rows, mean_of, method_key,
-                   naive_nll_by_sample, new_figure, norm_ratio, pooled_recovery, ratio_key, ratio_of_means, save_png)
+                   naive_nll_by_sample, new_figure, norm_ratio, pooled_recovery, ratio_key, ratio_of_means, sample_key,
+                   save_png)
 
 
 def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Path:
@@ -172,22 +173,29 @@ def plot_vs_ratio(rows: Sequence[dict], path: str | os.PathLike, fields: Sequenc
     return save_png(fig, path)
 
 
-def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
-    """Agreement with full prefill (y) vs TTFT speed-up over full prefill (x): fixed ratios as one curve per
-    method, ``auto`` as a star per method (its options in the run's protocol)."""
+def plot_pareto(rows: Sequence[dict], path: str | os.PathLike, y: str = "agree") -> Path:
+    """Quality (y) vs TTFT speed-up over full prefill (x): fixed ratios as one curve per method, ``auto`` as a star
+    per method (its options in the run's protocol). ``y="agree"``: answers equal to full prefill's (12 words);
+    ``y="kept"``: of the questions full prefill answers correctly, the share still answered correctly."""
+    if y not in ("agree", "kept"):
+        raise ValueError(f"y must be 'agree' or 'kept', got {y!r}")
+    full_right = {sample_key(r) for r in rows if r.get("method") == "full" and r.get("correct")}
     pts: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        if r.get("agree_words") is not None and r.get("method") not in REFERENCES:
+        if r.get("method") in REFERENCES:
+            continue
+        if (r.get("agree_words") is not None) if y == "agree" else (sample_key(r) in full_right):
             pts[(str(r["method"]), norm_ratio(str(r["method"]), r.get("ratio")))].append(r)
     if not pts:
-        raise ValueError("no rows with an agreement to plot")
+        raise ValueError("no rows with an agreement to plot" if y == "agree" else
+                         "no rows on questions full prefill answers correctly")
     fig = new_figure(6.4, 4.4)
     ax = fig.subplots()
     palette = colour_cycle()
 
     def xy(g):
         return (ratio_of_means([x.get("ttft_full_s") for x in g], [x.get("ttft_s") for x in g]),
-                mean_of(float(bool(x["agree_words"])) for x in g))
+                mean_of(float(bool(x["agree_words" if y == "agree" else "correct"])) for x in g))
 
     for k, method in enumerate(sorted({m for m, _ in pts}, key=method_key)):
         color = palette[k % len(palette)]
@@ -201,7 +209,8 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike) -> Path:
             ax.plot([x], [y], marker="*", markersize=14, linestyle="none", color=color, label=f"{method} auto")
     ax.plot([1.0], [1.0], marker="s", markersize=8, linestyle="none", color="black", label="full prefill")
     ax.set_xlabel("TTFT speed-up over full prefill (mean full TTFT / mean TTFT)")
-    ax.set_ylabel("answers equal to full prefill's (12 words)")
+    ax.set_ylabel("answers equal to full prefill's (12 words)" if y == "agree" else
+                  "answers kept (of full prefill's right answers)")
     ax.set_ylim(-0.03, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -8,7 +8,8 @@
 - `paired_kept_table`: kvstitch's own method against every other at one ratio, on the questions full prefill
   answers correctly and both ran: the difference in answers kept, paired, with its interval (a method "ahead"
   needs the interval above 0).
-- `plot_kept_by_position`: answers kept against the gold passage's position (lost in the middle).
+- `plot_kept_by_position`: answers kept against the gold passage's position (lost in the middle);
+  `kvstitch.eval.plots.plot_pareto` with ``y="kept"``: answers kept against the TTFT speed-up.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from kvstitch.tasks.agreement import same_answer
 
+from .plots import plot_pareto
 from .rows import (REFERENCES, new_figure, fmt_num, mean_of, colour_cycle, ratio_cell, ratio_of_means, save_png,
                      bootstrap_mean_ci, fmt_ci, method_key, norm_ratio, ratio_key, sample_key)
 
@@ -51,7 +53,7 @@ def _pct_of_full(g: list[dict], full: dict, field: str) -> str:
 def answers_table(rows: Sequence[dict]) -> str:
     full, groups = _by_method([r for r in rows if r.get("answerable", True)])
     lines = ["| method | ratio | n | full right | answers kept | same answer as full | F1 % of full | EM % of full | "
-             "TTFT speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+             "TTFT speed-up | selection s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for key in _order(groups):
         g = groups[key]
         m, ratio = key
@@ -62,7 +64,8 @@ def answers_table(rows: Sequence[dict]) -> str:
                      f"{fmt_ci(mean_of(kept), bootstrap_mean_ci([kept]), 2)} | "
                      f"{fmt_ci(mean_of(same), bootstrap_mean_ci([same]), 2)} | {_pct_of_full(g, full, 'score')} | "
                      f"{_pct_of_full(g, full, 'em')} | "
-                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
+                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
+                     f"{fmt_num(mean_of(x.get('select_s') for x in g), 3)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,6 +167,10 @@ def squad_sections(rows: Sequence[dict], out: Path, name: str) -> tuple[list[str
     if paired:
         parts += ["Answers kept, two methods paired on the questions full prefill gets right:", "", paired, ""]
     written = {}
+    answerable = [r for r in rows if r.get("answerable", True)]
+    if any(r.get("method") == "full" and r.get("correct") for r in answerable):
+        written[f"kept_vs_speedup_{name}"] = plot_pareto(answerable, out / f"kept_vs_speedup_{name}.png", y="kept")
+        parts += [f"![answers kept vs TTFT speed-up](kept_vs_speedup_{name}.png)", ""]
     if any(r.get("depth") is not None and r.get("method") == "full" for r in rows):
         written[f"kept_by_position_{name}"] = plot_kept_by_position(rows, out / f"kept_by_position_{name}.png")
         parts += [f"![answers kept by gold position](kept_by_position_{name}.png)", ""]
