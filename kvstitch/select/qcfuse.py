@@ -10,7 +10,7 @@ copy; nothing of it is copied here). Three passes:
    all (`_rank_from_scores`, `srt/utils/cache_blender_info.py:ContextBlendPool._build_context_positions_for_layer`:
    the sinks count within the share; the system prompt, kvstitch's shared prefix, is kept whole).
    ``anchor_ratio`` = 0.1: `blend/qcfuse_config.py:DIGEST_RATIO` and `cache_blender_info.DEFAULT_DIGEST_RATIO`
-   (the issue that asked for this method said ~15%; the code says 10%).
+   (the paper's text says ~15%; its code uses 10%).
 2. Online probe (`srt/utils/cache_blender.py:CacheBlender.blend`, QCOMPUTE): only the question runs, through
    layers 0..max(critical layers) (``qcompute_end``), attending at each layer to the shared prefix and that
    layer's anchors of every passage at their real positions (the stitched cache holds every passage's keys
@@ -20,7 +20,7 @@ copy; nothing of it is copied here). Three passes:
    probe's queries against the FULL stitched cache (every passage token, plus the question's own keys,
    causal) give softmax probabilities; a passage token's score is their maximum over query heads and question
    tokens, averaged over the critical layers (``reduce="max"``; ``"mean"`` averages over heads and tokens
-   instead, as the issue describes it); the global top-k over all passages (k = ratio x context) is
+   instead, as the method's summary describes it); the global top-k over all passages (k = ratio x context) is
    recomputed with the question through every layer (the engine's recompute pass).
 
 Critical layers: ``critical_layers`` when given ("explicit"); else the model's profiled ranking
