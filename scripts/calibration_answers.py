@@ -27,7 +27,7 @@ def table(rows: list[dict], answers: dict[str, list[str]]) -> str:
         if r["config"] != "full" and r["sample"] in full and r["sample"] in answers:
             by[r["config"]].append(r)
     lines = ["| configuration | n | full right | answers kept | same answer | agrees (12 words) | fell back | "
-             "TTFT speed-up |", "|---|---|---|---|---|---|---|---|"]
+             "accepted, not full's answer | TTFT speed-up |", "|---|---|---|---|---|---|---|---|---|"]
     for cfg in sorted(by):
         g = by[cfg]
         right = [r for r in g if squad_correct(full[r["sample"]]["pred"], answers[r["sample"]])]
@@ -35,10 +35,14 @@ def table(rows: list[dict], answers: dict[str, list[str]]) -> str:
         same = [float(same_answer(r["pred"], full[r["sample"]]["pred"])) for r in g]
         agree = [float(bool(r["agree"])) for r in g]
         fell = sum(1 for r in g if r.get("ratio") == "auto" and (r.get("ratio_used") or 0) >= 1.0)
+        # the rounds' own answers `auto` kept (no fallback): how many are not what full prefill says
+        accepted = [r for r in g if r.get("ratio") == "auto" and (r.get("ratio_used") or 0) < 1.0]
+        wrong = sum(1 for r in accepted if not same_answer(r["pred"], full[r["sample"]]["pred"]))
+        false_accepts = f"{wrong} of {len(accepted)}" if accepted else "–"
         speed = ratio_of_means([r["ttft_full_s"] for r in g], [r["ttft_s"] for r in g])
         lines.append(f"| {cfg} | {len(g)} | {len(right)} | {fmt_ci(sum(kept) / len(kept), bootstrap_mean_ci([kept]), 2) if kept else '–'} | "
                      f"{fmt_ci(sum(same) / len(same), bootstrap_mean_ci([same]), 2)} | "
-                     f"{sum(agree) / len(agree):.2f} | {fell} | {speed:.2f} |")
+                     f"{sum(agree) / len(agree):.2f} | {fell} | {false_accepts} | {speed:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -58,7 +62,8 @@ def main() -> None:
     n = len({r["sample"] for r in rows if r["config"] == "full"})
     text = (f"# Answers kept per configuration (n = {n} samples)\n\nWritten by `{cmd}` from rows.jsonl. Answers kept: "
             "of the questions full prefill answers correctly, the share still answered correctly; same answer: "
-            "SQuAD-normalised first lines equal; fell back: `auto` answered by full prefill.\n\n"
+            "SQuAD-normalised first lines equal; fell back: `auto` answered by full prefill; accepted, not full's "
+            "answer: of the answers `auto` accepted from its rounds, those not the same as full prefill's.\n\n"
             + table(rows, answers))
     (args.run / "answers.md").write_text(text)
     print(text)

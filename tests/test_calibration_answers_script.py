@@ -30,5 +30,6 @@ def test_counts_kept_same_answer_and_fallbacks():
     fixed = next(line for line in t.splitlines() if line.startswith("| m@0.1 |"))
     auto = next(line for line in t.splitlines() if line.startswith("| m@auto |"))
     # full right on s#0, s#1; m@0.1 keeps s#0 only; same answer on s#0 and s#2 of 3
-    assert fixed.startswith("| m@0.1 | 3 | 2 | 0.50 [") and "| 0.67 [" in fixed and fixed.endswith("| 0 | 4.00 |")
-    assert auto.startswith("| m@auto | 3 | 2 | 1.00 [") and auto.endswith("| 1 | 4.00 |")
+    assert fixed.startswith("| m@0.1 | 3 | 2 | 0.50 [") and "| 0.67 [" in fixed and fixed.endswith("| 0 | – | 4.00 |")
+    # auto accepted its rounds' answers on s#1 ("1979", full's) and s#2 ("x", not full's "no idea")
+    assert auto.startswith("| m@auto | 3 | 2 | 1.00 [") and auto.endswith("| 1 | 1 of 2 | 4.00 |")
