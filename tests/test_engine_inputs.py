@@ -72,6 +72,7 @@ def test_fast_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkey
 
     from kvstitch.engine.engine import fast_dtype
 
+    monkeypatch.delenv("KVSTITCH_NATIVE_HALF", raising=False)  # the CPU's features decide, not an override
     cpu = torch.device("cpu")
     for bf16, amx, want in ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v, raising=False)
