@@ -1,5 +1,5 @@
 """scripts/prkv_static_sweep.py names its outputs by page size and records the command that wrote them
-(the README's page-8 table is `--page-size 8`); the sweep itself runs the real model and is not run here."""
+(`--page-size 8` writes `prkv_static_sweep_page8`); the sweep itself runs the real model and is not run here."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def _script():
 
 def test_outputs_are_named_by_page_size_and_record_the_command(tmp_path):
     m = _script()
-    assert m.output_name(16) == "prkv_static_sweep"  # the README's main table
-    assert m.output_name(8) == "prkv_static_sweep_page8"  # the README's page-8 table
+    assert m.output_name(16) == "prkv_static_sweep"  # the default page size
+    assert m.output_name(8) == "prkv_static_sweep_page8"  # any other page size is in the name
     assert m.output_name(8, "custom") == "custom"
     rows = [{"static_ratio": "0.25", "budget": 1024, "page_size": 8, "context_tokens": 7946, "recall": 0.9176,
              "oracle_recall": 0.9743, "recall_min": 0.1, "top1_agreement": 0.875, "mean_chosen_ratio": 0.25},
