@@ -11,11 +11,6 @@ from kvstitch.select.deltaprop import DeltaCache
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 
 
-def _rotate(eng):
-    """What `SelectionContext.rotate` does: keys under layer ``layer``'s RoPE at ``positions``."""
-    return lambda keys, positions, layer: rerotate(keys, positions, eng.inv_freq[layer])
-
-
 def _setup(eng, **opts):
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     cache = eng.stitch(layout, eng.chunk_kvs(layout))
@@ -27,7 +22,7 @@ def test_a_common_shift_of_a_chunk_is_carried_to_its_stale_tokens_exactly(smollm
     shift measured on the recomputed tokens is what the stale ones get, keys rotated to their own positions."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
     layout, cache = _setup(eng)
-    dc = DeltaCache(cache, layout, _rotate(eng), alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0)
+    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0)
     c0, c1 = layout.context_start, layout.context_end
     chunk = layout.chunk_index()
     torch.manual_seed(1)
@@ -47,11 +42,41 @@ def test_a_common_shift_of_a_chunk_is_carried_to_its_stale_tokens_exactly(smollm
     assert torch.allclose(layer.keys[0, :, c0:c1], want_k, atol=1e-4)
     # and without the correction (alpha 0) the stale tokens keep their stitched K/V
     layout, cache = _setup(eng)
-    dc = DeltaCache(cache, layout, _rotate(eng), alpha_v=0.0, alpha_k=0.0, tau=0.0, skip_first=0)
+    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=0.0, alpha_k=0.0, tau=0.0, skip_first=0)
     with dc.mode(slots=sel + c0):
         dc.update(want_k[None][:, :, sel], want_v[None][:, :, sel], 0)
     stale = torch.tensor([i for i in range(c1 - c0) if i % 3])
     assert torch.equal(cache.layers[0].values[0, :, c0 + stale], stitched_v[:, stale])
+
+
+def test_a_later_pass_leaves_tokens_an_earlier_pass_recomputed_as_they_were(smollm_tokenizer):
+    """Auto's incremental rounds: tokens a finished pass recomputed stay fresh (never corrected again), the new
+    pass's own tokens take their fresh K/V, and only the rest move, by the new pass's measured shift."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    layout, cache = _setup(eng)
+    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=0.0, tau=0.0, skip_first=0)
+    c0, c1 = layout.context_start, layout.context_end
+    n, L = c1 - c0, len(cache.layers)
+    stitched_v = dc.stitched[0][1].clone()
+
+    def run_pass(sel, shift):  # every layer, as a recompute pass writes them, fresh values = stitched + shift
+        with dc.mode(slots=sel + c0):
+            for li in range(L):
+                sk, sv = dc.stitched[li]
+                dc.update(sk[None][:, :, sel], (sv[:, sel] + shift)[None], li)
+
+    first = torch.arange(0, n, 4)
+    run_pass(first, 1.0)
+    after_first = cache.layers[0].values[0, :, c0:c1].clone()
+    second = torch.arange(1, n, 4)
+    run_pass(second, -2.0)
+    values = cache.layers[0].values[0, :, c0:c1]
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[first] = rest[second] = False
+    assert torch.equal(values[:, first], after_first[:, first])  # the first pass's tokens: untouched
+    assert torch.allclose(values[:, second], stitched_v[:, second] - 2.0, atol=1e-6)
+    assert torch.allclose(values[:, rest], stitched_v[:, rest] - 2.0, atol=1e-5)  # corrected from stitched
+    assert bool(dc.fresh[first].all() and dc.fresh[second].all()) and not bool(dc.fresh[rest].any())
 
 
 def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_tokenizer):
@@ -178,7 +203,7 @@ def test_linear_fit_recovers_a_shift_linear_in_the_stitched_vector(smollm_tokeni
     got = {}
     for fit in ("mean", "linear"):
         layout, cache = _setup(eng)
-        dc = DeltaCache(cache, layout, _rotate(eng), alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0, fit=fit,
+        dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0, fit=fit,
                         ridge_v=0.0, ridge_k=0.0)
         c0, c1 = layout.context_start, layout.context_end
         chunk = layout.chunk_index()

@@ -57,6 +57,7 @@ CRITICAL_LAYERS: dict[str, tuple[int, ...]] = {
     "smollm2": (8, 6, 19, 9, 4, 27, 5, 14, 7, 3),  # 30 layers; MuSiQue 0-3, ~6K tokens
     "gemma3": (17, 11, 5),  # 18 layers, its global ones (the rest are 512-token windows); MuSiQue 0-3
     "qwen2.5-0.5b": (19, 23, 11, 20, 10, 15, 18, 21, 13, 22),  # 24 layers; MuSiQue 0-2, 5 passages, ~2.9K tokens
+    "qwen2.5-1.5b": (18, 17, 16, 8, 21, 23, 9, 15, 12, 20),  # 28 layers; MuSiQue 0-2, 5 passages, ~2.9K tokens
 }
 
 

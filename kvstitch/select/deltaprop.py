@@ -66,13 +66,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import BadMethodOption
+from kvstitch.core.rope import rotate_half
 from .base import SelectionContext
 from .method import Selector, Wrapper, register
 from .prophet import Prophet
@@ -82,7 +83,7 @@ class DeltaCache(StitchCache):
     """A `StitchCache` sharing ``cache``'s buffers; a pass that writes context slots S also moves the stale
     context tokens by their chunk's measured shift (module doc)."""
 
-    def __init__(self, cache: StitchCache, layout, rotate: Callable, alpha_v: float, alpha_k: float,
+    def __init__(self, cache: StitchCache, layout, inv_freq: torch.Tensor, alpha_v: float, alpha_k: float,
                  tau: float, skip_first: int, fit: str = "mean", ridge_v: float = 10.0, ridge_k: float = 0.1):
         super().__init__(cache.layers)
         self.slots, self.write, self.capture, self.captured, self.decoder = (
@@ -92,7 +93,8 @@ class DeltaCache(StitchCache):
         starts = torch.tensor(layout.chunk_starts, device=self.chunk.device) - self.c0
         self.offset = torch.arange(self.c1 - self.c0, device=self.chunk.device) - starts[self.chunk]  # in-chunk pos
         self.n_chunks = len(layout.chunk_ids)
-        self.rotate = rotate  # SelectionContext.rotate: (keys, positions, layer) -> keys under RoPE
+        self.inv_freq = inv_freq  # [L, head_dim/2]: each layer's RoPE (keys are corrected in pre-RoPE space)
+        self._rope: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         self.alpha_v, self.alpha_k, self.tau, self.skip_first = alpha_v, alpha_k, tau, skip_first
         self.fit, self.ridge_v, self.ridge_k = fit, ridge_v, ridge_k
         # the stitched context K/V: each correcting pass starts from them (idempotent across auto's rounds)
@@ -104,6 +106,7 @@ class DeltaCache(StitchCache):
         # refresh rounds recompute them again anyway)
         self.fresh = torch.zeros(self.c1 - self.c0, dtype=torch.bool, device=self.chunk.device)
         self.chunk_score: torch.Tensor | None = None  # [n_chunks] the base's score per passage (``attend_top``)
+        self._pass: tuple | None = None  # (slots, stale mask [1, n, 1] or None): one pass's targets, all its layers
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         slots = self.slots
@@ -114,19 +117,46 @@ class DeltaCache(StitchCache):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         sel = (slots[ctx] - self.c0).to(self.chunk.device)  # context indices recomputed by this pass
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        self._correct(layer_idx, sel, key_states[0][:, ctx], value_states[0][:, ctx])
+        self._correct(layer_idx, sel, self._stale(slots, sel), key_states[0][:, ctx], value_states[0][:, ctx])
         self.corrected_layers = layer_idx + 1
         if layer_idx == len(self.layers) - 1:
             self.fresh[sel] = True
+            self._pass = None
         return out
 
+    def _stale(self, slots: torch.Tensor, sel: torch.Tensor) -> torch.Tensor | None:
+        """The context tokens this pass corrects, ``[1, n_context, 1]`` bool (None: none): neither recomputed now
+        nor by an earlier pass. The same for every layer of a pass, so it is worked out once."""
+        if self._pass is None or self._pass[0] is not slots:
+            stale = ~self.fresh
+            stale[sel] = False
+            self._pass = (slots, stale.view(1, -1, 1) if bool(stale.any()) else None)
+        return self._pass[1]
+
+    def rope(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[n_context, head_dim]`` (float32) of every context position under layer ``li``'s RoPE, as
+        `rope.rerotate` computes them (angles in float64); shared by the layers of one RoPE base."""
+        inv = self.inv_freq[li]
+        key = inv.detach().cpu().numpy().tobytes()
+        if key not in self._rope:
+            pos = torch.arange(self.c0, self.c1, device=inv.device, dtype=torch.float64)
+            angle = pos[:, None] * inv.to(torch.float64)[None]
+            angle = torch.cat((angle, angle), dim=-1)
+            self._rope[key] = (angle.cos().float(), angle.sin().float())
+        return self._rope[key]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+        """``x [H, m, d]`` (float32) rotated to the positions of ``cos, sin [m, d]`` (``sign=-1``: from them)."""
+        return x * cos + rotate_half(x) * (sin if sign > 0 else -sin)
+
     @torch.no_grad()
-    def _correct(self, li: int, sel: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
-        n = self.c1 - self.c0
-        stale = ~self.fresh.clone()
-        stale[sel] = False
-        tgt = stale.nonzero().flatten()
-        if tgt.numel() == 0:
+    def _correct(self, li: int, sel: torch.Tensor, stale: torch.Tensor | None, fresh_k: torch.Tensor,
+                 fresh_v: torch.Tensor) -> None:
+        """Layer ``li``: every ``stale`` token takes its estimated shift. Written over the whole context slice at
+        once (contiguous elementwise ops), then the tokens that are not stale get their K/V back: a gather and
+        scatter of the ~90% stale tokens cost several times more."""
+        if stale is None:
             return
         sk, sv = self.stitched[li]
         layer = self.layers[li]
@@ -136,27 +166,60 @@ class DeltaCache(StitchCache):
         src = sel[use]
         # the tokens a linear fit learns from: every recomputed token outside the first chunk (exact already)
         fit = self.chunk[sel] > 0 if self.fit == "linear" else None
-        dv = fresh_v[:, use].float() - sv[:, src].float()  # [H, m, d]
-        new_v = sv[:, tgt].float()
+        keep = self._keep(stale)
+        values, keys = layer.values[0, :, self.c0:self.c1], layer.keys[0, :, self.c0:self.c1]
+        kept = values.index_select(1, keep), keys.index_select(1, keep)
         if self.alpha_v:
-            shift = self._spread(dv, src, tgt)
-            if fit is not None:
-                shift = shift + self._linear(sv.float(), fresh_v[:, fit].float(), dv, src, sel[fit], tgt, self.ridge_v)
-            new_v = new_v + self.alpha_v * shift
-        layer.values[0, :, self.c0 + tgt] = new_v.to(layer.values.dtype)
-        new_k = sk[:, tgt]
+            dv = fresh_v[:, use].float() - sv[:, src].float()  # [H, m, d]
+            if self.tau or fit is not None:
+                shift = self._spread(dv, src, self._every)
+                if fit is not None:
+                    shift = shift + self._linear(sv.float(), fresh_v[:, fit].float(), dv, src, sel[fit], self._every,
+                                                 self.ridge_v)
+            else:
+                shift = self._chunk_mean(dv, src).index_select(1, self.chunk)
+            torch.add(sv, shift, alpha=self.alpha_v, out=values)
+        else:
+            values.copy_(sv)
         if self.alpha_k:
-            slots = (src + self.c0).to(torch.float64)
-            dk = self.rotate(fresh_k[:, use].float() - sk[:, src].float(), -slots, li)  # pre-RoPE
-            shift = self._spread(dk, src, tgt)
-            if fit is not None:
-                pos = torch.arange(self.c0, self.c1, device=sk.device, dtype=torch.float64)
-                xk = self.rotate(sk.float(), -pos, li)  # every stitched context key, pre-RoPE
-                fs = sel[fit]
-                fk = self.rotate(fresh_k[:, fit].float(), -(fs + self.c0).to(torch.float64), li)
-                shift = shift + self._linear(xk, fk, dk, src, fs, tgt, self.ridge_k)
-            new_k = new_k.float() + self.alpha_k * self.rotate(shift, (tgt + self.c0).to(torch.float64), li)
-        layer.keys[0, :, self.c0 + tgt] = new_k.to(layer.keys.dtype)
+            cos, sin = self.rope(li)
+            dk = self._rotate(fresh_k[:, use].float() - sk[:, src].float(), cos[src], sin[src], -1)  # pre-RoPE
+            if self.tau or fit is not None:
+                shift = self._spread(dk, src, self._every)
+                if fit is not None:
+                    xk = self._rotate(sk.float(), cos, sin, -1)  # every stitched context key, pre-RoPE
+                    fk = self._rotate(fresh_k[:, fit].float(), cos[sel[fit]], sin[sel[fit]], -1)
+                    shift = shift + self._linear(xk, fk, dk, src, sel[fit], self._every, self.ridge_k)
+                shift = self._rotate(shift, cos, sin)
+            else:  # a chunk's mean shift rotated to each token's position: rotate_half commutes with the gather
+                mean = self._chunk_mean(dk, src)
+                shift = mean.index_select(1, self.chunk).mul_(cos).addcmul_(rotate_half(mean).index_select(1, self.chunk), sin)
+            torch.add(sk, shift, alpha=self.alpha_k, out=keys)
+        else:
+            keys.copy_(sk)
+        values[:, keep], keys[:, keep] = kept
+
+    @property
+    def _every(self) -> torch.Tensor:
+        return torch.arange(self.c1 - self.c0, device=self.chunk.device)
+
+    def _keep(self, stale: torch.Tensor) -> torch.Tensor:
+        """The context tokens a correcting pass must leave as they are (recomputed now or before), cached with
+        the pass's stale mask."""
+        if len(self._pass) == 2:
+            self._pass = self._pass + ((~stale.flatten()).nonzero().flatten(),)
+        return self._pass[2]
+
+    def _chunk_mean(self, delta: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Shifts measured at ``src`` [H, m, d] -> each chunk's mean ``[H, n_chunks, d]`` (zero where none)."""
+        H, m, d = delta.shape
+        total = torch.zeros(self.n_chunks, H, d, dtype=delta.dtype, device=delta.device)
+        count = torch.zeros(self.n_chunks, dtype=delta.dtype, device=delta.device)
+        if m:
+            cs = self.chunk[src]
+            total.index_add_(0, cs, delta.permute(1, 0, 2))
+            count.index_add_(0, cs, torch.ones(m, dtype=delta.dtype, device=delta.device))
+        return (total / count.clamp(min=1)[:, None, None]).permute(1, 0, 2).contiguous()
 
     def _linear(self, x: torch.Tensor, fresh: torch.Tensor, delta: torch.Tensor, src: torch.Tensor,
                 fs: torch.Tensor, tgt: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -195,14 +258,9 @@ class DeltaCache(StitchCache):
         out = torch.zeros(H, tgt.numel(), d, dtype=delta.dtype, device=delta.device)
         if m == 0:
             return out
-        cs, ct = self.chunk[src], self.chunk[tgt]
         if not self.tau:
-            total = torch.zeros(self.n_chunks, H, d, dtype=delta.dtype, device=delta.device)
-            total.index_add_(0, cs, delta.permute(1, 0, 2))
-            count = torch.zeros(self.n_chunks, dtype=delta.dtype, device=delta.device)
-            count.index_add_(0, cs, torch.ones(m, dtype=delta.dtype, device=delta.device))
-            mean = total / count.clamp(min=1)[:, None, None]
-            return mean[ct].permute(1, 0, 2)
+            return self._chunk_mean(delta, src).index_select(1, self.chunk[tgt])
+        cs, ct = self.chunk[src], self.chunk[tgt]
         w = torch.exp(-(tgt[:, None] - src[None, :]).abs().to(delta.dtype) / self.tau) * (ct[:, None] == cs[None, :])
         w = w / w.sum(1, keepdim=True).clamp(min=1e-12)  # [t, m]; a chunk with no measured shift: zero
         return torch.einsum("tm,hmd->htd", w, delta)
@@ -268,7 +326,7 @@ class DeltaProp(Wrapper):
 
     def prepare(self, ctx: SelectionContext) -> None:
         self.base.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
-        ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.rotate, float(self.alpha_v),
+        ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.engine.inv_freq, float(self.alpha_v),
                                float(self.alpha_k), float(self.tau), self.skip_first, self.fit,
                                float(self.ridge_v), float(self.ridge_k))
 
