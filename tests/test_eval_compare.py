@@ -54,6 +54,26 @@ def test_compare_runs_definitions():
     assert table.splitlines()[0].startswith("| method | r | n | score fp16 | score int8 |")
 
 
+def test_qa_runs_of_two_models_compare_answers_kept_against_each_runs_own_full_prefill():
+    """Two models on the same questions: each run's kept share counts the questions *its* full prefill got right."""
+    def qa(index, method, ratio, correct, pred):
+        return dict(_row(index, method, ratio, float(correct), 1.0, 1.0, 0.0, pred, task="squad_p10"), correct=correct)
+
+    small = [qa(0, "full", None, True, "Paris"), qa(1, "full", None, False, "Lyon"), qa(2, "full", None, True, "1905"),
+             qa(0, "prophet", 0.1, False, "Rome"), qa(1, "prophet", 0.1, False, "Lyon"), qa(2, "prophet", 0.1, True, "1905")]
+    large = [qa(0, "full", None, True, "Paris"), qa(1, "full", None, True, "Nice"), qa(2, "full", None, True, "1905"),
+             qa(0, "prophet", 0.1, True, "Paris"), qa(1, "prophet", 0.1, True, "Nice"), qa(2, "prophet", 0.1, False, "1906")]
+    rows = {(r["method"], r["ratio"]): r for r in compare_runs(small, large)}
+    p = rows[("prophet", 0.1)]
+    assert (p["right_base"], p["right_other"]) == (2, 3)
+    assert math.isclose(p["kept_base"], 0.5) and math.isclose(p["kept_other"], 2 / 3)
+    assert math.isclose(p["agree_base"], 2 / 3) and math.isclose(p["agree_other"], 2 / 3)  # "Lyon" = full's wrong one
+    table = compare_table(list(rows.values()), "0.5B", "1.5B")
+    assert "| prophet | 0.1 | 3 | 2 | 0.50 | 3 | 0.67 | 0.67 | 0.67 |" in table
+    base, other = _runs()
+    assert "kept" not in compare_table(compare_runs(base, other))  # no QA rows: no such table
+
+
 def test_identical_rows_tolerate_float_rounding_only():
     base, _ = _runs()
     other = [dict(r, nll=r["nll"] + 1e-8) for r in base]  # summation-order noise: still identical

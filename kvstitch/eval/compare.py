@@ -10,6 +10,10 @@ present in both runs count. Per (method, ratio):
   lower recovery instead of being normalised away by its own (also shifted) naive row;
 - ``kl_*``: mean KL(full || method) over the answer;
 - ``same_answer``: share of samples whose greedy answer text is identical in both runs;
+- ``kept_*`` (QA rows, e.g. SQuAD): of the samples the run's *own* full prefill answers correctly, the share the
+  method still answers correctly (``right_*``: how many those are); ``agree_*``: the share whose answer is full
+  prefill's of the same run. Across two models on the same samples this is "does stitching keep more answers
+  as the model grows";
 - ``identical``: share of samples whose rows agree in answer text, recomputed-token count, NLL and KL
   (within `IDENTICAL_TOL`): the check that a refactor left the numbers unchanged; ``max_dnll`` is the
   largest |NLL difference|.
@@ -25,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstitch.core.errors import InputError
+from kvstitch.tasks.agreement import same_answer
+
 from .rows import method_key, ratio_key, read_jsonl
 
 SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")
@@ -75,6 +81,7 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
                 and close(x.get("nll"), y.get("nll")) and close(x.get("kl"), y.get("kl")))
 
     out = []
+    answers_a, answers_b = _full_answers(a), _full_answers(b)
     for method, ratio in sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
         keys = groups[(method, ratio)]
         ra, rb = [a[k] for k in keys], [b[k] for k in keys]
@@ -88,7 +95,20 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
             "max_dnll": max((abs(float(x["nll"]) - float(y["nll"])) for x, y in zip(ra, rb)
                              if x.get("nll") is not None and y.get("nll") is not None), default=math.nan),
         })
+        if any(r.get("correct") is not None for r in ra):
+            for side, rows, answers in (("base", ra, answers_a), ("other", rb, answers_b)):
+                right = [r for r in rows if answers.get(_sample(r), (False, ""))[0]]
+                out[-1].update({f"right_{side}": len(right),
+                                f"kept_{side}": _mean(float(bool(r.get("correct"))) for r in right),
+                                f"agree_{side}": _mean(float(same_answer(r.get("pred", ""), answers[_sample(r)][1]))
+                                                       for r in rows if _sample(r) in answers)})
     return out
+
+
+def _full_answers(rows: dict) -> dict[tuple, tuple[bool, str]]:
+    """sample -> (full prefill answered correctly, its answer), from one run's ``full`` rows."""
+    return {s: (bool(r.get("correct")), r.get("pred", "")) for (s, m, _), r in rows.items()
+            if m == "full" and r.get("correct") is not None}
 
 
 def _f(x: float, digits: int) -> str:
@@ -100,13 +120,26 @@ def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: s
     b, o = base_label, other_label
     lines = [f"| method | r | n | score {b} | score {o} | NLL rec. {b} | NLL rec. {o} | KL {b} | KL {o} | same answer | "
              "identical rows | max abs NLL diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    qa = [r for r in rows if "kept_base" in r]
+    if qa:
+        lines = [f"Answers kept: of the questions each run's own full prefill answers correctly (right), the share the "
+                 f"method still answers correctly; agrees: the method's answer is its run's full prefill's.", "",
+                 f"| method | r | n | right {b} | kept {b} | right {o} | kept {o} | agrees {b} | agrees {o} |",
+                 "|---|---|---|---|---|---|---|---|---|"] + [
+            f"| {r['method']} | {_ratio_cell(r['ratio'])} | {r['n']} | {r['right_base']} | {_f(r['kept_base'], 2)} | "
+            f"{r['right_other']} | {_f(r['kept_other'], 2)} | {_f(r['agree_base'], 2)} | {_f(r['agree_other'], 2)} |"
+            for r in qa] + [""] + lines
     for r in rows:
-        ratio = "–" if r["ratio"] is None else str(r["ratio"]) if r["ratio"] == "auto" else f"{r['ratio']:g}"
+        ratio = _ratio_cell(r["ratio"])
         dnll = "–" if math.isnan(r["max_dnll"]) else f"{r['max_dnll']:.1e}"
         lines.append(f"| {r['method']} | {ratio} | {r['n']} | {_f(r['score_base'], 1)} | {_f(r['score_other'], 1)} | "
                      f"{_f(r['nll_rec_base'], 2)} | {_f(r['nll_rec_other'], 2)} | {_f(r['kl_base'], 3)} | "
                      f"{_f(r['kl_other'], 3)} | {100 * r['same_answer']:.0f}% | {100 * r['identical']:.0f}% | {dnll} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio_cell(ratio) -> str:
+    return "–" if ratio is None else str(ratio) if ratio == "auto" else f"{ratio:g}"
 
 
 def _results(path: str | os.PathLike) -> Path:
