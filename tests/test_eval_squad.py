@@ -184,6 +184,23 @@ def test_answers_kept_abstentions_and_paired_tables_count_what_they_say(tmp_path
     assert plots["kept_by_position_squad2_p10"].is_file() and plots["kept_vs_speedup_squad2_p10"].is_file()
 
 
+def test_the_auto_bound_pays_each_question_its_cheapest_agreeing_ratio_or_full_prefill():
+    """Full prefill costs 10 s; the 10% row 1 s, the 20% row 2 s. Question 0 agrees at 10%, question 1 only at
+    20%, question 2 at neither: clairvoyant 1 + 2 + 10 s, cascade 1 + (1 + 2) + (1 + 2 + 10) s."""
+    from kvstitch.eval.qa_report import auto_bound_table
+
+    rows = []
+    for i, agree_at in enumerate([0.1, 0.2, None]):
+        rows.append(dict(_row(i, "full", None, True, f"Answer {i}"), ttft_s=10.0))
+        for ratio, t in ((0.1, 1.0), (0.2, 2.0)):
+            same = agree_at is not None and ratio >= agree_at
+            rows.append(dict(_row(i, "deltaprop", ratio, same, f"Answer {i}" if same else "other"), ttft_s=t))
+    line = next(l for l in auto_bound_table(rows).splitlines() if l.startswith("| deltaprop |"))
+    assert line.startswith("| deltaprop | 0.10, 0.20 | 3 | 0.33 [")
+    assert line.endswith(f"| {30 / 13:.2f} | {30 / 17:.2f} |")
+    assert auto_bound_table([r for r in rows if r["ratio"] != 0.2]) == ""  # one ratio: nothing to adapt over
+
+
 def test_the_kept_pareto_counts_only_the_questions_full_prefill_gets_right(monkeypatch, tmp_path):
     from kvstitch.eval import plots
 

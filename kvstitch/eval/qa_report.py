@@ -8,6 +8,9 @@
 - `paired_kept_table`: kvstitch's own method against every other at one ratio, on the questions full prefill
   answers correctly and both ran: the difference in answers kept, paired, with its interval (a method "ahead"
   needs the interval above 0).
+- `auto_bound_table`: the most an adaptive budget over a method's fixed ratios can pay while always giving full
+  prefill's answer, with a perfect verifier: what limits ``recompute_ratio="auto"`` on a model whose stitched
+  answers seldom equal full prefill's.
 - `plot_kept_by_position`: answers kept against the gold passage's position (lost in the middle);
   `kvstitch.eval.plots.plot_pareto` with ``y="kept"``: answers kept against the TTFT speed-up.
 """
@@ -114,6 +117,42 @@ def paired_kept_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def auto_bound_table(rows: Sequence[dict]) -> str:
+    """Per method with fixed ratios r1 < r2 < ..., on the answerable questions every one of them ran: the TTFT
+    speed-up of an `auto` that always ends with full prefill's answer (SQuAD-normalised first line), when its
+    verification is perfect and free. "Clairvoyant": each question costs its cheapest ratio that gives full's
+    answer, else a full prefill alone. "Cascade": it tries r1, r2, ... in turn, paying each try, and falls back
+    to a full prefill after the last. Real verification only costs more. '' without two fixed ratios."""
+    full, groups = _by_method([r for r in rows if r.get("answerable", True)])
+    by_method: dict[str, dict] = defaultdict(dict)
+    for (m, ratio), g in groups.items():
+        if m not in REFERENCES and isinstance(ratio, float):
+            by_method[m][ratio] = {sample_key(x): x for x in g}
+    lines = ["| method | ratios | n | same answer at the lowest | clairvoyant speed-up | cascade speed-up |",
+             "|---|---|---|---|---|---|"]
+    for m in sorted(by_method, key=method_key):
+        ratios = sorted(by_method[m])
+        common = sorted(set.intersection(*(set(by_method[m][r]) for r in ratios)))
+        if len(ratios) < 2 or not common:
+            continue
+        full_t, clair, cascade, first = [], [], [], []
+        for s in common:
+            ref = full[s]
+            t_full = float(ref["ttft_s"])
+            tries = [by_method[m][r][s] for r in ratios]
+            ok = [same_answer(x.get("pred", ""), ref.get("pred", "")) for x in tries]
+            first.append(float(ok[0]))
+            full_t.append(t_full)
+            k = ok.index(True) if any(ok) else None
+            clair.append(t_full if k is None else float(tries[k]["ttft_s"]))
+            paid = tries if k is None else tries[:k + 1]
+            cascade.append(sum(float(x["ttft_s"]) for x in paid) + (t_full if k is None else 0.0))
+        lines.append(f"| {m} | {', '.join(ratio_cell(r) for r in ratios)} | {len(common)} | "
+                     f"{fmt_ci(mean_of(first), bootstrap_mean_ci([first]), 2)} | "
+                     f"{fmt_num(ratio_of_means(full_t, clair), 2)} | {fmt_num(ratio_of_means(full_t, cascade), 2)} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def plot_kept_by_position(rows: Sequence[dict], path: str | os.PathLike, bins: int = 5) -> Path:
     """Answers kept (of full prefill's right answers) against the gold passage's relative position, one line per
     method at its lowest fixed ratio and at 0.2, full prefill's own accuracy by position beside them."""
@@ -166,6 +205,11 @@ def squad_sections(rows: Sequence[dict], out: Path, name: str) -> tuple[list[str
     paired = paired_kept_table(rows)
     if paired:
         parts += ["Answers kept, two methods paired on the questions full prefill gets right:", "", paired, ""]
+    bound = auto_bound_table(rows)
+    if bound:
+        parts += ["The most an adaptive budget over each method's fixed ratios can pay while always giving full "
+                  "prefill's answer, its verification perfect and free (clairvoyant: the cheapest ratio that gives "
+                  "it, else full prefill; cascade: the ratios tried in turn, then full prefill):", "", bound, ""]
     written = {}
     answerable = [r for r in rows if r.get("answerable", True)]
     if any(r.get("method") == "full" and r.get("correct") for r in answerable):
