@@ -123,6 +123,27 @@ def test_resume_refuses_another_protocol(engine, tmp_path):
         run_eval(engine, _cfg(tasks=TASKS[:1], n=0, methods=["random"], answer_prefix=False), tmp_path, progress=False)
 
 
+def test_resume_refuses_a_method_whose_default_changed(engine, tmp_path):
+    """A label means what its options were when the rows were written: after a default changes, resuming under
+    the old label would mix two methods in one row group, so it is refused, naming both."""
+    import json
+
+    cfg = _cfg(tasks=TASKS[:1], n=0, methods=["deltaprop"])
+    run_eval(engine, cfg, tmp_path, progress=False)
+    (tmp_path / RESULTS).write_text('{"task": "niah_single_essay", "method": "full"}\n')
+    meta_path = tmp_path / "run.json"
+    meta = json.loads(meta_path.read_text())
+    now = meta["method_specs"]["deltaprop"]
+    assert now.startswith("deltaprop(base=prophet(),alpha_v=1.0,alpha_k=0.25,")
+    run_eval(engine, cfg, tmp_path, progress=False)  # unchanged: resumes
+    # rows written when deltaprop's default alpha_k was 0.5
+    meta["method_specs"]["deltaprop"] = now.replace("alpha_k=0.25", "alpha_k=0.5")
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(kvstitch.InputError, match=r"'deltaprop' was run as .*alpha_k=0.5.* now means .*alpha_k=0.25"):
+        run_eval(engine, cfg, tmp_path, progress=False)
+    run_eval(engine, _cfg(tasks=TASKS[:1], n=0, methods=["random"]), tmp_path, progress=False)  # other labels: fine
+
+
 def test_storage_dtype_is_part_of_the_protocol(engine, smollm_tokenizer, tmp_path):
     """An int8 (KIVI) store gives other numbers than a float32/float16 one: its rows go to another log."""
     from kvstitch.engine import Engine

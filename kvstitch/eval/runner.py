@@ -109,10 +109,23 @@ def _check_protocol(out: Path, cfg: EvalConfig, model_desc: dict) -> None:
     if was not in (None, now):
         raise InputError(f"{out} holds a run with protocol {old.get('protocol')}, this one is {cfg.protocol()}: "
                          f"use another --out directory (rows would not be comparable)")
+    was_specs, now_specs = old.get("method_specs") or {}, method_specs(cfg)
+    changed = [m for m in now_specs if m in was_specs and was_specs[m] != now_specs[m]]
+    if changed:
+        m = changed[0]
+        raise InputError(f"{out}: method {m!r} was run as {was_specs[m]} and now means {now_specs[m]} (a default "
+                         f"changed): name it as it ran to resume, or use another --out (its rows would mix both)")
     if old.get("model", {}).get("fingerprint") not in (None, model_desc.get("fingerprint")):
         raise InputError(f"{out} holds a run of another model or model dtype (this one: {model_desc.get('family')}, "
                          f"{model_desc.get('dtype')}; that one: {old['model'].get('family')}, "
                          f"{old['model'].get('dtype', 'float32')}); use another --out")
+
+
+def method_specs(cfg: EvalConfig) -> dict[str, str]:
+    """label -> the method with every option spelled out (`full_spec`), for every method of the run."""
+    from kvstitch.select.method import build, full_spec
+
+    return {m: full_spec(build(m)) for m in dict.fromkeys([*cfg.methods, *cfg.auto_methods])}
 
 
 def _model_desc(engine) -> dict:
@@ -287,7 +300,8 @@ def _write_meta(out: Path, cfg: EvalConfig, model_desc: dict, command: str | Non
     protocol = cfg.protocol()
     if "auto" in old.get("protocol", {}) and "auto" not in protocol:  # a resume without auto: its rows keep theirs
         protocol["auto"] = old["protocol"]["auto"]
-    meta = {**old, "protocol": protocol, "model": model_desc, "commands": commands,
+    specs = {**(old.get("method_specs") or {}), **method_specs(cfg)}
+    meta = {**old, "protocol": protocol, "model": model_desc, "commands": commands, "method_specs": specs,
             "config": {k: v for k, v in cfg.__dict__.items()}, "torch_threads": torch.get_num_threads(),
             "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
     if rows_after is not None:

@@ -338,6 +338,15 @@ def format_spec(obj) -> str:
     return obj.name + (f"({','.join(opts)})" if opts else "")
 
 
+def full_spec(obj) -> str:
+    """Every option of a method object spelled out, defaults included (nested methods too): what a label meant
+    when rows were written, so that a changed default cannot pass for the same method (`kvstitch eval`'s resume)."""
+    def value(v):
+        return full_spec(v) if isinstance(v, Selector) else format_value(v)
+
+    return obj.name + "(" + ",".join(f"{f.name}={value(getattr(obj, f.name))}" for f in spec_fields(type(obj))) + ")"
+
+
 def unknown_method(name) -> UnknownMethod:
     return UnknownMethod(f"unknown method {name!r:.60}; known methods: {', '.join(methods())}; "
                          f"aliases: {', '.join(sorted(ALIASES))}")
