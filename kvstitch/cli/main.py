@@ -12,6 +12,7 @@ import typer
 from rich.markup import escape
 
 from kvstitch.core.errors import InputError
+from kvstitch.engine.request import DEFAULT_METHOD
 
 from .bench import bench_app
 from .common import budget_note, console, friendly_errors, load_engine
@@ -70,7 +71,7 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
                                                  help="retrieve the passages from this collection (`kvstitch index`)"),
         top_k: int = typer.Option(4, "--top-k", help="chunks to retrieve with --collection"),
         collections_dir: CollectionsDir = None,
-        method: str = typer.Option("prophet", help="selection method, a spec: NAME or NAME(opt=value, ...), e.g. "
+        method: str = typer.Option(DEFAULT_METHOD, help="selection method, a spec: NAME or NAME(opt=value, ...), e.g. "
                                                    "'deltaprop(base=infoflow)' (see `kvstitch methods`)"),
         ratio: str = typer.Option("auto", help="recompute ratio in [0, 1], or 'auto' (rounds of growing budget "
                                                "until the answer is stable; full prefill if it never is), or an "

@@ -13,6 +13,7 @@ import typer
 
 from kvstitch.core.errors import InputError
 from kvstitch.corpus.retrieval import build_index, check_collection_name, collections_root, retrieve
+from kvstitch.engine.request import DEFAULT_METHOD
 
 
 def _load_engine(model: Optional[str], store: Optional[str]):
@@ -67,7 +68,7 @@ def ask_collection_command(
     question: str = typer.Argument(..., help="the question"),
     collection: str = typer.Option(..., "--collection", help="collection to retrieve from"),
     top_k: int = typer.Option(4, "--top-k", help="chunks to retrieve"),
-    method: str = typer.Option("prophet", help="selection method (see `kvstitch methods`)"),
+    method: str = typer.Option(DEFAULT_METHOD, help="selection method (see `kvstitch methods`)"),
     ratio: float = typer.Option(0.2, help="recompute ratio in [0, 1]"),
     max_new_tokens: int = typer.Option(32, help="answer length cap"),
     model: Optional[str] = typer.Option(None, "--model", "-m"),

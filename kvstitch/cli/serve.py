@@ -19,6 +19,7 @@ from kvstitch.corpus.retrieval import collections_root
 from kvstitch.select import check_method
 from kvstitch.serve.config import SECRET, read_config
 from kvstitch.serve.security import SecurityConfig
+from kvstitch.engine.request import DEFAULT_METHOD
 
 from .options import DECODE_DEFAULT, CollectionsDir, Dtype, Model, ServeDecode, Store
 
@@ -63,7 +64,7 @@ def print_config(ctx: typer.Context, console) -> None:
 def serve_command(
     ctx: typer.Context,
     model: Model = None, store: Store = None, dtype: Dtype = None,
-    method: str = typer.Option("prophet", "--method", help="default selection method (per-request: 'method')"),
+    method: str = typer.Option(DEFAULT_METHOD, "--method", help="default selection method (per-request: 'method')"),
     ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, 'auto' or an auto spec such as "
                                                       "'auto(tol=0.05)' (per-request: 'ratio')"),
     auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "

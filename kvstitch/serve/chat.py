@@ -19,6 +19,7 @@ from kvstitch.engine.budget import split_ratio
 from kvstitch.select import check_method
 from kvstitch.select import methods as registered_methods
 from kvstitch.store.resilient import resilient
+from kvstitch.engine.request import DEFAULT_METHOD
 from .core import ApiError, ClientGone, Job, QueueFull
 from .documents import DocumentService, resolve_document_ids
 from .prometheus import Metrics
@@ -66,7 +67,7 @@ class ChatService:
     metrics, the collections and the request defaults. `create_app` wires the HTTP routes to its methods;
     FastAPI appears here only in the responses `chat` returns. Arguments as `create_app`'s."""
 
-    def __init__(self, engine, default_method: str = "prophet", default_ratio: float | str = 0.2, max_queue: int = 16,
+    def __init__(self, engine, default_method: str = DEFAULT_METHOD, default_ratio: float | str = 0.2, max_queue: int = 16,
                  collections_dir: str | Path | None = None, default_decode: str = "dense",
                  max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                  disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20, guard_rate: float = 0.0,

@@ -57,6 +57,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands other than serve stay light
     from fastapi import FastAPI
 
+from kvstitch.engine.request import DEFAULT_METHOD
+
 from .chat import ChatService
 from .core import ApiError, Job, QueueFull
 from .documents import documents_router
@@ -93,7 +95,7 @@ def _install_error_handlers(app) -> None:
                         "internal_error").response()
 
 
-def create_app(engine, default_method: str = "prophet", default_ratio: float | str = 0.2, max_queue: int = 16,
+def create_app(engine, default_method: str = DEFAULT_METHOD, default_ratio: float | str = 0.2, max_queue: int = 16,
                collections_dir: str | Path | None = None, default_decode: str = "dense",
                max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
                disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20,
