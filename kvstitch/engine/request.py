@@ -16,7 +16,10 @@ from kvstitch.select import Selector, make_selector
 from .budget import AutoBudget, split_ratio
 from .stats import GenerationStats
 
-DEFAULT_METHOD = "prophet"
+# kvstitch's own method over InfoFlow's selection: on the tuning splits it recovers more of the gap to full prefill
+# than prophet, infoflow, qcfuse or deltaprop over prophet, at about infoflow's cost (docs/results/own-method,
+# docs/results/squad)
+DEFAULT_METHOD = "deltaprop(base=infoflow)"
 STOP = object()  # `stream(...).send(STOP)`: end the generation after the token just yielded (stop sequences)
 
 
