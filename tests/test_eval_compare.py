@@ -68,8 +68,9 @@ def test_qa_runs_of_two_models_compare_answers_kept_against_each_runs_own_full_p
     assert (p["right_base"], p["right_other"]) == (2, 3)
     assert math.isclose(p["kept_base"], 0.5) and math.isclose(p["kept_other"], 2 / 3)
     assert math.isclose(p["agree_base"], 2 / 3) and math.isclose(p["agree_other"], 2 / 3)  # "Lyon" = full's wrong one
+    assert math.isnan(p["nll_rec_own_base"]) and math.isnan(p["nll_rec_own_other"])  # naive = full here: no gap
     table = compare_table(list(rows.values()), "0.5B", "1.5B")
-    assert "| prophet | 0.1 | 3 | 2 | 0.50 | 3 | 0.67 | 0.67 | 0.67 |" in table
+    assert "| prophet | 0.1 | 3 | 2 | 0.50 | 3 | 0.67 | 0.67 | 0.67 | " in table
     base, other = _runs()
     assert "kept" not in compare_table(compare_runs(base, other))  # no QA rows: no such table
 

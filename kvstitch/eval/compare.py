@@ -55,21 +55,13 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
     """One dict per (method, ratio) present in both runs (see the module doc for the fields)."""
     a = {(_sample(r), r.get("method"), _ratio(r)): r for r in base}
     b = {(_sample(r), r.get("method"), _ratio(r)): r for r in other}
-    naive = {s: r["nll"] for (s, m, _), r in a.items() if m == "naive" and r.get("nll") is not None}
-    full = {s: r["nll"] for (s, m, _), r in a.items() if m == "full" and r.get("nll") is not None}
+    naive, full = _references(a)
     groups: dict[tuple, list[tuple]] = defaultdict(list)
     for key in a.keys() & b.keys():
         groups[key[1:]].append(key)
 
     def recovery(rows: list[dict]) -> float:
-        num = den = 0.0
-        for r in rows:
-            s = _sample(r)
-            if s not in naive or s not in full or r.get("nll") is None:
-                continue
-            num += naive[s] - float(r["nll"])
-            den += naive[s] - full[s]
-        return num / den if abs(den) > 1e-9 else math.nan
+        return _recovery(rows, naive, full)
 
     def close(x, y) -> bool:
         if x is None or y is None:
@@ -100,9 +92,29 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
                 right = [r for r in rows if answers.get(_sample(r), (False, ""))[0]]
                 out[-1].update({f"right_{side}": len(right),
                                 f"kept_{side}": _mean(float(bool(r.get("correct"))) for r in right),
+                                f"nll_rec_own_{side}": _recovery(rows, *_references(a if side == "base" else b)),
                                 f"agree_{side}": _mean(float(same_answer(r.get("pred", ""), answers[_sample(r)][1]))
                                                        for r in rows if _sample(r) in answers)})
     return out
+
+
+def _references(rows: dict) -> tuple[dict, dict]:
+    """sample -> answer NLL of the naive and of the full rows of one run (keyed as `compare_runs` keys them)."""
+    naive = {s: r["nll"] for (s, m, _), r in rows.items() if m == "naive" and r.get("nll") is not None}
+    full = {s: r["nll"] for (s, m, _), r in rows.items() if m == "full" and r.get("nll") is not None}
+    return naive, full
+
+
+def _recovery(rows: list[dict], naive: dict, full: dict) -> float:
+    """Pooled NLL-gap recovery of ``rows`` against the given naive and full NLLs."""
+    num = den = 0.0
+    for r in rows:
+        s = _sample(r)
+        if s not in naive or s not in full or r.get("nll") is None:
+            continue
+        num += naive[s] - float(r["nll"])
+        den += naive[s] - full[s]
+    return num / den if abs(den) > 1e-9 else math.nan
 
 
 def _full_answers(rows: dict) -> dict[tuple, tuple[bool, str]]:
@@ -124,11 +136,13 @@ def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: s
     if qa:
         lines = [f"Answers kept: of the questions each run's own full prefill answers correctly (right), the share the "
                  f"method still answers correctly; agrees: the method's answer is its run's full prefill's.", "",
-                 f"| method | r | n | right {b} | kept {b} | right {o} | kept {o} | agrees {b} | agrees {o} |",
-                 "|---|---|---|---|---|---|---|---|---|"] + [
+                 f"| method | r | n | right {b} | kept {b} | right {o} | kept {o} | agrees {b} | agrees {o} | "
+                 f"NLL rec. (own gap) {b} | NLL rec. (own gap) {o} |", "|---|---|---|---|---|---|---|---|---|---|---|"] + [
             f"| {r['method']} | {_ratio_cell(r['ratio'])} | {r['n']} | {r['right_base']} | {_f(r['kept_base'], 2)} | "
-            f"{r['right_other']} | {_f(r['kept_other'], 2)} | {_f(r['agree_base'], 2)} | {_f(r['agree_other'], 2)} |"
-            for r in qa] + [""] + lines
+            f"{r['right_other']} | {_f(r['kept_other'], 2)} | {_f(r['agree_base'], 2)} | {_f(r['agree_other'], 2)} | "
+            f"{_f(r['nll_rec_own_base'], 2)} | {_f(r['nll_rec_own_other'], 2)} |"
+            for r in qa] + ["", f"Below, both runs' NLL recovery is measured against {b}'s gap (two settings of one model; "
+                                f"across models read the own-gap columns above).", ""] + lines
     for r in rows:
         ratio = _ratio_cell(r["ratio"])
         dnll = "–" if math.isnan(r["max_dnll"]) else f"{r['max_dnll']:.1e}"
