@@ -68,7 +68,17 @@ def test_qa_runs_of_two_models_compare_answers_kept_against_each_runs_own_full_p
     assert (p["right_base"], p["right_other"]) == (2, 3)
     assert math.isclose(p["kept_base"], 0.5) and math.isclose(p["kept_other"], 2 / 3)
     assert math.isclose(p["agree_base"], 2 / 3) and math.isclose(p["agree_other"], 2 / 3)  # "Lyon" = full's wrong one
-    assert math.isnan(p["nll_rec_own_base"]) and math.isnan(p["nll_rec_own_other"])  # naive = full here: no gap
+    assert math.isnan(p["nll_rec_own_base"])  # every NLL is 1.0 here: no gap
+    # each run's recovery against its own naive-full gap: (3 - 2) / (3 - 1) and (1.5 - 0.75) / (1.5 - 0.5)
+    nll = {("small", "full"): 1.0, ("small", "naive"): 3.0, ("small", "prophet"): 2.0,
+           ("large", "full"): 0.5, ("large", "naive"): 1.5, ("large", "prophet"): 0.75}
+    small2 = small + [qa(i, "naive", None, False, "x") for i in range(3)]
+    large2 = large + [qa(i, "naive", None, False, "x") for i in range(3)]
+    for run, rs in (("small", small2), ("large", large2)):
+        for r in rs:
+            r["nll"] = nll[(run, r["method"])]
+    own = {(r["method"], r["ratio"]): r for r in compare_runs(small2, large2)}[("prophet", 0.1)]
+    assert math.isclose(own["nll_rec_own_base"], 0.5) and math.isclose(own["nll_rec_own_other"], 0.75)
     table = compare_table(list(rows.values()), "0.5B", "1.5B")
     assert "| prophet | 0.1 | 3 | 2 | 0.50 | 3 | 0.67 | 0.67 | 0.67 | " in table
     base, other = _runs()
