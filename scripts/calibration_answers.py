@@ -26,6 +26,8 @@ def table(rows: list[dict], answers: dict[str, list[str]]) -> str:
     for r in rows:
         if r["config"] != "full" and r["sample"] in full and r["sample"] in answers:
             by[r["config"]].append(r)
+    common = set.intersection(*({r["sample"] for r in g} for g in by.values())) if by else set()
+    by = {cfg: [r for r in g if r["sample"] in common] for cfg, g in by.items()}  # one set of samples for all
     lines = ["| configuration | n | full right | answers kept | same answer | agrees (12 words) | fell back | "
              "accepted, not full's answer | TTFT speed-up |", "|---|---|---|---|---|---|---|---|---|"]
     for cfg in sorted(by):
@@ -34,9 +36,10 @@ def table(rows: list[dict], answers: dict[str, list[str]]) -> str:
         kept = [float(squad_correct(r["pred"], answers[r["sample"]])) for r in right]
         same = [float(same_answer(r["pred"], full[r["sample"]]["pred"])) for r in g]
         agree = [float(bool(r["agree"])) for r in g]
-        fell = sum(1 for r in g if r.get("ratio") == "auto" and (r.get("ratio_used") or 0) >= 1.0)
-        # the rounds' own answers `auto` kept (no fallback): how many are not what full prefill says
-        accepted = [r for r in g if r.get("ratio") == "auto" and (r.get("ratio_used") or 0) < 1.0]
+        # no round accepted: full prefill answered (or, with max_ratio < 1, a recompute of that ratio)
+        fell = sum(1 for r in g if r.get("ratio") == "auto" and r.get("converged") is False)
+        # the rounds' own answers `auto` accepted: how many are not what full prefill says
+        accepted = [r for r in g if r.get("ratio") == "auto" and r.get("converged") is True]
         wrong = sum(1 for r in accepted if not same_answer(r["pred"], full[r["sample"]]["pred"]))
         false_accepts = f"{wrong} of {len(accepted)}" if accepted else "–"
         speed = ratio_of_means([r["ttft_full_s"] for r in g], [r["ttft_s"] for r in g])
@@ -59,10 +62,11 @@ def main() -> None:
     answers = {f"{s.task}#{s.meta['index']}": s.answers for s in samples}
     cmd = (f"python scripts/calibration_answers.py {args.run} --dataset {args.dataset}"
            + (f" --passages {args.passages}" if args.passages else ""))
-    n = len({r["sample"] for r in rows if r["config"] == "full"})
-    text = (f"# Answers kept per configuration (n = {n} samples)\n\nWritten by `{cmd}` from rows.jsonl. Answers kept: "
+    text = ("# Answers kept per configuration\n\n" f"Written by `{cmd}` from rows.jsonl, over the samples every "
+            "configuration ran (n). Answers kept: "
             "of the questions full prefill answers correctly, the share still answered correctly; same answer: "
-            "SQuAD-normalised first lines equal; fell back: `auto` answered by full prefill; accepted, not full's "
+            "SQuAD-normalised first lines equal; fell back: no round of `auto` was accepted, so full prefill answered (a "
+            "recompute of max_ratio when that is below 1); accepted, not full's "
             "answer: of the answers `auto` accepted from its rounds, those not the same as full prefill's.\n\n"
             + table(rows, answers))
     (args.run / "answers.md").write_text(text)
