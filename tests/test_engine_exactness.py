@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstitch.models import cache_kwargs
-from kvstitch.core.rope import inv_freq_table, rerotate
+from kvstitch.core.rope import inv_freq_table, rerotate, rope_table, rotate_half
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, TINY, make_tiny_engine
 
@@ -65,6 +65,18 @@ def test_rerotate_composes_and_inverts(smollm_tokenizer):
     assert torch.allclose(rerotate(there, -1801, inv), k, atol=1e-4)
     per_token = rerotate(k, torch.tensor([3, 3, 3, 3, 3]), inv)
     assert torch.allclose(per_token, rerotate(k, 3, inv), atol=1e-6)
+
+
+def test_a_rope_table_rotates_exactly_as_rerotate_does(smollm_tokenizer):
+    """The cos / sin table deltaprop corrects keys with: rotating by it (and back, with -sin) is `rerotate`,
+    bit for bit, at positions far from 0."""
+    eng = make_tiny_engine("llama-yarn", smollm_tokenizer)
+    inv = inv_freq_table(eng.adapter)[1]
+    pos = torch.arange(30000, 30007)
+    k = torch.randn(2, 7, eng.adapter.head_dim)
+    cos, sin = rope_table(inv, pos)
+    assert torch.equal(k * cos + rotate_half(k) * sin, rerotate(k, pos.double(), inv))
+    assert torch.equal(k * cos - rotate_half(k) * sin, rerotate(k, -pos.double(), inv))
 
 
 @pytest.mark.parametrize("tiny_engine", ["gemma3", "mistral-window"], indirect=True)

@@ -4,11 +4,16 @@ import pytest
 import torch
 
 from kvstitch.core.errors import BadMethodOption
-from kvstitch.core.rope import rerotate
+from kvstitch.core.rope import rerotate, rope_table
 from kvstitch.select import SelectionContext, make_selector
 from kvstitch.select.deltaprop import DeltaCache
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
+
+
+def _rope(eng, layout):
+    """What `SelectionContext.context_rope` gives: cos / sin of the context positions under each layer's RoPE."""
+    return lambda layer: rope_table(eng.inv_freq[layer], torch.arange(layout.context_start, layout.context_end))
 
 
 def _setup(eng, **opts):
@@ -22,7 +27,7 @@ def test_a_common_shift_of_a_chunk_is_carried_to_its_stale_tokens_exactly(smollm
     shift measured on the recomputed tokens is what the stale ones get, keys rotated to their own positions."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
     layout, cache = _setup(eng)
-    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0)
+    dc = DeltaCache(cache, layout, _rope(eng, layout), alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0)
     c0, c1 = layout.context_start, layout.context_end
     chunk = layout.chunk_index()
     torch.manual_seed(1)
@@ -42,7 +47,7 @@ def test_a_common_shift_of_a_chunk_is_carried_to_its_stale_tokens_exactly(smollm
     assert torch.allclose(layer.keys[0, :, c0:c1], want_k, atol=1e-4)
     # and without the correction (alpha 0) the stale tokens keep their stitched K/V
     layout, cache = _setup(eng)
-    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=0.0, alpha_k=0.0, tau=0.0, skip_first=0)
+    dc = DeltaCache(cache, layout, _rope(eng, layout), alpha_v=0.0, alpha_k=0.0, tau=0.0, skip_first=0)
     with dc.mode(slots=sel + c0):
         dc.update(want_k[None][:, :, sel], want_v[None][:, :, sel], 0)
     stale = torch.tensor([i for i in range(c1 - c0) if i % 3])
@@ -54,7 +59,7 @@ def test_a_later_pass_leaves_tokens_an_earlier_pass_recomputed_as_they_were(smol
     pass's own tokens take their fresh K/V, and only the rest move, by the new pass's measured shift."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
     layout, cache = _setup(eng)
-    dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=0.0, tau=0.0, skip_first=0)
+    dc = DeltaCache(cache, layout, _rope(eng, layout), alpha_v=1.0, alpha_k=0.0, tau=0.0, skip_first=0)
     c0, c1 = layout.context_start, layout.context_end
     n, L = c1 - c0, len(cache.layers)
     stitched_v = dc.stitched[0][1].clone()
@@ -203,7 +208,7 @@ def test_linear_fit_recovers_a_shift_linear_in_the_stitched_vector(smollm_tokeni
     got = {}
     for fit in ("mean", "linear"):
         layout, cache = _setup(eng)
-        dc = DeltaCache(cache, layout, eng.inv_freq, alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0, fit=fit,
+        dc = DeltaCache(cache, layout, _rope(eng, layout), alpha_v=1.0, alpha_k=1.0, tau=0.0, skip_first=0, fit=fit,
                         ridge_v=0.0, ridge_k=0.0)
         c0, c1 = layout.context_start, layout.context_end
         chunk = layout.chunk_index()

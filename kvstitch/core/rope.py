@@ -58,6 +58,15 @@ def rerotate(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tens
     return (k * cos + rotate_half(k) * sin).to(keys.dtype)
 
 
+def rope_table(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[m, head_dim]`` (float32) of ``positions [m]`` under one layer's RoPE (``inv_freq [head_dim/2]``),
+    angles in float64 as `rerotate` computes them: ``x * cos + rotate_half(x) * sin`` rotates ``x`` to them."""
+    inv = inv_freq.to(torch.float64)
+    angle = positions.to(inv.device, torch.float64)[:, None] * inv[None]
+    angle = torch.cat((angle, angle), dim=-1)
+    return angle.cos().to(torch.float32), angle.sin().to(torch.float32)
+
+
 def inv_freq_table(adapter) -> torch.Tensor:
     """[L, head_dim/2] float64: the inverse frequencies of every layer."""
     return torch.stack([adapter.inv_freq(layer) for layer in range(adapter.num_layers)])

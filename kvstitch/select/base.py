@@ -241,6 +241,19 @@ class SelectionContext:
 
         return rerotate(keys, delta, self.engine.inv_freq)
 
+    def context_rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope.rope_table` of the context positions under layer ``layer``'s RoPE; layers of one RoPE base share
+        one table (kept on the context)."""
+        from kvstitch.core.rope import rope_table
+
+        inv = self.engine.inv_freq[layer]
+        c0, c1 = self.layout.context_start, self.layout.context_end
+        key = (inv.detach().cpu().numpy().tobytes(), c0, c1)
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        if key not in tables:
+            tables[key] = rope_table(inv, torch.arange(c0, c1))
+        return tables[key]
+
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
         """``keys [H, m, d]`` rotated by ``positions [m]`` (float64; negative un-rotates) with layer ``layer``'s RoPE."""
         from kvstitch.core.rope import rerotate

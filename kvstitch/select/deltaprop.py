@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Literal
 
 import torch
 
@@ -83,7 +83,7 @@ class DeltaCache(StitchCache):
     """A `StitchCache` sharing ``cache``'s buffers; a pass that writes context slots S also moves the stale
     context tokens by their chunk's measured shift (module doc)."""
 
-    def __init__(self, cache: StitchCache, layout, inv_freq: torch.Tensor, alpha_v: float, alpha_k: float,
+    def __init__(self, cache: StitchCache, layout, rope: Callable, alpha_v: float, alpha_k: float,
                  tau: float, skip_first: int, fit: str = "mean", ridge_v: float = 10.0, ridge_k: float = 0.1):
         super().__init__(cache.layers)
         self.slots, self.write, self.capture, self.captured, self.decoder = (
@@ -93,8 +93,8 @@ class DeltaCache(StitchCache):
         starts = torch.tensor(layout.chunk_starts, device=self.chunk.device) - self.c0
         self.offset = torch.arange(self.c1 - self.c0, device=self.chunk.device) - starts[self.chunk]  # in-chunk pos
         self.n_chunks = len(layout.chunk_ids)
-        self.inv_freq = inv_freq  # [L, head_dim/2]: each layer's RoPE (keys are corrected in pre-RoPE space)
-        self._rope: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        # layer -> cos, sin [n_context, head_dim] of the context positions (keys are corrected in pre-RoPE space)
+        self.rope = rope
         self.alpha_v, self.alpha_k, self.tau, self.skip_first = alpha_v, alpha_k, tau, skip_first
         self.fit, self.ridge_v, self.ridge_k = fit, ridge_v, ridge_k
         # the stitched context K/V: each correcting pass starts from them (idempotent across auto's rounds)
@@ -132,18 +132,6 @@ class DeltaCache(StitchCache):
             stale[sel] = False
             self._pass = (slots, stale.view(1, -1, 1) if bool(stale.any()) else None)
         return self._pass[1]
-
-    def rope(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[n_context, head_dim]`` (float32) of every context position under layer ``li``'s RoPE, as
-        `rope.rerotate` computes them (angles in float64); shared by the layers of one RoPE base."""
-        inv = self.inv_freq[li]
-        key = inv.detach().cpu().numpy().tobytes()
-        if key not in self._rope:
-            pos = torch.arange(self.c0, self.c1, device=inv.device, dtype=torch.float64)
-            angle = pos[:, None] * inv.to(torch.float64)[None]
-            angle = torch.cat((angle, angle), dim=-1)
-            self._rope[key] = (angle.cos().float(), angle.sin().float())
-        return self._rope[key]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
@@ -326,7 +314,7 @@ class DeltaProp(Wrapper):
 
     def prepare(self, ctx: SelectionContext) -> None:
         self.base.prepare(ctx)  # may reorder the chunks (then ctx.cache is the new stitched cache)
-        ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.engine.inv_freq, float(self.alpha_v),
+        ctx.cache = DeltaCache(ctx.cache, ctx.layout, ctx.context_rope, float(self.alpha_v),
                                float(self.alpha_k), float(self.tau), self.skip_first, self.fit,
                                float(self.ridge_v), float(self.ridge_k))
 
