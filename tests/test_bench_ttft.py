@@ -55,3 +55,21 @@ def test_bench_ttft_breakdown_attention_mlp_and_causal_work(smollm_tokenizer):
     expect = ((c0 + nc) + sum(p + 1 for p in suffix)) / (n * (n + 1) / 2)
     assert abs(last["attn_work"] - expect) < 1e-12 and last["pos_mean"] == 1.0
     assert causal_work(layout, [0])["attn_work"] < last["attn_work"]  # earlier tokens: less causal work
+
+
+def test_warm_rows_stay_warm_for_an_anchor_method_after_the_cold_rows(smollm_tokenizer, monkeypatch):
+    """The cold and half-warm rows evict the prompt's chunks every repeat; the chunks are stored again with the
+    anchors qcfuse reads, so qcfuse's timed warm rows never compute anchors."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    added = []
+    generate = eng.generate
+
+    def spy(*args, **kwargs):
+        res = generate(*args, **kwargs)
+        added.append((kwargs.get("method"), res.stats.to_dict().get("anchors_added", 0)))
+        return res
+
+    monkeypatch.setattr(eng, "generate", spy)
+    bench_ttft(eng, [300], ["random", "qcfuse"], ratio=0.2, repeats=2, chunk_tokens=64, progress=False, cold=True)
+    qcfuse = [n for m, n in added if m == "qcfuse"]
+    assert len(qcfuse) == 3 and all(n == 0 for n in qcfuse[1:])  # repeat 0 may add them; the timed ones never
