@@ -46,9 +46,9 @@ passage and prefix only, which is close to what precompute already computed (sha
 passage after the same prefix, only farther from it), so its measured shift is small. It changes attention by
 design: 100% recompute is full prefill only when k covers every passage (then no scope is set).
 
-Cost: no extra forward (``probe_first``: one). Per layer, a scatter of the shifts over the stale tokens:
-O(n_context · d) beside the pass's O(|S| · d_model²) projections and MLPs. The chunk's first chunk (already exact in shared-prefix
-precompute) measures a zero shift and is left as it is.
+Cost: no extra forward (``probe_first``: one). Per layer, a few elementwise passes over the context slice:
+O(n_context · d) beside the pass's O(|S| · d_model²) projections and MLPs. The first chunk (already exact in
+shared-prefix precompute) measures a zero shift and is left as it is.
 
 Properties the tests check: a stale token whose chunk-mates' K/V are shifted by a common vector is
 corrected exactly (the mechanism), 100% recompute leaves nothing stale (= full prefill, every option but
@@ -106,7 +106,7 @@ class DeltaCache(StitchCache):
         # refresh rounds recompute them again anyway)
         self.fresh = torch.zeros(self.c1 - self.c0, dtype=torch.bool, device=self.chunk.device)
         self.chunk_score: torch.Tensor | None = None  # [n_chunks] the base's score per passage (``attend_top``)
-        self._pass: tuple | None = None  # (slots, stale mask [1, n, 1] or None): one pass's targets, all its layers
+        self._pass: tuple | None = None  # (slots, targets): one pass's `_targets`, the same for all its layers
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         slots = self.slots
@@ -117,20 +117,21 @@ class DeltaCache(StitchCache):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         sel = (slots[ctx] - self.c0).to(self.chunk.device)  # context indices recomputed by this pass
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        self._correct(layer_idx, sel, self._stale(slots, sel), key_states[0][:, ctx], value_states[0][:, ctx])
+        self._correct(layer_idx, sel, self._targets(slots, sel), key_states[0][:, ctx], value_states[0][:, ctx])
         self.corrected_layers = layer_idx + 1
         if layer_idx == len(self.layers) - 1:
             self.fresh[sel] = True
             self._pass = None
         return out
 
-    def _stale(self, slots: torch.Tensor, sel: torch.Tensor) -> torch.Tensor | None:
-        """The context tokens this pass corrects, ``[1, n_context, 1]`` bool (None: none): neither recomputed now
-        nor by an earlier pass. The same for every layer of a pass, so it is worked out once."""
+    def _targets(self, slots: torch.Tensor, sel: torch.Tensor) -> torch.Tensor | None:
+        """Indices of the context tokens this pass must not correct (recomputed now or by an earlier pass), None
+        when every context token is one of them. The same for every layer of a pass, so it is worked out once."""
         if self._pass is None or self._pass[0] is not slots:
             stale = ~self.fresh
             stale[sel] = False
-            self._pass = (slots, stale.view(1, -1, 1) if bool(stale.any()) else None)
+            keep = (~stale).nonzero().flatten()
+            self._pass = (slots, keep if bool(stale.any()) else None)
         return self._pass[1]
 
     @staticmethod
@@ -139,12 +140,12 @@ class DeltaCache(StitchCache):
         return x * cos + rotate_half(x) * (sin if sign > 0 else -sin)
 
     @torch.no_grad()
-    def _correct(self, li: int, sel: torch.Tensor, stale: torch.Tensor | None, fresh_k: torch.Tensor,
+    def _correct(self, li: int, sel: torch.Tensor, keep: torch.Tensor | None, fresh_k: torch.Tensor,
                  fresh_v: torch.Tensor) -> None:
-        """Layer ``li``: every ``stale`` token takes its estimated shift. Written over the whole context slice at
-        once (contiguous elementwise ops), then the tokens that are not stale get their K/V back: a gather and
-        scatter of the ~90% stale tokens cost several times more."""
-        if stale is None:
+        """Layer ``li``: every stale token (not in ``keep``) takes its estimated shift. Written over the whole context
+        slice at once (contiguous elementwise ops), then the ``keep`` tokens get their K/V back: a gather and scatter
+        of the ~90% stale tokens cost several times more."""
+        if keep is None:
             return
         sk, sv = self.stitched[li]
         layer = self.layers[li]
@@ -154,7 +155,6 @@ class DeltaCache(StitchCache):
         src = sel[use]
         # the tokens a linear fit learns from: every recomputed token outside the first chunk (exact already)
         fit = self.chunk[sel] > 0 if self.fit == "linear" else None
-        keep = self._keep(stale)
         values, keys = layer.values[0, :, self.c0:self.c1], layer.keys[0, :, self.c0:self.c1]
         kept = values.index_select(1, keep), keys.index_select(1, keep)
         if self.alpha_v:
@@ -181,7 +181,8 @@ class DeltaCache(StitchCache):
                 shift = self._rotate(shift, cos, sin)
             else:  # a chunk's mean shift rotated to each token's position: rotate_half commutes with the gather
                 mean = self._chunk_mean(dk, src)
-                shift = mean.index_select(1, self.chunk).mul_(cos).addcmul_(rotate_half(mean).index_select(1, self.chunk), sin)
+                shift = mean.index_select(1, self.chunk).mul_(cos)
+                shift.addcmul_(rotate_half(mean).index_select(1, self.chunk), sin)
             torch.add(sk, shift, alpha=self.alpha_k, out=keys)
         else:
             keys.copy_(sk)
@@ -190,13 +191,6 @@ class DeltaCache(StitchCache):
     @property
     def _every(self) -> torch.Tensor:
         return torch.arange(self.c1 - self.c0, device=self.chunk.device)
-
-    def _keep(self, stale: torch.Tensor) -> torch.Tensor:
-        """The context tokens a correcting pass must leave as they are (recomputed now or before), cached with
-        the pass's stale mask."""
-        if len(self._pass) == 2:
-            self._pass = self._pass + ((~stale.flatten()).nonzero().flatten(),)
-        return self._pass[2]
 
     def _chunk_mean(self, delta: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """Shifts measured at ``src`` [H, m, d] -> each chunk's mean ``[H, n_chunks, d]`` (zero where none)."""
