@@ -118,8 +118,8 @@ if numba is not None:
     def _accumulate_values(probs, values, acc):
         """``acc[g] += probs[g, t] * values[t]`` over a page's ``len(values)`` tokens. Each value row is read once
         for all ``G`` heads of the group, and four tokens go into each pass over an accumulator row: the
-        accumulator's loads and stores, not the multiplies, bound this loop (measured 1.3-1.5x the
-        one-token, one-head loop)."""
+        accumulator's loads and stores, not the multiplies, bound this loop (the whole kernel measured 1.07x / 1.13x
+        faster than with a one-token, one-head loop at G = 3 / 7)."""
         n, D = values.shape
         n4 = n - n % 4
         for t in range(0, n4, 4):
