@@ -93,7 +93,8 @@ class Twins:
 
 
 SPECS = [(p, {}) for p in PAGED] + [("quest", {"group_reduce": r}) for r in GROUP_REDUCES] + [
-    ("prkv", {"group_reduce": "softmax"}), ("prkv", {"static_ratio": "auto"}), ("arkvale", {"kv_head_groups": 2})]
+    ("prkv", {"group_reduce": "softmax"}), ("prkv", {"static_ratio": "auto"}), ("arkvale", {"kv_head_groups": 2}),
+    ("prkv", {"digest": "moments"}), ("quest", {"digest": "moments", "group_reduce": "softmax"})]
 
 
 @pytest.mark.parametrize("policy,options", SPECS, ids=[f"{p}-{'-'.join(map(str, o.values()))}" for p, o in SPECS])
@@ -164,7 +165,8 @@ def test_rank_pages_equals_box_scores_row_by_row():
     q = torch.randn(3, HKV, HQ // HKV, D, generator=g)
     boxes = [torch.randn(HKV, c, 2 * D, generator=g).abs() for c in (5, 9, 7)]
     policies = [get_policy(p) for p in PAGED if p != "dense"] + [get_policy("quest", group_reduce=r) for r in GROUP_REDUCES]
-    policies.append(get_policy("arkvale", kv_head_groups=2))
+    policies += [get_policy("arkvale", kv_head_groups=2)] + [get_policy(p, digest="moments", group_reduce=r)
+                                                                for p in ("quest", "prkv") for r in GROUP_REDUCES]
     for pol in policies:
         got = pol.rank_pages(q, boxes, [1, 2, 3], SCALE)
         for i, box in enumerate(boxes):

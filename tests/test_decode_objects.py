@@ -19,7 +19,7 @@ from kvstitch.core.errors import BadAutoOption, BadDecodeOption, BadRatio, Input
 from kvstitch.core.spec import format_value
 from kvstitch.decode import (DECODE_POLICIES, PRKV, ArkVale, Dense, FullPolicy, PRKVPolicy, Quest,
                              ShadowKV, SnapKV, is_dense, make_decoder, make_policy, policy_budget)
-from kvstitch.decode.policies import GROUP_REDUCES
+from kvstitch.decode.policies import DIGESTS, GROUP_REDUCES
 from kvstitch.engine.budget import AUTO, AutoBudget, parse_ratio, ratio_value, split_ratio
 from kvstitch.eval.calibrate import parse_auto
 from kvstitch.eval.config import parse_ratios
@@ -57,7 +57,7 @@ def _candidates(hint, default) -> list:
     if hint is float:
         return [v for v in ((default or 0.0) + 0.5, (default or 1.0) * 0.5, 0.05) if v != default]
     if hint is str:
-        return [v for v in (*GROUP_REDUCES, "auto", "incremental", "attention", "answer") if v != default]
+        return [v for v in (*GROUP_REDUCES, *DIGESTS, "auto", "incremental", "attention", "answer") if v != default]
     return []
 
 

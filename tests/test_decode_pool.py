@@ -1,5 +1,6 @@
 """Paged pools, page bounds and the batched transfer (kvstitch.decode.pool / transfer)."""
 
+import pytest
 import torch
 
 from kvstitch.decode import make_decoder
@@ -51,18 +52,47 @@ def test_host_pool_is_hnd_paged_and_grows():
     assert torch.equal(host.token_pos[:, :30], torch.arange(30).expand(HKV, -1))
 
 
-def test_page_bounds_equal_direct_min_max_after_appends():
-    keys = torch.randn(HKV, 9, D)
-    bounds = PageBounds(HKV, P, D, "cpu")
+def _digested(keys: torch.Tensor, digest: str) -> tuple[PageBounds, torch.Tensor]:
+    """Digests of ``keys`` rebuilt, then 8 appended keys (filling the partial page, then opening two new ones)
+    -> (bounds, every key)."""
+    bounds = PageBounds(HKV, P, D, "cpu", digest=digest)
     bounds.rebuild(keys)
-    for _ in range(8):  # fills the partial page, then opens two new ones
+    for _ in range(8):
         k = torch.randn(HKV, 1, D)
         page, off = divmod(keys.shape[1], P)
         bounds.add_token(page, off, k)
         keys = torch.cat([keys, k], 1)
+    return bounds, keys
+
+
+def test_page_bounds_equal_direct_min_max_after_appends():
+    bounds, keys = _digested(torch.randn(HKV, 9, D), "box")
     lo, hi = _direct_bounds(keys, P)
     kmin, kmax = bounds.pages(0, lo.shape[0])
     assert torch.equal(kmin.transpose(0, 1), lo) and torch.equal(kmax.transpose(0, 1), hi)
+
+
+def test_page_moments_equal_direct_mean_and_variance_after_appends():
+    bounds, keys = _digested(torch.randn(HKV, 9, D) * 3 + 1, "moments")
+    for c in range(-(-keys.shape[1] // P)):
+        page = keys[:, c * P:(c + 1) * P]
+        got = bounds.digests(c, c + 1)[:, 0]
+        assert torch.allclose(got[:, :D], page.mean(1), atol=1e-5)
+        assert torch.allclose(got[:, D:], page.var(1, unbiased=False), atol=1e-4)
+    with pytest.raises(ValueError):
+        bounds.pages(0, 1)  # no boxes kept
+
+
+def test_decoder_moments_match_storage_after_restructure_and_refresh():
+    dec = make_decoder("prkv", 16, num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P,
+                       sinks=1, window=4, static_ratio=0.5, refresh_interval=5, offload="pool", digest="moments")
+    _drive(dec, steps=11)
+    st = dec.layers[0]
+    stored = st.host.rows(K).float()
+    n = stored.shape[1]
+    for c in range(st.host.n_pages):
+        page = stored[:, c * P:min(n, (c + 1) * P)]
+        assert torch.allclose(st.bounds.digests(c, c + 1)[:, 0, :D], page.mean(1), atol=1e-5)
 
 
 def test_decoder_bounds_match_storage_after_restructure_and_refresh():

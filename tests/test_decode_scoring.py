@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -96,3 +97,70 @@ def test_group_reduction_of_page_scores():
     assert torch.allclose(QuestPolicy().page_scores(q, kmin, kmax, 0), per_head.amax(1))
     shared = ArkValePolicy().page_scores(q, kmin, kmax, 0)  # one choice for all KV heads
     assert torch.allclose(shared[0], per_head.sum((0, 1))) and torch.equal(shared[0], shared[1])
+
+
+# ---- the moments digest and the shared (per-KV-head) oracle ------------------------------------------------
+def _digests(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(box, moments) digests of ``keys [1, n, D]`` as `PageBounds` keeps them."""
+    from kvstitch.decode.pool import PageBounds
+
+    out = []
+    for kind in ("box", "moments"):
+        b = PageBounds(1, page, keys.shape[-1], "cpu", digest=kind)
+        b.rebuild(keys)
+        out.append(b.digests(0, keys.shape[1] // page))
+    return out[0], out[1]
+
+
+def test_moments_rank_a_page_of_high_keys_above_a_wide_box():
+    """Page 0 holds four keys each large in one dimension (q·k = 4, but its box spans 4 in every dimension:
+    bound 16); page 1 holds four keys of q·k = 10. Page 1 has nearly all the attention: the box bound ranks page
+    0 first, the moments estimate page 1."""
+    from kvstitch.decode.policies import get_policy
+
+    q = torch.ones(1, 1, 4)
+    keys = torch.cat([4 * torch.eye(4), torch.full((4, 4), 2.5)]).unsqueeze(0)
+    box, moments = _digests(keys, 4)
+    by_box = get_policy("quest").box_scores(q, box, 0, 0.5)
+    by_moments = get_policy("quest", digest="moments").box_scores(q, moments, 0, 0.5)
+    mass = (q @ keys.transpose(1, 2) * 0.5).softmax(-1).view(2, 4).sum(-1)
+    assert mass[1] > 0.9
+    assert by_box[0, 0] > by_box[0, 1] and by_moments[0, 1] > by_moments[0, 0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(0.05, 1.0))
+def test_moments_score_is_the_page_log_mass_to_second_order(seed, scale):
+    """Keys close to their mean (spread eps): q·μ + s/2·q²·σ² equals (1/s)·log mean_j exp(s·q·k_j) up to
+    O(eps^3), while the box bound is off by O(eps)."""
+    from kvstitch.decode.policies import get_policy
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, 8, generator=g, dtype=torch.float64).float()
+    eps = 0.05
+    keys = (torch.randn(1, 8, generator=g) + eps * torch.randn(8, 8, generator=g)).unsqueeze(0)
+    box, moments = _digests(keys, 8)
+    exact = (torch.logsumexp(scale * (q @ keys.transpose(1, 2)), -1) - math.log(8)) / scale
+    est = get_policy("quest", digest="moments").box_scores(q, moments, 0, scale)
+    bound = get_policy("quest").box_scores(q, box, 0, scale)
+    spread = (q.abs() @ (keys.amax(1) - keys.amin(1)).T).item()  # how loose the box can be
+    assert abs(est.item() - exact.item()) < 0.02 * spread + 1e-4
+    assert bound.item() >= exact.item() - 1e-5
+
+
+def test_shared_oracle_is_the_best_selection_a_kv_group_can_share():
+    """Brute force over every k-token set of one KV head with 3 query heads: the shared oracle is the best mean
+    recall; it lies between any shared selection's recall and the per-query-head oracle."""
+    import itertools
+
+    from kvstitch.decode.recall import attention_recall, oracle_recall
+
+    g = torch.Generator().manual_seed(7)
+    probs = (3 * torch.randn(1, 3, 7, generator=g)).softmax(-1)
+    k = 3
+    best = max(attention_recall(probs, torch.tensor([c]), torch.ones(1, k, dtype=torch.bool)).mean().item()
+               for c in itertools.combinations(range(7), k))
+    shared = oracle_recall(probs, k, shared=True)
+    assert shared.mean().item() == pytest.approx(best, abs=1e-6)
+    assert (shared <= oracle_recall(probs, k) + 1e-6).all()
+    assert shared.mean() < oracle_recall(probs, k).mean()  # the heads want different tokens here

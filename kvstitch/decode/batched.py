@@ -181,7 +181,7 @@ def _page_table(rows: list[_Row], q: torch.Tensor, dev) -> torch.Tensor:
             groups.setdefault(key, []).append(r)
         for g in groups.values():
             idx = torch.tensor([r.index for r in g], device=dev)
-            boxes = [r.st.bounds.boxes(r.plan.front, r.plan.local_start) for r in g]
+            boxes = [r.st.bounds.digests(r.plan.front, r.plan.local_start) for r in g]
             scores = g[0].dec.policy.rank_pages(q.index_select(0, idx), boxes, [r.plan.front for r in g],
                                                 g[0].dec.scaling)
             k = max(r.plan.n_dynamic for r in g)

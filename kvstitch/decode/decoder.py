@@ -135,8 +135,8 @@ class SparseDecoder:
         host = HostPool(Hkv, self.page_size, D, self.dtype, capacity_tokens=n + self.reserve_tokens)
         slots = pages_for(sliding_window, self.page_size) + 1 if sliding_window else self.device_pages
         pool = None if self.direct else DevicePool(Hkv, self.page_size, D, self.dtype, self.device, slots)
-        st = _LayerState(host, pool, PageBounds(Hkv, self.page_size, D, self.device), sliding_window,
-                         front=pages_for(self.sinks, self.page_size))
+        bounds = PageBounds(Hkv, self.page_size, D, self.device, getattr(self.policy, "digest", "box"))
+        st = _LayerState(host, pool, bounds, sliding_window, front=pages_for(self.sinks, self.page_size))
         host.load(keys, values)
         st.bounds.reserve(pages_for(n + self.reserve_tokens, self.page_size))
         st.bounds.rebuild(keys)
@@ -325,7 +325,7 @@ class SparseDecoder:
             return self._range(0, plan.n_pages)  # everything (front, candidates, local are contiguous)
         if plan.n_dynamic == 0:
             return torch.cat([front, local], dim=1)
-        box = st.bounds.boxes(plan.front, plan.local_start)
+        box = st.bounds.digests(plan.front, plan.local_start)
         scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front,
                                          self.scaling)
         dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
@@ -339,7 +339,8 @@ class SparseDecoder:
                                                    st.host.rows(V).to(self.device), scaling, dense_valid)
         self.recall.record(layer, attention_recall(dense_probs, tokens, valid),
                            oracle_recall(dense_probs, plan.selected_tokens),
-                           (out.float() - dense_out.float()).abs().max().item())
+                           (out.float() - dense_out.float()).abs().max().item(),
+                           oracle_recall(dense_probs, plan.selected_tokens, shared=True))
 
     def end_step(self) -> None:
         """Once per generated token, after every layer attended: advances the refresh counter."""
@@ -375,7 +376,7 @@ class SparseDecoder:
         return [st.host.data, st.host.token_pos]
 
     def _device_tensors(self, st) -> list[torch.Tensor]:
-        out = [st.bounds.box] + ([st.obs_q] if st.obs_q is not None else [])
+        out = [st.bounds.data] + ([st.obs_q] if st.obs_q is not None else [])
         if st.device is not None:
             out.append(st.device.data)
         if st.ws is not None:

@@ -2,6 +2,11 @@
 
 - `bound_scores`: the bounding-box upper bound of q·k over a page, Σ_d max(q_d·kmin_d, q_d·kmax_d)
   (Quest; ArkVale's cuboid digest; PRKV's dynamic pages, Sec. 4.1 "Hybrid KV Sparsity").
+- `moment_query`: the query side of the moments digest (`PageBounds(digest="moments")`): a page's share of
+  the attention, log Σ_j exp(s·q·k_j), is to second order log P + s·q·μ + (s²/2)·Σ_d q_d² σ_d² for keys of
+  mean μ and per-dimension variance σ² (the Gaussian log-moment), so q·μ + (s/2)·q²·σ² ranks pages by
+  their estimated attention mass: one matmul of ``(q | s/2 · q²)`` with ``(μ | σ²)``. A box bound is
+  set by the page's most extreme key in every dimension at once, which overrates wide pages.
 - `observation_probs` / `observation_scores`: attention of the observation-window queries over the
   keys, GQA-aware as in PRKV Sec. 4.1 / Alg. 1 lines 6-8: keys are repeated for every query head, each
   query head gets its own softmax, and only then are scores averaged within the group (averaging the
@@ -35,6 +40,13 @@ def signed_query(q: torch.Tensor) -> torch.Tensor:
     """``(relu(q) | relu(-q))`` ``[..., 2D]`` (float32)."""
     q = q.float()
     return torch.cat((q, -q), dim=-1).clamp_(min=0)
+
+
+def moment_query(q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``(q | scaling / 2 · q²)`` ``[..., 2D]`` (float32): times a moments digest ``(μ | σ²)``, the page's
+    estimated log attention mass over ``scaling`` (module docstring)."""
+    q = q.float()
+    return torch.cat((q, q.square() * (scaling / 2)), dim=-1)
 
 
 def observation_probs(obs_q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

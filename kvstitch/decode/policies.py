@@ -17,6 +17,9 @@ A policy only decides; `SparseDecoder` owns the pools and the state. What a poli
 | `prkv`    | S = 0.25 or online (App. G)    | top by bound (group mean), per KV head         |
 | `shadowkv`| outlier chunks (static)        | top 8-token chunks by landmark, per KV head; keys rebuilt from a low-rank factorisation (`shadowkv`) |
 
+The bound policies (`quest`, `arkvale`, `prkv`) also take ``digest``: what a page keeps to be ranked by, the
+papers' bounding box (default) or its keys' mean and variance (``"moments"``, `BoundPolicy`).
+
 A policy is an object (``PRKV(static_ratio=0.5, kv_budget=512)``) or its spec string in the grammar of
 `kvstitch.core.spec` (``"prkv(static_ratio=0.5,kv_budget=512)"``, ``"prkv:kv_budget=512"``): `make_policy`
 builds either, checking every option against its annotation, and `DecodePolicy.spec` writes the canonical
@@ -36,13 +39,14 @@ import torch
 
 from kvstitch.core.errors import BadDecodeOption, UnknownDecodePolicy
 from kvstitch.core.spec import Call, format_value, parse_call
-from .page_scores import bound_scores, box_scores, signed_query
+from .page_scores import bound_scores, box_scores, moment_query, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
 # names dense decoding had: commands, configs and result files written with them keep working
 DECODE_ALIASES: dict[str, str] = {"full": "dense"}
 DEFAULT_KV_BUDGET = 1024  # tokens, when neither the policy nor the request gives one
 GROUP_REDUCES = ("max", "mean", "sum", "softmax")
+DIGESTS = ("box", "moments")
 
 
 def register(cls: type["DecodePolicy"]) -> type["DecodePolicy"]:
@@ -238,15 +242,22 @@ class BoundPolicy(DecodePolicy):
     - "softmax": each query head's softmax over the candidate pages (of ``scaling x`` bound, the page's
       estimated share of that head's attention), averaged over the group: the GQA rule PRKV gives for its
       static set (Sec. 4.1: score per query head, normalise, then average), applied to the dynamic pages,
-      so a head with large logits cannot outvote the others."""
+      so a head with large logits cannot outvote the others.
+
+    ``digest`` is what a page keeps to be ranked by: ``"box"``, the papers' bounding box (the bound above),
+    or ``"moments"``, its keys' mean and per-dimension variance, ranked by the page's estimated attention mass
+    q·μ + (s/2)·q²·σ² (`page_scores.moment_query`) in place of the bound; the group rules apply alike."""
 
     group_reduce: str = "max"
+    digest: str = "box"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.group_reduce not in GROUP_REDUCES:
             raise BadDecodeOption(f"{self.name}: group_reduce must be one of {', '.join(GROUP_REDUCES)}, "
                                   f"got {self.group_reduce!r}")
+        if self.digest not in DIGESTS:
+            raise BadDecodeOption(f"{self.name}: digest must be one of {', '.join(DIGESTS)}, got {self.digest!r}")
 
     def reduce_group(self, per_head: torch.Tensor, scaling: float | None, head_dim: int) -> torch.Tensor:
         """``[..., G, C]`` per query head bounds -> ``[..., C]`` per KV head scores."""
@@ -259,12 +270,17 @@ class BoundPolicy(DecodePolicy):
         return per_head.mean(dim=-2) if self.group_reduce == "mean" else per_head.sum(dim=-2)
 
     def page_scores(self, q, kmin, kmax, first_page, scaling=None):
+        """The box bound from (kmin, kmax) views (``digest="box"``; `box_scores` takes either digest)."""
         return self.reduce_group(bound_scores(q, kmin, kmax), scaling, q.shape[-1])  # [Hkv, G, C] -> [Hkv, C]
 
-    def _signed(self, q: torch.Tensor) -> torch.Tensor:
-        """``(relu(q) | relu(-q))`` ``[..., G, 2D]``; for mean / sum already reduced over the group (``G`` = 1):
-        the bound is linear in the signed query, so one ``[1, 2D] x [2D, C]`` matmul per KV head does."""
-        q2 = signed_query(q)
+    def _signed(self, q: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        """The query side of the digest, ``[..., G, 2D]``: ``(relu(q) | relu(-q))`` for boxes, ``(q | s/2·q²)``
+        for moments; for mean / sum already reduced over the group (``G`` = 1): both scores are linear in it,
+        so one ``[1, 2D] x [2D, C]`` matmul per KV head does."""
+        if self.digest == "moments":
+            q2 = moment_query(q, scaling if scaling is not None else q.shape[-1] ** -0.5)
+        else:
+            q2 = signed_query(q)
         if self.group_reduce == "mean":
             return q2.mean(dim=-2, keepdim=True)
         return q2.sum(dim=-2, keepdim=True) if self.group_reduce == "sum" else q2
@@ -275,10 +291,10 @@ class BoundPolicy(DecodePolicy):
         return self.reduce_group(per_head, scaling, head_dim)
 
     def box_scores(self, q, box, first_page, scaling=None):
-        return self._from_bounds(box_scores(self._signed(q), box), scaling, q.shape[-1])
+        return self._from_bounds(box_scores(self._signed(q, scaling), box), scaling, q.shape[-1])
 
     def rank_pages(self, q, boxes, first_pages, scaling=None):
-        return self._from_bounds(bound_matmuls(self._signed(q), boxes), scaling, q.shape[-1])
+        return self._from_bounds(bound_matmuls(self._signed(q, scaling), boxes), scaling, q.shape[-1])
 
 
 @register

@@ -8,8 +8,8 @@ without searching (Sec. 4.2 "Contiguous Memory Indexing").
   is the source of truth; appends and restructures write here first.
 - `DevicePool` is the working set on the compute device: a fixed number of slots per KV head, a
   page -> slot table per head and LRU eviction. A page already resident is never copied again.
-- `PageBounds` is the page representation kept on the device: per page and KV head, the min and max
-  of the page's keys (the bounding box of Quest / ArkVale, used by every dynamic policy).
+- `PageBounds` is the page digest kept on the device: per page and KV head, the min and max of the
+  page's keys (the bounding box of Quest / ArkVale / PRKV) or their mean and variance (`digest="moments"`).
 
 On a CPU-only machine both pools live in host memory and the "transfer" is a memcpy, so the code path
 is the same one that runs with an accelerator.
@@ -216,24 +216,38 @@ class DevicePool:
 
 
 class PageBounds:
-    """Per page and KV head, the min / max of the page's keys (the bounding box of Quest and ArkVale's cuboid
-    digest; PRKV recomputes it for the restructured pages, Alg. 1 line 14). Kept on the compute device; a
-    partially filled page bounds its filled tokens only.
+    """The page digest kept on the device, per page and KV head, of one of two kinds (``digest``):
 
-    Stored as one tensor ``box [kv_heads, pages, 2 * head_dim]`` = ``(kmax | -kmin)``: a new key extends a
-    box with a single elementwise max of ``(k | -k)``, and the bound of `scoring.box_scores` is a single
-    matmul with ``(relu(q) | relu(-q))``. `pages` gives the (kmin, kmax) view.
+    - ``"box"``: the min / max of the page's keys (the bounding box of Quest and ArkVale's cuboid digest; PRKV
+      recomputes it for the restructured pages, Alg. 1 line 14). Stored as ``[kv_heads, pages, 2 * head_dim]``
+      = ``(kmax | -kmin)``: a new key extends a box with a single elementwise max of ``(k | -k)``, and the
+      bound of `page_scores.box_scores` is a single matmul with ``(relu(q) | relu(-q))``.
+    - ``"moments"``: the mean and per-dimension variance of the page's keys, ``(mu | var)``, kept from running
+      sums ``(sum k | sum k^2)``; scored by `page_scores.moment_query`.
+
+    A partially filled page digests its filled tokens only. `pages` gives the (kmin, kmax) view of boxes.
     """
 
-    def __init__(self, num_kv_heads: int, page_size: int, head_dim: int, device: torch.device) -> None:
-        self.page_size, self.head_dim, self.device = page_size, head_dim, torch.device(device)
-        self.box = torch.zeros((num_kv_heads, 1, 2 * head_dim), device=self.device)
+    KINDS = ("box", "moments")
+
+    def __init__(self, num_kv_heads: int, page_size: int, head_dim: int, device: torch.device,
+                 digest: str = "box") -> None:
+        if digest not in self.KINDS:
+            raise ValueError(f"page digest must be one of {self.KINDS}, got {digest!r}")
+        self.page_size, self.head_dim, self.device, self.kind = page_size, head_dim, torch.device(device), digest
+        self.data = torch.zeros((num_kv_heads, 1, 2 * head_dim), device=self.device)  # the digests scored
+        # moments: running (sum k | sum k^2) and the token count of each page
+        self.sums = torch.zeros_like(self.data) if digest == "moments" else None
+        self.count = torch.zeros(1, device=self.device) if digest == "moments" else None
+        self._lagging: int | None = None  # a moments page whose digest lags its sums (`add_token`)
 
     def _reserve(self, pages: int) -> None:
-        self.box = _grown(self.box, pages, dim=1)
+        self.data = _grown(self.data, pages, dim=1)
+        if self.sums is not None:
+            self.sums, self.count = _grown(self.sums, pages, dim=1), _grown(self.count, pages)
 
     def reserve(self, pages: int) -> None:
-        """Room for ``pages`` boxes (appends within it never reallocate)."""
+        """Room for ``pages`` digests (appends within it never reallocate)."""
         self._reserve(pages)
 
     def rebuild(self, keys: torch.Tensor) -> None:
@@ -243,21 +257,55 @@ class PageBounds:
         full, rest = divmod(n, P)
         self._reserve(full + (rest > 0))
         k = keys.to(self.device, torch.float32)
+        if self.sums is not None:
+            pages = full + (rest > 0)
+            padded = torch.zeros(H, pages * P, D, device=self.device)
+            padded[:, :n] = k
+            paged = padded.view(H, pages, P, D)
+            self.sums[:, :pages, :D], self.sums[:, :pages, D:] = paged.sum(2), paged.square().sum(2)
+            self.count[:pages] = P
+            if rest:
+                self.count[full] = rest
+            self._moments(slice(0, pages))
+            if self._lagging is not None and self._lagging < pages:
+                self._lagging = None
+            return
         if full:
             paged = k[:, : full * P].reshape(H, full, P, D)
-            self.box[:, :full, :D] = paged.amax(2)
-            self.box[:, :full, D:] = -paged.amin(2)
+            self.data[:, :full, :D] = paged.amax(2)
+            self.data[:, :full, D:] = -paged.amin(2)
         if rest:
             tail = k[:, full * P:]
-            self.box[:, full, :D], self.box[:, full, D:] = tail.amax(1), -tail.amin(1)
+            self.data[:, full, :D], self.data[:, full, D:] = tail.amax(1), -tail.amin(1)
+
+    def _moments(self, pages) -> None:
+        """``(mu | var)`` of ``pages`` (an index or slice) from their running sums."""
+        D = self.head_dim
+        count = self.count[pages].unsqueeze(-1)
+        mean = self.sums[:, pages, :D] / count
+        self.data[:, pages, :D] = mean
+        self.data[:, pages, D:] = (self.sums[:, pages, D:] / count - mean.square()).clamp_(min=0)
 
     def add_token(self, page: int, offset: int, k: torch.Tensor) -> None:
-        """Extend page `page`'s box with one key ``[kv_heads, 1, head_dim]`` (a new page starts at it)."""
-        if page >= self.box.shape[1]:
+        """Add one key ``[kv_heads, 1, head_dim]`` to page `page`'s digest (a new page starts at it)."""
+        if page >= self.data.shape[1]:
             self._reserve(page + 1)
-        k = k[:, 0]
+        k = k[:, 0].to(self.device, torch.float32)
+        if self.sums is not None:
+            both = torch.cat((k, k.square()), dim=-1)
+            row = self.sums[:, page]
+            if offset == 0:
+                row.copy_(both)
+            else:
+                row.add_(both)
+            self.count[page] = offset + 1
+            if self._lagging is not None and self._lagging != page:
+                self._moments(self._lagging)
+            # the page being filled is in the local window, never ranked: its digest is due when it is read
+            self._lagging = page
+            return
         both = torch.cat((k, -k), dim=-1)
-        row = self.box[:, page]
+        row = self.data[:, page]
         if offset == 0:
             row.copy_(both)
         else:
@@ -265,12 +313,18 @@ class PageBounds:
 
     def pages(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Boxes of pages ``[start, end)`` as ``[kv_heads, end - start, head_dim]`` (min, max)."""
+        if self.kind != "box":
+            raise ValueError("pages() gives bounding boxes; this digest keeps moments")
         D = self.head_dim
-        return -self.box[:, start:end, D:], self.box[:, start:end, :D]
+        return -self.data[:, start:end, D:], self.data[:, start:end, :D]
 
-    def boxes(self, start: int, end: int) -> torch.Tensor:
-        """``(kmax | -kmin)`` of pages ``[start, end)``: ``[kv_heads, end - start, 2 * head_dim]`` (a view)."""
-        return self.box[:, start:end]
+    def digests(self, start: int, end: int) -> torch.Tensor:
+        """The digests of pages ``[start, end)``: ``[kv_heads, end - start, 2 * head_dim]`` (a view), ``(kmax |
+        -kmin)`` or ``(mu | var)``."""
+        if self._lagging is not None and start <= self._lagging < end:
+            self._moments(self._lagging)
+            self._lagging = None
+        return self.data[:, start:end]
 
 
 class WorkingSet:

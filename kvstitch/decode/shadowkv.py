@@ -237,7 +237,8 @@ class ShadowKVDecoder(SparseDecoder):
                                                  st.values_host[:, : st.n].to(self.device), scaling)
             valid = torch.ones_like(tokens, dtype=torch.bool)
             self.recall.record(layer, attention_recall(probs, tokens, valid), oracle_recall(probs, tokens.shape[1]),
-                               (out.float() - dense_out.float()).abs().max().item())
+                               (out.float() - dense_out.float()).abs().max().item(),
+                               oracle_recall(probs, tokens.shape[1], shared=True))
         return out
 
     # ----------------------------------------------------------------------------------- report

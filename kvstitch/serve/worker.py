@@ -355,7 +355,7 @@ class EngineWorker:
             values = [v for layer in got for v in layer]
             if values:
                 self.metrics.observe("kvstitch_decode_recall", float(torch.cat(values).mean()))
-            for hist in (d.recall.history, d.recall.oracle):  # the request keeps no diagnostics it did not ask for
+            for hist in d.recall.histories():  # the request keeps no diagnostics it did not ask for
                 for layer, n in zip(hist, lengths):
                     del layer[n:]
 
