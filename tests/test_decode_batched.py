@@ -94,7 +94,8 @@ class Twins:
 
 SPECS = [(p, {}) for p in PAGED] + [("quest", {"group_reduce": r}) for r in GROUP_REDUCES] + [
     ("prkv", {"group_reduce": "softmax"}), ("prkv", {"static_ratio": "auto"}), ("arkvale", {"kv_head_groups": 2}),
-    ("prkv", {"digest": "moments"}), ("quest", {"digest": "moments", "group_reduce": "softmax"})]
+    ("prkv", {"digest": "moments"}), ("quest", {"digest": "moments", "group_reduce": "softmax"}),
+    ("prkv", {"rerank_interval": 3}), ("quest", {"rerank_interval": 2, "digest": "moments"})]
 
 
 @pytest.mark.parametrize("policy,options", SPECS, ids=[f"{p}-{'-'.join(map(str, o.values()))}" for p, o in SPECS])

@@ -244,3 +244,42 @@ def test_attend_rows_in_parallel_equals_each_decoder_alone():
                 d.end_step()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("policy", ["quest", "prkv"])
+def test_rerank_interval_ranks_every_r_steps_and_reuses_the_pages_between(policy, monkeypatch):
+    """With ``rerank_interval=3`` the candidate digests are scored on 1 step in 3 (or again when the page count
+    moved); in between a step attends the last ranking's dynamic pages. With 1, every step ranks and picks the
+    default's pages."""
+    from kvstitch.decode.policies import BoundPolicy
+
+    calls = []
+    real = BoundPolicy.box_scores
+    monkeypatch.setattr(BoundPolicy, "box_scores", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+
+    def run(**kw):
+        opts = {"refresh_interval": 100} if policy == "prkv" else {}  # no static refresh during the test
+        s, dec = Stream(n=60, layers=1, seed=5), decoder(policy, 16, layers=1, **opts, **kw)
+        s.prefill(dec)
+        calls.clear()
+        tables, rankings = [], []
+        for _ in range(9):
+            s.step(dec)
+            st = dec.layers[0]
+            tables.append(st.selected.clone())
+            rankings.append(st.ranked)
+            if st.ranked is not None:  # the step attends the remembered ranking's pages, after the front
+                front, n_dyn, pages = st.ranked[1:]
+                assert torch.equal(st.selected[:, front: front + n_dyn], pages)
+        return len(calls), tables, rankings
+
+    ranks_default, default, _ = run()
+    ranks1, every, none = run(rerank_interval=1)
+    ranks3, sparse, kept = run(rerank_interval=3)
+    assert ranks_default == ranks1 == 9 and all(torch.equal(a, b) for a, b in zip(default, every))
+    assert none == [None] * 9  # nothing remembered when every step ranks
+    assert 3 <= ranks3 <= 5  # steps 0, 3, 6, and any step whose page count moved
+    reused = sum(a is b for a, b in zip(kept[:-1], kept[1:]))
+    assert reused == 9 - ranks3 >= 4  # every step either ranks or attends the last ranking's pages
+    assert all(k[0] <= t < k[0] + 3 for t, k in enumerate(kept))  # a ranking serves its own step and 2 more at most
+    assert any(not torch.equal(a, b) for a, b in zip(sparse, default))  # reuse really changed some step

@@ -180,12 +180,23 @@ def _page_table(rows: list[_Row], q: torch.Tensor, dev) -> torch.Tensor:
             key = next((k for k, g in groups.items() if g[0].dec.policy == r.dec.policy), id(r))
             groups.setdefault(key, []).append(r)
         for g in groups.values():
-            idx = torch.tensor([r.index for r in g], device=dev)
-            boxes = [r.st.bounds.digests(r.plan.front, r.plan.local_start) for r in g]
-            scores = g[0].dec.policy.rank_pages(q.index_select(0, idx), boxes, [r.plan.front for r in g],
+            ranked = []
+            for r in g:  # rows whose last ranking still serves (the policy's rerank_interval) reuse it
+                kept = r.dec.reused_pages(r.st, r.plan)
+                if kept is None:
+                    ranked.append(r)
+                else:
+                    dyn[r.index, :, : r.plan.n_dynamic] = kept.to(dev) - r.plan.front
+            if not ranked:
+                continue
+            idx = torch.tensor([r.index for r in ranked], device=dev)
+            boxes = [r.st.bounds.digests(r.plan.front, r.plan.local_start) for r in ranked]
+            scores = g[0].dec.policy.rank_pages(q.index_select(0, idx), boxes, [r.plan.front for r in ranked],
                                                 g[0].dec.scaling)
-            k = max(r.plan.n_dynamic for r in g)
+            k = max(r.plan.n_dynamic for r in ranked)
             dyn[idx, :, :k] = scores.topk(k, dim=-1).indices
+            for r in ranked:
+                r.dec.remember_ranking(r.st, r.plan, dyn[r.index, :, : r.plan.n_dynamic] + r.plan.front)  # a copy
     ints = torch.tensor([[r.plan.front, r.plan.front + r.plan.n_dynamic, r.n_pages, r.plan.local_start]
                          for r in rows], device=dev).view(B, 4, 1, 1)
     front, end_dyn, n_pages, local = ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3]

@@ -54,6 +54,7 @@ class _LayerState:
     obs_head: int = 0                  # ring index of the oldest query in obs_q
     static_steps: list[int] = field(default_factory=list)  # steps at which the static set was chosen
     selected: torch.Tensor | None = None  # last step's page table [Hkv, M]
+    ranked: tuple | None = None  # (step, front, n_dynamic, dynamic pages [Hkv, n_dynamic]) of the last ranking
     ws: WorkingSet | None = None  # direct mode: the attended pages as contiguous buffers
 
 
@@ -165,6 +166,7 @@ class SparseDecoder:
         n_static = min(front_pages(self.kv_budget, P, self.sinks, self.window, st.static_ratio, self.cap),
                        R // P) * P
         st.front = max(n_static // P, pages_for(self.sinks, P))  # sinks stay first in any storage order
+        st.ranked = None  # pages moved: rank again
         st.static_steps.append(self.step)
         if n_static == 0:
             return
@@ -325,11 +327,28 @@ class SparseDecoder:
             return self._range(0, plan.n_pages)  # everything (front, candidates, local are contiguous)
         if plan.n_dynamic == 0:
             return torch.cat([front, local], dim=1)
-        box = st.bounds.digests(plan.front, plan.local_start)
-        scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front,
-                                         self.scaling)
-        dynamic = (scores.topk(plan.n_dynamic, dim=1).indices + plan.front).cpu()
-        return torch.cat([front, dynamic, local], dim=1)
+        dynamic = self.reused_pages(st, plan)
+        if dynamic is None:
+            box = st.bounds.digests(plan.front, plan.local_start)
+            scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front,
+                                             self.scaling)
+            dynamic = scores.topk(plan.n_dynamic, dim=1).indices + plan.front
+            self.remember_ranking(st, plan, dynamic)
+        return torch.cat([front, dynamic.cpu(), local], dim=1)
+
+    def reused_pages(self, st: _LayerState, plan: PagePlan) -> torch.Tensor | None:
+        """The dynamic pages of the last ranking while the policy's ``rerank_interval`` says they still serve
+        (same front and count, no restructure since; the candidates only grow as pages leave the window), else
+        None: rank now."""
+        interval = getattr(self.policy, "rerank_interval", 1)
+        r = st.ranked
+        if interval <= 1 or r is None or self.step - r[0] >= interval or (r[1], r[2]) != (plan.front, plan.n_dynamic):
+            return None
+        return r[3]
+
+    def remember_ranking(self, st: _LayerState, plan: PagePlan, dynamic: torch.Tensor) -> None:
+        if getattr(self.policy, "rerank_interval", 1) > 1:
+            st.ranked = (self.step, plan.front, plan.n_dynamic, dynamic)
 
     def _record_recall(self, layer, st, plan, q, scaling, out, tokens, valid) -> None:
         """Diagnostic mode: dense attention over the whole (windowed) cache, recall of the selection."""

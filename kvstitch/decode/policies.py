@@ -18,7 +18,8 @@ A policy only decides; `SparseDecoder` owns the pools and the state. What a poli
 | `shadowkv`| outlier chunks (static)        | top 8-token chunks by landmark, per KV head; keys rebuilt from a low-rank factorisation (`shadowkv`) |
 
 The bound policies (`quest`, `arkvale`, `prkv`) also take ``digest``: what a page keeps to be ranked by, the
-papers' bounding box (default) or its keys' mean and variance (``"moments"``, `BoundPolicy`).
+papers' bounding box (default) or its keys' mean and variance (``"moments"``), and ``rerank_interval``: rank the
+pages every r steps (default 1), reusing the last ranking between (`BoundPolicy`).
 
 A policy is an object (``PRKV(static_ratio=0.5, kv_budget=512)``) or its spec string in the grammar of
 `kvstitch.core.spec` (``"prkv(static_ratio=0.5,kv_budget=512)"``, ``"prkv:kv_budget=512"``): `make_policy`
@@ -246,13 +247,21 @@ class BoundPolicy(DecodePolicy):
 
     ``digest`` is what a page keeps to be ranked by: ``"box"``, the papers' bounding box (the bound above),
     or ``"moments"``, its keys' mean and per-dimension variance, ranked by the page's estimated attention mass
-    q·μ + (s/2)·q²·σ² (`page_scores.moment_query`) in place of the bound; the group rules apply alike."""
+    q·μ + (s/2)·q²·σ² (`page_scores.moment_query`) in place of the bound; the group rules apply alike.
+
+    ``rerank_interval``: rank the candidate pages every r steps (1, the papers' choice: every step); in between a
+    step attends the pages of the last ranking (and the current sinks, static set and local window), skipping
+    the ranking's reads of every candidate's digest and its top-k. Consecutive decode queries are alike (docs/decode.md
+    has the measured recall and step time)."""
 
     group_reduce: str = "max"
     digest: str = "box"
+    rerank_interval: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.rerank_interval < 1:
+            raise BadDecodeOption(f"{self.name}: rerank_interval must be >= 1, got {self.rerank_interval}")
         if self.group_reduce not in GROUP_REDUCES:
             raise BadDecodeOption(f"{self.name}: group_reduce must be one of {', '.join(GROUP_REDUCES)}, "
                                   f"got {self.group_reduce!r}")
