@@ -337,18 +337,14 @@ class SparseDecoder:
         return torch.cat([front, dynamic.cpu(), local], dim=1)
 
     def reused_pages(self, st: _LayerState, plan: PagePlan) -> torch.Tensor | None:
-        """The dynamic pages of the last ranking while the policy's ``rerank_interval`` says they still serve
-        (same front and count, no restructure since; the candidates only grow as pages leave the window), else
-        None: rank now."""
-        interval = getattr(self.policy, "rerank_interval", 1)
-        r = st.ranked
-        if interval <= 1 or r is None or self.step - r[0] >= interval or (r[1], r[2]) != (plan.front, plan.n_dynamic):
-            return None
-        return r[3]
+        """The last ranking's dynamic pages while ``rerank_interval`` says they serve (same front and count, no
+        restructure since: candidates only grow as pages leave the window), else None: rank now."""
+        r, interval = st.ranked, getattr(self.policy, "rerank_interval", 1)
+        fresh = r is not None and self.step - r[0] < interval and (r[1], r[2]) == (plan.front, plan.n_dynamic)
+        return r[3] if fresh else None
 
     def remember_ranking(self, st: _LayerState, plan: PagePlan, dynamic: torch.Tensor) -> None:
-        if getattr(self.policy, "rerank_interval", 1) > 1:
-            st.ranked = (self.step, plan.front, plan.n_dynamic, dynamic)
+        st.ranked = (self.step, plan.front, plan.n_dynamic, dynamic) if getattr(self.policy, "rerank_interval", 1) > 1 else None
 
     def _record_recall(self, layer, st, plan, q, scaling, out, tokens, valid) -> None:
         """Diagnostic mode: dense attention over the whole (windowed) cache, recall of the selection."""
