@@ -344,7 +344,8 @@ class SparseDecoder:
         return r[3] if fresh else None
 
     def remember_ranking(self, st: _LayerState, plan: PagePlan, dynamic: torch.Tensor) -> None:
-        st.ranked = (self.step, plan.front, plan.n_dynamic, dynamic) if getattr(self.policy, "rerank_interval", 1) > 1 else None
+        reranks = getattr(self.policy, "rerank_interval", 1) > 1
+        st.ranked = (self.step, plan.front, plan.n_dynamic, dynamic) if reranks else None
 
     def _record_recall(self, layer, st, plan, q, scaling, out, tokens, valid) -> None:
         """Diagnostic mode: dense attention over the whole (windowed) cache, recall of the selection."""
