@@ -5,10 +5,16 @@ runs two ``bmm`` over the copy, so the selected K/V cross memory three times. Th
 page table and reads K and V straight from the row's pool (``[pages, Hkv, 2, P, D]``, HND: one head's
 page is one contiguous block), with an online softmax (running max and sum per query head, float32), so
 they cross once. Per (row, KV head) pair: the ``G`` query heads of the group read each page's keys while
-the page is in L1, then its values. The pairs are split over torch's intra-op thread count by Python threads
+the page is in L1, then its values; the next page's K and V are prefetched meanwhile (a page is a few KB
+at a random address). The pairs are split over torch's intra-op thread count by Python threads
 (the kernel releases the GIL) rather than numba's ``prange``: numba's OpenMP pool and torch's spin-wait
 against each other on a loaded CPU (measured 3-10x slower at 1-2 threads, torch's own matmuls included),
 and its workqueue pool aborts when two threads (server workers) call in at once.
+
+Where the time goes (SmolLM2, 8 rows x 7.7K, 1,088 tokens a row, 2 threads): reading the selected blocks
+alone (a loop that only sums them) takes ~1.5 ms a layer, this kernel ~1.7 ms on its own, and ~2-3 ms
+inside a decode step, where torch's OpenMP workers still spin-wait after the projections on the core the
+second share runs on (``OMP_WAIT_POLICY=PASSIVE`` brings it back to ~1.9 ms, but slows torch's own ops).
 
 Only float32 pools on the CPU take it (`kernel_ok`): numba has no bfloat16 type, so a half-precision pool
 would need a per-element upcast it cannot express; those pools, CUDA pools and installs without numba
@@ -29,6 +35,7 @@ try:
     import numba
     from numba import prange, types
     from numba.extending import intrinsic
+    from llvmlite import ir
 except ImportError:  # the optional `fast` extra is not installed: the torch path runs
     numba = None
 
@@ -62,6 +69,29 @@ if numba is not None:
 
         return sig, codegen
 
+    @intrinsic
+    def _prefetch(typingctx, address):
+        """A hint to start loading the cache line at ``address`` (int64) into every cache level (x86 PREFETCHT0)."""
+        sig = types.void(types.int64)
+
+        def codegen(context, builder, signature, args):
+            i8p, i32 = ir.PointerType(ir.IntType(8)), ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
+            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])  # read, keep, data
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @numba.njit(nogil=True, cache=True)
+    def _prefetch_block(pool, slot, h):
+        """Prefetch the K and V of pool block ``(slot, h)`` (one contiguous ``2 * P * D`` run): a selected page
+        is a few KB at a random address, too short for the hardware prefetcher to ramp up on."""
+        block = pool[slot, h]
+        start = np.int64(block.ctypes.data)
+        for off in range(0, block.size * block.itemsize, 64):
+            _prefetch(start + off)
+
     @numba.njit(nogil=True, fastmath=False, cache=True)
     def _paged_attention(q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out, share, shares):
         """The (row, KV head) pairs ``share, share + shares, ...`` of the batch (one thread's share)."""
@@ -86,7 +116,11 @@ if numba is not None:
         logits = np.empty((G, P), dtype=np.float32)
         probs = np.empty((G, P), dtype=np.float32)
         bits = np.empty(P, dtype=np.int32)
+        if count > 0:
+            _prefetch_block(pool, slots[0], h)
         for j in range(count):
+            if j + 1 < count:  # the next page loads while this one is computed
+                _prefetch_block(pool, slots[j + 1], h)
             first = pages[j] * P  # storage index of the page's first token (masks use it; reads use the slot)
             a, e = max(0, lo - first), min(P, n_tokens - first)
             if e <= a:
@@ -114,7 +148,7 @@ if numba is not None:
             for d in range(D):
                 out_g[d] = acc_g[d] * inv
 
-    @numba.njit(nogil=True, fastmath=False, cache=True)
+    @numba.njit(nogil=True, fastmath={"contract"}, cache=True)  # fused multiply-adds
     def _accumulate_values(probs, values, acc):
         """``acc[g] += probs[g, t] * values[t]`` over a page's ``len(values)`` tokens. Each value row is read once
         for all ``G`` heads of the group, and four tokens go into each pass over an accumulator row: the
@@ -137,7 +171,7 @@ if numba is not None:
                 for d in range(D):
                     acc_g[d] += p * v[d]
 
-    @numba.njit(nogil=True, fastmath=False, cache=True)
+    @numba.njit(nogil=True, fastmath={"contract"}, cache=True)  # fused multiply-adds
     def _exp_shifted(x, shift, n, out, bits):
         """``out[t] = exp(x[t] - shift)`` for ``t < n`` (all <= 0): Cephes' expf (2^k times a degree-7
         polynomial on [-ln2/2, ln2/2], ~2 ulp) in loops LLVM vectorizes; libm's exp is one call per element
