@@ -73,6 +73,7 @@ def test_context_above_the_model_limit_is_capped_and_reported(smollm_tokenizer, 
     (dict(context=0), "context must be"),
     (dict(new_tokens=0), "new_tokens must be"),
     (dict(n_niah=-1), "n_niah must be"),
+    (dict(batch=0), "batch must be"),
     (dict(task="nope"), "unknown task"),
     (dict(method="ape"), "changes decode attention"),
     (dict(policy_options={"prkv": {"bogus": 1}}), "bad options for decode policy"),
@@ -159,3 +160,30 @@ def test_floor_cache_holds_the_prompts_last_tokens(smollm_tokenizer):
         assert torch.equal(mine.values[0, :, :40], full.values[0, :, s.n - 40:s.n])
     eng.decode_step(cache, 5)
     assert cache.length == 41
+
+
+def test_batch_times_batched_steps_of_distinct_rows(smollm_tokenizer):
+    """``batch=2``: every timed step of dense, the floor and each policy is one batched step of two rows, each
+    row with its own cache (and decoder), and the bound is the one for two rows."""
+    from kvstitch.bench.bound import bytes_bound, model_bytes
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    calls = []
+    run = eng.decode_batch
+
+    def spy(steps, *args, **kwargs):
+        calls.append([(id(s.cache), id(s.decoder) if s.decoder is not None else None) for s in steps])
+        return run(steps, *args, **kwargs)
+
+    eng.decode_batch = spy
+    rows, meta = bench_decode_model(eng, context=320, budgets=[96], policies=["prkv", "quest"], n_niah=0,
+                                    new_tokens=4, page_size=8, warmup=1, batch=2, progress=False)
+    assert meta["batch"] == 2 and "batched steps of 2 copies" in decode_table(rows, meta)
+    assert len(calls) == 4 * 4  # dense, floor, prkv, quest x 4 steps
+    assert all(len(c) == 2 and len({row[0] for row in c}) == 2 for c in calls)
+    sparse = [c for c in calls if c[0][1] is not None]
+    assert len(sparse) == 2 * 4 and all(len({row[1] for row in c}) == 2 for c in sparse)
+    for r in rows[1:]:
+        assert r["tpot_ms"] > 0 and r["bound_batch"] == 2
+        bound = bytes_bound(model_bytes(eng), r["bound_context"], 2, r["bound_attended"])
+        assert r["bound_tpot"] == pytest.approx(bound["bound_tpot"])

@@ -12,7 +12,11 @@ length (``kvstitch bench decode``):
 - **TPOT**: the median time of one decode step (the whole model), in a separate pass without
   diagnostics. Per budget, `dense` (dense decode over the contiguous cache, what ``decode="dense"`` does)
   and every policy run in lockstep, alternating step by step (the order rotates), so machine noise hits
-  all alike; ``tpot_vs_full`` is the ratio to `full` from that same pass.
+  all alike; ``tpot_vs_full`` is the ratio to `full` from that same pass. With ``batch`` B > 1 each of
+  them decodes B copies of the sample as one batched step (`Engine.decode_batch`, what the server runs
+  for B requests in flight: sparse rows share one batched attention per layer), so ``tpot_vs_full`` is
+  the inverse of decode throughput vs dense at B requests, measured in lockstep rather than one server
+  run after another (on a shared machine their speeds drift apart by more than the effects measured).
 - **NIAH accuracy**: free greedy decode of ``n_niah`` samples with `dense` and every (policy, budget),
   prompted and capped as ``kvstitch eval`` does (RULER's answer prefix; answer tokens + 8), scored with
   the task's RULER scorer (``kvstitch.tasks.grading``).
@@ -157,6 +161,16 @@ class _Sample:
         dec = eng.make_decoder(self.cache, policy, budget, obs_queries=self.obs, diagnostic=diagnostic, **options)
         return StitchCache.for_decoder(eng.adapter, self.n, eng.device, eng.dtype), dec
 
+    def runners(self, policy: str | None, budget: int | None, options: dict, batch: int, extra: int) -> list:
+        """``batch`` (cache, decoder) rows of one policy for a batched step: sparse rows each get a decoder of
+        their own; dense rows after the first get a copy of the prompt's cache (the first is the shared one)."""
+        if policy is not None:
+            rows = [self.runner(policy, budget, options) for _ in range(batch)]
+            for cache, dec in rows:
+                cache.decoder = dec  # a batched step hands each row's K/V to its decoder
+            return rows
+        return [self.runner(None, None, {})] + [self.floor_runner(self.n, extra) for _ in range(batch - 1)]
+
     def floor_runner(self, n_tokens: int, extra: int):
         """(cache, None) for dense decode over a cache of only the prompt's last ``n_tokens`` tokens: the TPOT
         a policy attending that many tokens would reach with no selection, scoring or gather of its own
@@ -240,24 +254,39 @@ def _reference(engine, s: _Sample, new_tokens: int, steps: _Steps) -> list[int]:
 
 
 def _time_steps(engine, s: _Sample, ref: list[int], budgets: list[int], policies: list[str], opts: dict,
-                new_tokens: int, warmup: int, steps: _Steps, on_top: int) -> dict[tuple, list[float]]:
+                new_tokens: int, warmup: int, steps: _Steps, on_top: int, batch: int = 1) -> dict[tuple, list[float]]:
     """TPOT: per budget, dense + the floor + every policy in lockstep (the order rotates step by step),
     teacher-forced with the reference tokens -> ``{(policy or "dense" or "floor", budget): step seconds
-    after warm-up}``. The floor is dense decode over ``budget + on_top`` tokens (`_Sample.floor_runner`)."""
+    after warm-up}``. The floor is dense decode over ``budget + on_top`` tokens (`_Sample.floor_runner`).
+    ``batch`` > 1: each step is a batched step of that many copies (`_Sample.runners`)."""
+    from kvstitch.engine.batch import DecodeStep
+
     device = engine.device
     times: dict[tuple, list[float]] = {}
+    extra = new_tokens + 1
     for b in budgets:
-        steps.stage(f"TPOT, budget {b}")
-        runners = {(DENSE, None): s.runner(None, None, {}), ("floor", b): s.floor_runner(b + on_top, new_tokens + 1)}
-        runners.update({(p, b): s.runner(p, b, opts[p]) for p in policies})
+        steps.stage(f"TPOT, budget {b}" + (f", batch {batch}" if batch > 1 else ""))
+        if batch == 1:
+            runners = {(DENSE, None): [s.runner(None, None, {})], ("floor", b): [s.floor_runner(b + on_top, extra)]}
+            runners.update({(p, b): [s.runner(p, b, opts[p])] for p in policies})
+        else:
+            runners = {(DENSE, None): s.runners(None, None, {}, batch, extra),
+                       ("floor", b): [s.floor_runner(b + on_top, extra) for _ in range(batch)]}
+            runners.update({(p, b): s.runners(p, b, opts[p], batch, extra) for p in policies})
         names = list(runners)
         step_times = {name: [] for name in names}
         for t in range(new_tokens):
             for name in names[t % len(names):] + names[:t % len(names)]:
-                cache, dec = runners[name]
+                rows = runners[name]
                 _sync(device)
                 t0 = time.perf_counter()
-                engine.decode_step(cache, ref[t], dec)
+                if batch == 1:
+                    engine.decode_step(rows[0][0], ref[t], rows[0][1])
+                else:
+                    engine.decode_batch([DecodeStep(cache, ref[t], dec) for cache, dec in rows])
+                    for _, dec in rows:
+                        if dec is not None:
+                            dec.end_step()
                 _sync(device)
                 step_times[name].append(time.perf_counter() - t0)
             steps.advance(len(names))
@@ -364,9 +393,9 @@ def _rows(s: _Sample, new_tokens: int, budgets: list[int], policies: list[str], 
     return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
 
 
-def _add_bounds(engine, rows: list[dict], plan: _Plan, context: int) -> None:
-    """The bytes-read floor of each sparse row's TPOT ratio (`kvstitch.bench.bound`, batch 1, a cache of the
-    prompt + half the decode): ``bound_tpot`` (and the ``bound_*`` bytes) beside ``tpot_vs_full``."""
+def _add_bounds(engine, rows: list[dict], plan: _Plan, context: int, batch: int = 1) -> None:
+    """The bytes-read floor of each sparse row's TPOT ratio (`kvstitch.bench.bound`, ``batch`` rows, a cache of
+    the prompt + half the decode): ``bound_tpot`` (and the ``bound_*`` bytes) beside ``tpot_vs_full``."""
     from .bound import bytes_bound, model_bytes
 
     m = model_bytes(engine)
@@ -377,7 +406,7 @@ def _add_bounds(engine, rows: list[dict], plan: _Plan, context: int) -> None:
             cap = r["mean_selected_tokens"]
         else:
             cap = _probe(engine, r["policy"], r["budget"], plan.opts[r["policy"]]).cap
-        r.update(bytes_bound(m, context, 1, cap, plan.opts.get(r["policy"], {}).get("page_size", 32)))
+        r.update(bytes_bound(m, context, batch, cap, plan.opts.get(r["policy"], {}).get("page_size", 32)))
 
 
 def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEFAULT_BUDGETS,
@@ -386,7 +415,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
                        method: str = "full", recompute_ratio: float = 0.2, method_options: dict | None = None,
                        task: str = "niah_multikey", chunk_tokens: int = 256, seed: int = 0, warmup: int = 2,
                        page_size: int | None = None, policy_options: dict[str, dict] | None = None,
-                       progress: bool = True) -> tuple[list[dict], dict]:
+                       batch: int = 1, progress: bool = True) -> tuple[list[dict], dict]:
     """Recall, TPOT and NIAH accuracy of every (policy, budget) at one context length (module docstring).
 
     ``context``: context tokens, capped like `kvstitch.bench.ttft.context_of_length` (model positions - 256;
@@ -396,6 +425,8 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     ``warmup`` steps are left out of the TPOT medians.
     ``n_niah``: NIAH samples (``task``, needle depths spread over [0, 1]); recall and TPOT use the
     middle one. ``page_size`` / ``policy_options`` (per policy: its fields) go to the decoders.
+    ``batch``: rows per timed step (copies of the recall sample decoded as one batch; recall and NIAH stay
+    per request). Each row holds a cache of its own: memory grows with it.
 
     Returns (rows, meta): a `dense` row (budget None) then one row per (budget, policy); what was not
     measured (TPOT / NIAH of a dense budget, NIAH with ``n_niah=0``) is None.
@@ -403,6 +434,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     budgets, policies = _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task,
                                       policy_options, page_size)
     warmup = max(0, min(warmup, new_tokens - 1))
+    batch = _positive_int("batch", batch)
     plan = _plan(engine, context, budgets, policies, n_niah, task, chunk_tokens, seed, page_size, policy_options)
     samples, caps, main = plan.samples, plan.caps, plan.main
 
@@ -423,7 +455,7 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
 
         ref = _reference(engine, s, new_tokens, steps)
         times = _time_steps(engine, s, ref, sparse_budgets, policies, plan.opts, new_tokens, warmup, steps,
-                            plan.on_top)
+                            plan.on_top, batch)
         steps.advance(new_tokens * len(dense) * (2 + len(policies)))
         recall = _recall(engine, s, ref, budgets, policies, plan.opts, new_tokens, steps)
         niah, preds = _niah(engine, plan, s, sparse_budgets, policies, n_niah, task, method, recompute_ratio,
@@ -431,12 +463,13 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
         steps.advance(sum(caps[:n_niah]) * len(policies) * len(dense))
 
     rows = _rows(s, new_tokens, budgets, policies, dense, n_max, times, recall, niah, plan.on_top)
-    _add_bounds(engine, rows, plan, s.n + new_tokens // 2)
+    _add_bounds(engine, rows, plan, s.n + new_tokens // 2, batch)
     limit = engine.adapter.max_positions
     meta = {"model": engine.adapter.describe(), "device": str(engine.device), "dtype": str(engine.dtype),
             "context_requested": context, "context_tokens": s.layout.n_context, "prompt_tokens": s.n,
             "capped": context > plan.length, "max_positions": limit, "budgets": budgets, "policies": policies,
-            "new_tokens": new_tokens, "warmup": warmup, "n_niah": n_niah, "task": task, "method": method,
+            "new_tokens": new_tokens, "warmup": warmup, "batch": batch, "n_niah": n_niah, "task": task,
+            "method": method,
             "recompute_ratio": recompute_ratio if method != "full" else None, "chunk_tokens": chunk_tokens,
             "seed": seed, "page_size": page_size or 32, "policy_options": policy_options or {},
             "observation_window": plan.obs_window, "budget_counts": plan.budget_counts,
@@ -456,7 +489,10 @@ def decode_table(rows: list[dict], meta: dict) -> str:
             f"({meta['prompt_tokens']} prompt tokens"
             + (f"; {meta['context_requested']} requested, capped at the model's {meta['max_positions']} positions"
                if meta["capped"] else "")
-            + f"), {meta['new_tokens']} decode steps, NIAH: {meta['n_niah']} x {meta['task']}; "
+            + f"), {meta['new_tokens']} decode steps"
+            + (f" timed as batched steps of {meta['batch']} copies (TPOT = one step of all of them)"
+               if meta.get("batch", 1) > 1 else "")
+            + f", NIAH: {meta['n_niah']} x {meta['task']}; "
               f"prefill: {meta['method']}; page size {meta.get('page_size', 32)}, observation window "
               f"{meta.get('observation_window', '?')} tokens.")
     groups: dict[str, list[str]] = {}

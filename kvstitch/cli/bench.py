@@ -141,6 +141,8 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
                      ratio: float = typer.Option(0.2, help="recompute ratio of a stitched prefill method"),
                      page_size: PageSize = None, policy_option: PolicyOption = None,
                      warmup: int = typer.Option(2, help="decode steps left out of the TPOT medians"),
+                     batch: int = typer.Option(1, help="requests per timed decode step: copies of the sample decoded "
+                                                       "as one batch, as a server runs them (1: one request)"),
                      chunk_tokens: int = typer.Option(256), seed: int = typer.Option(0),
                      threads: Threads = None, dtype: Dtype = None, out: ResultsDir = RESULTS_DIR,
                      model: Model = None) -> None:
@@ -163,7 +165,7 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
                           f"{cap} context tokens (its {eng.adapter.max_positions} positions - 256)", highlight=False)
     rows, meta = bench_decode_model(eng, context, budgets, names, niah, new_tokens, method=method,
                                     recompute_ratio=ratio, task=niah_task, chunk_tokens=chunk_tokens, seed=seed,
-                                    warmup=warmup, page_size=page_size, policy_options=options)
+                                    warmup=warmup, page_size=page_size, policy_options=options, batch=batch)
     meta["model_name"] = model or "smollm2"
     table = decode_table(rows, meta)
     write_results(rows, out, "bench_decode", table, meta)
