@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from kvstitch import InputError
 from kvstitch.cli.main import app
-from kvstitch.bench.decode import bench_decode_model, decode_table
+from kvstitch.bench.decode import bench_decode_model
+from kvstitch.bench.decode_table import decode_table
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 

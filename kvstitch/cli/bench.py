@@ -148,7 +148,8 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
                      model: Model = None) -> None:
     """Sparse decode on a real model: attention recall, TPOT vs dense and NIAH accuracy per policy and budget."""
     from kvstitch.bench.ttft import write_results
-    from kvstitch.bench.decode import bench_decode_model, decode_table
+    from kvstitch.bench.decode import bench_decode_model
+    from kvstitch.bench.decode_table import decode_table
     from kvstitch.core.errors import InputError
     from kvstitch.select import split_specs
 
