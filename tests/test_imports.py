@@ -10,6 +10,9 @@ Imports count wherever they are written (module level, inside a function: a defe
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,3 +354,14 @@ def test_allow_lists_are_not_stale():
     stale += [m for m in ALLOWED_TYPER if m not in typer_importers()]
     stale += [e for e in ALLOWED_PRIVATE_IMPORTS if e not in private_imports()]
     assert not stale, f"allow-list entries that no longer occur (delete them): {stale}"
+
+
+def test_importing_kvstitch_shortens_openmp_spin_unless_the_user_set_it():
+    """`import kvstitch` (before torch) sets libgomp's GOMP_SPINCOUNT, keeping a value the user gave."""
+    code = "import kvstitch, os; print(os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ours.stdout.strip() == "30000"
+    theirs = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True,
+                            text=True, check=True)
+    assert theirs.stdout.strip() == "7"

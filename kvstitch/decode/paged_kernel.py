@@ -12,9 +12,10 @@ against each other on a loaded CPU (measured 3-10x slower at 1-2 threads, torch'
 and its workqueue pool aborts when two threads (server workers) call in at once.
 
 Where the time goes (SmolLM2, 8 rows x 7.7K, 1,088 tokens a row, 2 threads): reading the selected blocks
-alone (a loop that only sums them) takes ~1.5 ms a layer, this kernel ~1.7 ms on its own, and ~2-3 ms
-inside a decode step, where torch's OpenMP workers still spin-wait after the projections on the core the
-second share runs on (``OMP_WAIT_POLICY=PASSIVE`` brings it back to ~1.9 ms, but slows torch's own ops).
+alone (a loop that only sums them) takes ~1.5 ms a layer, this kernel ~1.7 ms on its own. Inside a decode
+step the second share needs the core where torch's OpenMP workers spin after the projections: with libgomp's
+default spin (``GOMP_SPINCOUNT`` 300,000) the kernel ran no faster on two threads than on one (~3 ms a layer);
+`kvstitch` shortens the spin at import (``kvstitch/__init__.py``), ~1.8 ms.
 
 Only float32 pools on the CPU take it (`kernel_ok`): numba has no bfloat16 type, so a half-precision pool
 would need a per-element upcast it cannot express; those pools, CUDA pools and installs without numba
