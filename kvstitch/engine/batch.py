@@ -7,9 +7,9 @@ the attention runs per row over that row's own cache, through the same `kvstitch
 lone decode step takes (``ForwardPlan(q_slots=[length_i])``). A per-row mask is therefore implicit: row i
 never sees another row's keys.
 
-Exactness: a row's result equals the lone step's when the batched GEMMs give each row the numbers the
-1-row GEMM gives. `batch_is_exact` checks that once per engine (the server falls back to one step per
-request if it ever fails on a backend); the tests compare whole greedy answers batched vs alone.
+Exactness: a row's result equals the lone step's up to the batched GEMMs' float rounding (a GEMM of B rows
+may sum in another order than one of one row, which can flip a near tie); the tests compare whole greedy
+answers batched vs alone.
 
 Batched recompute passes (`Engine.recompute_batch`): the recompute pass of a request (its selected context
 tokens + suffix at their slots, or a full prefill's whole prompt over an empty cache) is a `RecomputeStep`.
