@@ -4,7 +4,7 @@ import os
 
 # torch's OpenMP workers (libgomp) spin GOMP_SPINCOUNT times after each parallel op before they sleep; the
 # default 300,000 spins keep them busy for milliseconds on CPUs with a slow PAUSE, holding the cores the sparse
-# decode kernel's threads then need (batched PRKV steps measured ~12% faster at 30,000; dense steps alike).
+# decode kernel's threads then need (batched PRKV steps measured ~12% faster at 30,000, dense steps unchanged).
 # libgomp reads it once, when torch loads it: a program that imports torch before kvstitch keeps its own.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
