@@ -137,6 +137,41 @@ def test_rows_copied_on_several_threads_equal_the_reference(path):
     tw.check_stats()
 
 
+@pytest.mark.skipif(not paged_kernel.available(), reason="numba (the kvstitch[fast] extra) not installed")
+@pytest.mark.parametrize("policy,options", SPECS[:len(PAGED)] + [("prkv", {"digest": "moments", "rerank_interval": 2})])
+def test_lone_attend_in_place_equals_the_gather_path(policy, options, monkeypatch):
+    """A lone decoder (batch 1) reads its pages in place through the kernel (`paged_kernel.attend_row`) on a CPU
+    float32 pool: per step and layer (a sliding-window layer among them, static refreshes, ragged lengths) the
+    same pages and outputs within float rounding as gathering them with torch (the reference path)."""
+    calls = [0]
+    real = paged_kernel.attend_row
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(paged_kernel, "attend_row", counted)
+    tw = Twins([(policy, options)] * 2, [41, 86], seed=7)
+    err = 0.0
+    for _ in range(8):
+        for layer in range(2):
+            for i in range(2):
+                k, v, q = tw.randn(HKV, 1, D), tw.randn(HKV, 1, D), tw.randn(HQ, 1, D)
+                for dec in (tw.ref[i], tw.bat[i]):
+                    dec.append(layer, k, v)
+                monkeypatch.setattr(paged_kernel, "ENABLED", False)
+                want = tw.ref[i].attend(layer, q, SCALE)
+                monkeypatch.setattr(paged_kernel, "ENABLED", True)
+                got = tw.bat[i].attend(layer, q, SCALE)
+                assert torch.equal(tw.ref[i].layers[layer].selected, tw.bat[i].layers[layer].selected)
+                assert got.shape == want.shape == (HQ, 1, D) and got.dtype == want.dtype
+                err = max(err, (got - want).abs().max().item())
+        for dec in tw.ref + tw.bat:
+            dec.end_step()
+    assert err < 1e-5 and calls[0] == 8 * 2 * 2
+    tw.check_stats()
+
+
 def test_half_precision_pools_take_the_torch_path(monkeypatch):
     """bfloat16 pools: numba has no bfloat16, so the batched step gathers with torch (the kernel never runs);
     the rows still equal their lone attends."""
@@ -174,6 +209,27 @@ def test_rank_pages_equals_box_scores_row_by_row():
             c = box.shape[1]
             assert torch.allclose(got[i, :, :c], pol.box_scores(q[i], box, i + 1, SCALE), atol=1e-6), pol
             assert torch.isinf(got[i, :, c:]).all()
+
+
+@pytest.mark.skipif(not paged_kernel.available(), reason="numba (the kvstitch[fast] extra) not installed")
+def test_numba_ranking_picks_what_box_scores_and_topk_pick():
+    """`paged_kernel.top_pages` (a CPU step's ranking in one call) against the torch reference, for every digest
+    and group rule: the same pages in the same order (random scores: no ties), candidates from page 3 on."""
+    from kvstitch.decode.pool import PageBounds
+
+    g = torch.Generator().manual_seed(9)
+    for digest in ("box", "moments"):
+        bounds = PageBounds(HKV, P, D, "cpu", digest)
+        bounds.rebuild(torch.randn(HKV, 23 * P + 2, D, generator=g) * 2)  # 24 pages, the last partial
+        q = torch.randn(HKV, HQ // HKV, D, generator=g)
+        for reduce in GROUP_REDUCES:
+            pol = get_policy("quest", group_reduce=reduce, digest=digest)
+            assert paged_kernel.rank_ok(pol, "cpu")
+            want = pol.box_scores(q, bounds.digests(3, 21), 3, SCALE).topk(7, dim=1).indices + 3
+            got = paged_kernel.top_pages(pol, q, bounds, 3, 21, 7, SCALE)
+            assert torch.equal(got, want), (digest, reduce)
+    assert not paged_kernel.rank_ok(get_policy("arkvale"), "cpu")  # its shared groups rank with torch
+    assert not paged_kernel.rank_ok(get_policy("snapkv"), "cpu")  # recency: nothing to score
 
 
 # ---- GQA: one page choice per KV head for the query heads that share it ----------------------------------

@@ -82,6 +82,19 @@ def test_kernel_equals_reference(Hq, H, threads):
     assert torch.equal(got[2], torch.zeros(Hq, D))  # no pages: zeros (the other rows are checked above)
 
 
+@pytest.mark.parametrize("Hq,H", [(6, 2), (9, 3), (8, 1)])
+def test_one_row_equals_reference(Hq, H):
+    """`attend_row` (a lone decoder's step) over one pool: a partial last page, a sliding window."""
+    q, pools, slots, pages, counts, n_tokens, lo, _ = _case(Hq, H, seed=3)
+    for b in (1, 3):  # a partial last page; a sliding window (lo > 0)
+        m = int(counts[b])
+        got = paged_kernel.attend_row(q[b].unsqueeze(1), pools[b], pages[b, :, :m], int(n_tokens[b]), int(lo[b]),
+                                      0.3)
+        want = _reference(q[b:b + 1], pools[b:b + 1], pages[b:b + 1], pages[b:b + 1], counts[b:b + 1],
+                          n_tokens[b:b + 1], lo[b:b + 1], 0.3)
+        assert got.shape == (Hq, 1, D) and (got[:, 0] - want[0]).abs().max().item() < 1e-5
+
+
 def test_kernel_rejects_what_it_cannot_read():
     q, pools, slots, pages, counts, n_tokens, lo, _ = _case(6, 2)
     bad = slots.clone()

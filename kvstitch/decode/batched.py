@@ -30,6 +30,7 @@ import torch
 from . import paged_kernel
 from .plan import PagePlan
 from .pool import K, V
+from .row_threads import row_pool
 
 
 @dataclass
@@ -189,6 +190,13 @@ def _page_table(rows: list[_Row], q: torch.Tensor, dev) -> torch.Tensor:
                     dyn[r.index, :, : r.plan.n_dynamic] = kept.to(dev) - r.plan.front
             if not ranked:
                 continue
+            if paged_kernel.rank_ok(g[0].dec.policy, dev):  # CPU: each row's scores and top-k in one numba call
+                for r in ranked:
+                    pages = paged_kernel.top_pages(r.dec.policy, q[r.index], r.st.bounds, r.plan.front,
+                                                   r.plan.local_start, r.plan.n_dynamic, r.dec.scaling)
+                    dyn[r.index, :, : r.plan.n_dynamic] = pages - r.plan.front
+                    r.dec.remember_ranking(r.st, r.plan, pages)
+                continue
             idx = torch.tensor([r.index for r in ranked], device=dev)
             boxes = [r.st.bounds.digests(r.plan.front, r.plan.local_start) for r in ranked]
             scores = g[0].dec.policy.rank_pages(q.index_select(0, idx), boxes, [r.plan.front for r in ranked],
@@ -256,8 +264,6 @@ def _each_row(rows: list[_Row], fn, dev) -> None:
     """``fn(row)`` for every row; on a CPU with several intra-op threads the rows are split over that many
     threads, each single-threaded (one row's copy is too small to split well; the rows write disjoint
     slices of the buffers), as `decoder.attend_rows` splits whole rows."""
-    from .decoder import row_pool
-
     threads = torch.get_num_threads()
     if len(rows) < 2 or threads < 2 or torch.device(dev).type != "cpu":
         for r in rows:

@@ -25,13 +25,12 @@ One sequence per decoder (batch size 1).
 from __future__ import annotations
 
 import contextlib
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstitch.core.errors import InputError
+from . import paged_kernel
 from .attention import biased_attention, grouped_attention
 from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
 from .policies import DecodePolicy, make_policy, policy_budget
@@ -39,6 +38,7 @@ from .pool import K, V, DevicePool, HostPool, PageBounds, WorkingSet
 from .recall import RecallMeter, attention_recall, oracle_recall
 from .page_scores import group_mean, observation_probs
 from .static import online_static_ratio, pool_in_token_order, static_permutation
+from .row_threads import row_pool
 from .transfer import BatchedTransfer
 
 
@@ -248,6 +248,15 @@ class SparseDecoder:
             if self.diagnostic:
                 self._record_recall(layer, st, plan, q, scaling, out, ws.tokens(), ws.bias == 0)
             return out
+        if self.direct and paged_kernel.kernel_ok(self.dtype, self.device):  # CPU float32: read in place
+            self._pages_read += st.selected.numel()
+            out = paged_kernel.attend_row(q, st.host.data, st.selected, plan.n_tokens, plan.lo, scaling).to(q.dtype)
+            self._count(plan)
+            if self.diagnostic:
+                tokens = self._tokens(st.selected)
+                self._record_recall(layer, st, plan, q, scaling, out, tokens,
+                                    (tokens >= plan.lo) & (tokens < plan.n_tokens))
+            return out
         keys, values = self._gather(st, st.selected)
         if plan.lo == 0:  # the last page (always selected, last in the table) is the only partial one
             end = keys.shape[1] - (plan.n_pages * self.page_size - plan.n_tokens)
@@ -329,10 +338,14 @@ class SparseDecoder:
             return torch.cat([front, local], dim=1)
         dynamic = self.reused_pages(st, plan)
         if dynamic is None:
-            box = st.bounds.digests(plan.front, plan.local_start)
-            scores = self.policy.box_scores(q.to(self.device).view(H, -1, self.head_dim), box, plan.front,
-                                             self.scaling)
-            dynamic = scores.topk(plan.n_dynamic, dim=1).indices + plan.front
+            q = q.to(self.device).view(H, -1, self.head_dim)
+            if paged_kernel.rank_ok(self.policy, self.device):  # CPU: scores and top-k in one numba call
+                dynamic = paged_kernel.top_pages(self.policy, q, st.bounds, plan.front, plan.local_start,
+                                                 plan.n_dynamic, self.scaling)
+            else:
+                box = st.bounds.digests(plan.front, plan.local_start)
+                scores = self.policy.box_scores(q, box, plan.front, self.scaling)
+                dynamic = scores.topk(plan.n_dynamic, dim=1).indices + plan.front
             self.remember_ranking(st, plan, dynamic)
         return torch.cat([front, dynamic.cpu(), local], dim=1)
 
@@ -427,18 +440,6 @@ class SparseDecoder:
         if any(self.recall.history):
             out.update(self.recall.summary())
         return out
-
-
-_ROW_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool): threads for `attend_rows`
-_ROW_POOL_LOCK = threading.Lock()
-
-
-def row_pool(workers: int) -> ThreadPoolExecutor:
-    global _ROW_POOL
-    with _ROW_POOL_LOCK:
-        if _ROW_POOL is None or _ROW_POOL[0] < workers:
-            _ROW_POOL = (workers, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstitch-rows"))
-        return _ROW_POOL[1]
 
 
 def attend_rows(decoders: list["SparseDecoder"], layer: int, queries: list[torch.Tensor],

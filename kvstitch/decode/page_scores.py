@@ -68,7 +68,7 @@ def observation_probs(obs_q: torch.Tensor, keys: torch.Tensor, scaling: float) -
 
 def group_mean(per_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Average ``[Hq, ..., n]`` query-head scores within each KV group and over the middle axes -> ``[Hkv, n]``."""
-    Hq, n = per_head.shape[0], per_head.shape[-1]
+    n = per_head.shape[-1]
     return per_head.reshape(num_kv_heads, -1, n).mean(dim=1)
 
 

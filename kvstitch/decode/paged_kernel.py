@@ -9,7 +9,9 @@ the page is in L1, then its values; the next page's K and V are prefetched meanw
 at a random address). The pairs are split over torch's intra-op thread count by Python threads
 (the kernel releases the GIL) rather than numba's ``prange``: numba's OpenMP pool and torch's spin-wait
 against each other on a loaded CPU (measured 3-10x slower at 1-2 threads, torch's own matmuls included),
-and its workqueue pool aborts when two threads (server workers) call in at once.
+and its workqueue pool aborts when two threads (server workers) call in at once. A lone decoder's step
+(`SparseDecoder.attend`, batch 1, the host pool read directly) takes the same kernel for its one row
+(`attend_row`) in place of its gather and two ``bmm``.
 
 Where the time goes (SmolLM2, 8 rows x 7.7K, 1,088 tokens a row, 2 threads): reading the selected blocks
 alone (a loop that only sums them) takes ~1.5 ms a layer, this kernel ~1.7 ms on its own. Inside a decode
@@ -20,6 +22,11 @@ default spin (``GOMP_SPINCOUNT`` 300,000) the kernel ran no faster on two thread
 Only float32 pools on the CPU take it (`kernel_ok`): numba has no bfloat16 type, so a half-precision pool
 would need a per-element upcast it cannot express; those pools, CUDA pools and installs without numba
 (the ``kvstitch[fast]`` extra) run the torch path, which is the reference the kernel is tested against.
+
+The page ranking of the bound policies has a numba form too (`top_pages`, any pool dtype: the digests are
+float32): the digest scores, the group rule and the top-k of one row and layer in one call, where torch runs a
+half-dozen small ops. Lone and batched steps rank through the same call (`rank_ok`), so a row picks the same
+pages either way; with `ENABLED` off both rank with torch.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import torch
 
 from kvstitch.core.errors import InputError
 
+from .row_threads import row_pool
+
 try:
     import numba
-    from numba import prange, types
+    from numba import types
     from numba.extending import intrinsic
     from llvmlite import ir
 except ImportError:  # the optional `fast` extra is not installed: the torch path runs
@@ -54,7 +63,9 @@ def available() -> bool:
 def kernel_ok(dtype: torch.dtype, device) -> bool:
     """Whether the batched decode path reads pools of ``dtype`` on ``device`` with the kernel: float32 on the
     CPU, numba present and `ENABLED`."""
-    return ENABLED and numba is not None and dtype == torch.float32 and torch.device(device).type == "cpu"
+    if not (ENABLED and numba is not None and dtype == torch.float32):
+        return False
+    return (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu"
 
 
 if numba is not None:
@@ -92,6 +103,18 @@ if numba is not None:
         start = np.int64(block.ctypes.data)
         for off in range(0, block.size * block.itemsize, 64):
             _prefetch(start + off)
+
+    @numba.njit(nogil=True, cache=True)
+    def _slots_inside(slots, counts, capacity):
+        """Whether every attended entry ``j < counts[b] <= M`` of ``slots [B, Hkv, M]`` lies in row b's pool."""
+        for b in range(slots.shape[0]):
+            if counts[b] > slots.shape[2]:
+                return False
+            for h in range(slots.shape[1]):
+                for j in range(counts[b]):
+                    if slots[b, h, j] < 0 or slots[b, h, j] >= capacity[b]:
+                        return False
+        return True
 
     @numba.njit(nogil=True, fastmath=False, cache=True)
     def _paged_attention(q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out, share, shares):
@@ -207,6 +230,148 @@ if numba is not None:
                 logits_g[t] = s * scaling
 
 
+if numba is not None:
+
+    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, cache=True)
+    def _rank_pages(q, data, first, count, k, moments, reduce, scale, out):
+        """Per KV head: score pages ``first .. first + count - 1`` of ``data [Hkv, capacity, 2D]`` for the
+        query heads ``q [Hkv, G, D]`` as `policies.BoundPolicy.box_scores` does (``moments``: the digest kind;
+        ``reduce``: 0 max, 1 mean, 2 sum, 3 softmax) -> the ``k`` best pages' offsets from ``first``, best
+        first, into ``out [Hkv, k]``."""
+        H, G, D = q.shape
+        linear = reduce == 1 or reduce == 2  # mean / sum: reduce the query first (the score is linear in it)
+        Gs = 1 if linear else G
+        q2 = np.zeros((Gs, 2 * D), dtype=np.float32)
+        dots = np.empty((Gs, count), dtype=np.float32)
+        score = np.empty(count, dtype=np.float32)
+        half = np.float32(scale / 2)
+        for h in range(H):
+            q2[:] = 0.0
+            for g in range(G):
+                row = q2[0] if linear else q2[g]
+                for d in range(D):
+                    v = q[h, g, d]
+                    if moments:  # (q | s/2 q^2) . (mu | var)
+                        row[d] += v
+                        row[D + d] += half * v * v
+                    elif v > 0:  # (relu(q) | relu(-q)) . (kmax | -kmin)
+                        row[d] += v
+                    else:
+                        row[D + d] -= v
+            if reduce == 1:
+                for d in range(2 * D):
+                    q2[0, d] /= G
+            for gi in range(Gs):
+                qg, dg = q2[gi], dots[gi]
+                for c in range(count):
+                    digest = data[h, first + c]
+                    acc = np.float32(0.0)
+                    for d in range(2 * D):
+                        acc += qg[d] * digest[d]
+                    dg[c] = acc
+            if linear:
+                score[:] = dots[0]
+            elif reduce == 0:
+                for c in range(count):
+                    best = dots[0, c]
+                    for gi in range(1, G):
+                        best = max(best, dots[gi, c])
+                    score[c] = best
+            else:  # log of the group's summed softmax over the pages (scores scaled by ``scale``)
+                for gi in range(G):
+                    dg = dots[gi]
+                    top = -np.inf
+                    for c in range(count):
+                        dg[c] *= scale
+                        top = max(top, dg[c])
+                    total = 0.0
+                    for c in range(count):
+                        total += math.exp(dg[c] - top)
+                    lse = top + math.log(total)
+                    for c in range(count):
+                        dg[c] -= lse
+                for c in range(count):
+                    top = -np.inf
+                    for gi in range(G):
+                        top = max(top, dots[gi, c])
+                    total = 0.0
+                    for gi in range(G):
+                        total += math.exp(dots[gi, c] - top)
+                    score[c] = top + math.log(total)
+            _top_k(score, k, out[h])
+
+    @numba.njit(nogil=True, cache=True)
+    def _worse(a_v, a_i, b_v, b_i):
+        """Ranking order: a lower score is worse; of equal scores, the later page."""
+        return a_v < b_v or (a_v == b_v and a_i > b_i)
+
+    @numba.njit(nogil=True, cache=True)
+    def _top_k(score, k, out):
+        """The ``k`` best indices of ``score``, best first (ties: the earlier index), into ``out``: a heap of the k
+        best seen, its worst at the root (a full sort of every candidate cost more than the scores)."""
+        val = np.empty(k, dtype=np.float32)
+        idx = np.empty(k, dtype=np.int64)
+        n = 0
+        for c in range(score.shape[0]):
+            v = score[c]
+            if n < k:  # sift the new entry up while it is worse than its parent
+                j = n
+                n += 1
+                while j > 0 and _worse(v, c, val[(j - 1) >> 1], idx[(j - 1) >> 1]):
+                    p = (j - 1) >> 1
+                    val[j], idx[j] = val[p], idx[p]
+                    j = p
+                val[j], idx[j] = v, c
+            elif _worse(val[0], idx[0], v, c):  # better than the worst kept: replace it, sift down
+                j = 0
+                while True:
+                    m = 2 * j + 1
+                    if m >= k:
+                        break
+                    if m + 1 < k and _worse(val[m + 1], idx[m + 1], val[m], idx[m]):
+                        m += 1
+                    if not _worse(val[m], idx[m], v, c):
+                        break
+                    val[j], idx[j] = val[m], idx[m]
+                    j = m
+                val[j], idx[j] = v, c
+        for i in range(1, n):  # best first (insertion sort: k is a few dozen)
+            v, c = val[i], idx[i]
+            j = i
+            while j > 0 and _worse(val[j - 1], idx[j - 1], v, c):
+                val[j], idx[j] = val[j - 1], idx[j - 1]
+                j -= 1
+            val[j], idx[j] = v, c
+        out[:n] = idx[:n]
+
+
+_REDUCES = {"max": 0, "mean": 1, "sum": 2, "softmax": 3}
+
+
+def rank_ok(policy, device) -> bool:
+    """Whether `top_pages` ranks ``policy``'s pages on ``device``: numba present and `ENABLED`, the CPU, and a
+    bound policy whose scores are `BoundPolicy.box_scores` itself (a subclass that changes them, e.g. ArkVale's
+    shared groups, ranks with torch)."""
+    from .policies import BoundPolicy
+
+    return (ENABLED and numba is not None and isinstance(policy, BoundPolicy)
+            and type(policy).box_scores is BoundPolicy.box_scores
+            and (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu")
+
+
+def top_pages(policy, q: torch.Tensor, bounds, start: int, end: int, k: int, scaling: float | None) -> torch.Tensor:
+    """CPU only (numba). ``policy``'s ``k`` best pages of ``[start, end)`` per KV head, best first, from the
+    layer's `PageBounds` ``bounds``: `box_scores` + ``topk`` in one call (a lone step's half-dozen small torch
+    ops cost more than the scores). ``q [Hkv, G, D]`` -> page ids ``[Hkv, k]`` (int64)."""
+    H, G, D = q.shape
+    bounds.settle(start, end)
+    out = np.empty((H, k), dtype=np.int64)
+    scale = scaling if scaling is not None else D ** -0.5
+    _rank_pages(q.float().contiguous().numpy(), bounds.data.contiguous().numpy(), start, end - start, k,
+                policy.digest == "moments", _REDUCES[policy.group_reduce], float(scale), out)
+    return torch.from_numpy(out).add_(start)
+
+
 def paged_attention(q: torch.Tensor, pools: list[torch.Tensor], slots: torch.Tensor, pages: torch.Tensor,
                     counts: torch.Tensor, n_tokens: torch.Tensor, lo: torch.Tensor,
                     scaling: float) -> torch.Tensor:
@@ -228,24 +393,48 @@ def paged_attention(q: torch.Tensor, pools: list[torch.Tensor], slots: torch.Ten
             raise InputError("paged_attention reads contiguous float32 CPU pools only")
         if pool.shape[1:] != (H, 2, P, D):
             raise InputError(f"pool shape {tuple(pool.shape)} does not match [*, {H}, 2, {P}, {D}]")
-    capacity = torch.tensor([p.shape[0] for p in pools])
-    if slots.numel() and bool((slots.amax(dim=(1, 2)).cpu() >= capacity).any() | (slots.amin() < 0)):
-        raise InputError("paged_attention: a page slot lies outside its pool")  # raw reads: never past the end
-    addresses = np.array([p.data_ptr() for p in pools], dtype=np.int64)
     out = torch.empty(B, Hq, D, dtype=torch.float32)
-    args = (q.float().contiguous().numpy(), addresses, capacity.numpy(), P, _ints(slots), _ints(pages), _ints(counts),
-            _ints(n_tokens), _ints(lo), float(scaling), out.numpy())
-    workers = min(torch.get_num_threads(), B * H)
+    _run(q.float().contiguous().numpy(), np.array([p.data_ptr() for p in pools], dtype=np.int64),
+         np.array([p.shape[0] for p in pools], dtype=np.int64), P, _ints(slots), _ints(pages), _ints(counts),
+         _ints(n_tokens), _ints(lo), float(scaling), out.numpy())
+    return out
+
+
+def attend_row(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, n_tokens: int, lo: int,
+               scaling: float) -> torch.Tensor:
+    """CPU only (float32, numba). One decoder's attention (`SparseDecoder`, batch 1) read in place from its
+    host pool: ``q [Hq, 1, D]`` over ``pages [Hkv, M]`` (CPU int64; every entry attended, tokens outside
+    ``[lo, n_tokens)`` masked) -> ``[Hq, 1, D]`` float32. `paged_attention` for one row without its per-call
+    tensors (a lone step's attention is ~0.3 ms a layer, where a few dozen microseconds of wrapper show), on
+    the calling thread only: waking a pool thread for a second share every layer cost what the share saved
+    (SmolLM2 7.7K, 2 threads: PRKV 0.83 of dense decode's step with a second share, 0.82 without, the torch
+    gather path 0.83 / 0.86 in the same runs)."""
+    Hq, _, D = q.shape
+    H, M = pages.shape
+    if pool.dtype != torch.float32 or not pool.is_contiguous() or pool.shape[1:] != (H, 2, pool.shape[3], D):
+        raise InputError(f"attend_row: pool {tuple(pool.shape)} {pool.dtype} does not hold {H} KV heads of {D}")
+    table = pages.to(torch.int64).contiguous().numpy().reshape(1, H, M)
+    out = np.empty((1, Hq, D), dtype=np.float32)
+    _run(q.float().reshape(1, Hq, D).contiguous().numpy(), np.array([pool.data_ptr()], dtype=np.int64),
+         np.array([pool.shape[0]], dtype=np.int64), pool.shape[3], table, table, np.array([M], dtype=np.int64),
+         np.array([n_tokens], dtype=np.int64), np.array([lo], dtype=np.int64), float(scaling), out, workers=1)
+    return torch.from_numpy(out).view(Hq, 1, D)
+
+
+def _run(q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out, workers=None) -> None:
+    """Check the slots (raw reads must never pass a pool's end), then run `_paged_attention`, its (row, KV head)
+    pairs split over ``workers`` threads (default: torch's intra-op thread count)."""
+    if not _slots_inside(slots, counts, capacity):
+        raise InputError("paged_attention: a page slot lies outside its pool")
+    args = (q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out)
+    workers = min(workers or torch.get_num_threads(), slots.shape[0] * slots.shape[1])
     if workers < 2:
         _paged_attention(*args, 0, 1)
-        return out
-    from .decoder import row_pool
-
+        return
     futures = [row_pool(workers - 1).submit(_paged_attention, *args, w, workers) for w in range(1, workers)]
     _paged_attention(*args, 0, workers)
     for f in futures:
         f.result()
-    return out
 
 
 def _ints(t: torch.Tensor) -> np.ndarray:

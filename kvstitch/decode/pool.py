@@ -321,10 +321,14 @@ class PageBounds:
     def digests(self, start: int, end: int) -> torch.Tensor:
         """The digests of pages ``[start, end)``: ``[kv_heads, end - start, 2 * head_dim]`` (a view), ``(kmax |
         -kmin)`` or ``(mu | var)``."""
+        self.settle(start, end)
+        return self.data[:, start:end]
+
+    def settle(self, start: int, end: int) -> None:
+        """Bring the digests of pages ``[start, end)`` in `data` up to date (a moments page lags its sums)."""
         if self._lagging is not None and start <= self._lagging < end:
             self._moments(self._lagging)
             self._lagging = None
-        return self.data[:, start:end]
 
 
 class WorkingSet:
