@@ -1,5 +1,6 @@
 """Command-line entry points of the evaluation (typer): ``kvstitch eval`` (`eval_command`),
-``eval-compare`` (`compare_command`), ``eval-report`` (`report_command`) and ``eval-merge`` (`merge_command`).
+``eval-compare`` (`compare_command`), ``eval-report`` (`report_command`), ``eval-merge`` (`merge_command`) and
+``eval-overview`` (`overview_command`).
 The library modules (`runner`, `report`, `compare`, `merge`) do not import typer."""
 
 from __future__ import annotations
@@ -95,6 +96,48 @@ def merge_command(
     command = "kvstitch eval-merge " + " ".join(shlex.quote(str(r)) for r in runs) + f" --out {shlex.quote(str(out))}"
     _write_summary(rows, meta.get("commands", []), out, command)
     typer.echo(f"{len(rows)} rows ({duplicates} found in more than one run, kept once) -> {out / RESULTS}")
+
+
+def overview_command(
+        runs: list[str] = typer.Argument(..., help="NAME=RUN pairs: a label (e.g. squad) and a `kvstitch eval --out` "
+                                                   "directory, one per dataset"),
+        out: Path = typer.Option(..., "--out", help="directory for <name>.md, <name>.json and <name>.png"),
+        own: str = typer.Option("deltaprop(base=infoflow)", help="the method judged against the others"),
+        rivals: str = typer.Option("prophet,infoflow,qcfuse", help="comma-separated methods it must be ahead of"),
+        name: str = typer.Option("overview", help="file name stem of the outputs"),
+) -> None:
+    """One table over eval runs of several datasets: answers kept, score as % of full prefill's, agreement, TTFT
+    speed-up and selection time per method and ratio; the own method against the best rival, paired; a plot of
+    answers kept vs speed-up per dataset."""
+    from kvstitch.core.spec import split_specs
+    from kvstitch.eval.overview import write_overview
+    from kvstitch.eval.rows import read_jsonl
+
+    data = {}
+    for item in runs:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise InputError(f"each run is NAME=DIRECTORY (e.g. squad=docs/results/squad/qwen0.5b-p40), got {item!r}")
+        run = Path(path)
+        file = run / RESULTS if run.is_dir() else run
+        if not file.is_file():
+            raise InputError(f"no {RESULTS} in {run}")
+        if label in data:
+            raise InputError(f"the name {label!r} is given twice")
+        data[label] = read_jsonl(file)
+    rival_list = split_specs(rivals)
+    for m in [own, *rival_list]:
+        if not any(r.get("method") == m for rows in data.values() for r in rows):
+            raise InputError(f"no run has rows of the method {m!r}")
+    command = "kvstitch eval-overview " + " ".join(shlex.quote(a) for a in runs) + \
+        f" --own {shlex.quote(own)} --rivals {shlex.quote(rivals)} --out {shlex.quote(str(out))}" + \
+        (f" --name {shlex.quote(name)}" if name != "overview" else "")
+    try:
+        paths = write_overview(data, out, own, rival_list, command=command, name=name)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    typer.echo(paths["md"].read_text())
+    typer.echo(f"-> {paths['md']}, {paths['json']}, {paths['png']}")
 
 
 def _write_summary(rows: list[dict], commands: list[str], out: Path, command: str) -> None:

@@ -226,7 +226,7 @@ def _mount() -> None:
     """Every command, in the order `kvstitch --help` lists them."""
     from .calibrate import calibrate_command
     from .demo import demo_command
-    from .eval import compare_command, eval_command, merge_command, report_command
+    from .eval import compare_command, eval_command, merge_command, overview_command, report_command
     from .retrieval import index_command
     from .serve import serve_command
     from .store import store_app
@@ -240,6 +240,7 @@ def _mount() -> None:
     app.command("eval-compare")(friendly_errors(compare_command))
     app.command("eval-report")(friendly_errors(report_command))
     app.command("eval-merge")(friendly_errors(merge_command))
+    app.command("eval-overview")(friendly_errors(overview_command))
     app.command("viz")(friendly_errors(viz_command))
     app.command("index")(friendly_errors(index_command))
     app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))

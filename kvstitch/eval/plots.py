@@ -177,6 +177,14 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike, y: str = "agree")
     """Quality (y) vs TTFT speed-up over full prefill (x): fixed ratios as one curve per method, ``auto`` as a star
     per method (its options in the run's protocol). ``y="agree"``: answers equal to full prefill's (12 words);
     ``y="kept"``: of the questions full prefill answers correctly, the share still answered correctly."""
+    fig = new_figure(6.4, 4.4)
+    draw_pareto(fig.subplots(), rows, y)
+    return save_png(fig, path)
+
+
+def draw_pareto(ax, rows: Sequence[dict], y: str = "agree", colours: dict[str, Any] | None = None) -> None:
+    """`plot_pareto`'s picture on the matplotlib axes `ax`; `colours` (method -> colour) keeps a method's colour
+    the same across several axes."""
     if y not in ("agree", "kept"):
         raise ValueError(f"y must be 'agree' or 'kept', got {y!r}")
     full_right = {sample_key(r) for r in rows if r.get("method") == "full" and r.get("correct")}
@@ -189,8 +197,6 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike, y: str = "agree")
     if not pts:
         raise ValueError("no rows with an agreement to plot" if y == "agree" else
                          "no rows on questions full prefill answers correctly")
-    fig = new_figure(6.4, 4.4)
-    ax = fig.subplots()
     palette = colour_cycle()
 
     def xy(g):
@@ -198,15 +204,15 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike, y: str = "agree")
                 mean_of(float(bool(x["agree_words" if y == "agree" else "correct"])) for x in g))
 
     for k, method in enumerate(sorted({m for m, _ in pts}, key=method_key)):
-        color = palette[k % len(palette)]
+        color = (colours or {}).get(method, palette[k % len(palette)])
         fixed = sorted((r, xy(g)) for (m, r), g in pts.items() if m == method and r != "auto")
         if fixed:
             ax.plot([p[0] for _, p in fixed], [p[1] for _, p in fixed], marker="o", color=color, label=f"{method} (fixed)")
-            for r, (x, y) in fixed:
-                ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            for r, (px, py) in fixed:
+                ax.annotate(f"{r:g}", (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7)
         if (method, "auto") in pts:
-            x, y = xy(pts[(method, "auto")])
-            ax.plot([x], [y], marker="*", markersize=14, linestyle="none", color=color, label=f"{method} auto")
+            px, py = xy(pts[(method, "auto")])
+            ax.plot([px], [py], marker="*", markersize=14, linestyle="none", color=color, label=f"{method} auto")
     ax.plot([1.0], [1.0], marker="s", markersize=8, linestyle="none", color="black", label="full prefill")
     ax.set_xlabel("TTFT speed-up over full prefill (mean full TTFT / mean TTFT)")
     ax.set_ylabel("answers equal to full prefill's (12 words)" if y == "agree" else
@@ -214,4 +220,3 @@ def plot_pareto(rows: Sequence[dict], path: str | os.PathLike, y: str = "agree")
     ax.set_ylim(-0.03, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return save_png(fig, path)
