@@ -254,10 +254,19 @@ def test_rerank_interval_ranks_every_r_steps_and_reuses_the_pages_between(policy
     from kvstitch.decode import paged_kernel
     from kvstitch.decode.policies import BoundPolicy
 
-    calls = []  # a ranking: torch's box_scores or the CPU's numba call
+    calls = []  # a ranking: torch's box_scores, the CPU's numba call, or the lone kernel step that ranked
     for owner, name in ((BoundPolicy, "box_scores"), (paged_kernel, "top_pages")):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    fused = paged_kernel.select_attend_row
+
+    def select_attend_row(*a, **k):
+        table, ranked, out = fused(*a, **k)
+        if ranked is not None:
+            calls.append(1)
+        return table, ranked, out
+
+    monkeypatch.setattr(paged_kernel, "select_attend_row", select_attend_row)
 
     def run(**kw):
         opts = {"refresh_interval": 100} if policy == "prkv" else {}  # no static refresh during the test

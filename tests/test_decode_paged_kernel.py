@@ -95,6 +95,42 @@ def test_one_row_equals_reference(Hq, H):
         assert got.shape == (Hq, 1, D) and (got[:, 0] - want[0]).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("digest,reduce", [("box", "max"), ("box", "mean"), ("moments", "softmax")])
+def test_select_attend_row_is_the_separate_ranking_and_attention_in_one_call(digest, reduce):
+    """`select_attend_row` (a lone step's page table and attention in one call) builds the table `_select_pages`
+    builds - front pages, `top_pages`' picks best first, local pages - or takes a remembered ranking, and attends
+    over it as `attend_row` does."""
+    from kvstitch.decode.plan import plan_step
+    from kvstitch.decode.policies import make_policy
+    from kvstitch.decode.pool import PageBounds
+
+    Hq, H, D, P, n = 6, 2, 16, 4, 57
+    gen = torch.Generator().manual_seed(11)
+    pool = torch.randn(16, H, 2, P, D, generator=gen)
+    keys = pool[:, :, 0].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
+    bounds = PageBounds(H, P, D, "cpu", digest=digest)
+    bounds.rebuild(keys)
+    policy = make_policy("quest", digest=digest, group_reduce=reduce)
+    q = torch.randn(Hq, 1, D, generator=gen)
+    plan = plan_step(n, P, 24, 1, 8)  # 1 front page, a few dynamic ones of the candidates, the local pages
+    assert 0 < plan.n_dynamic < plan.n_candidates
+    table, ranked, out = paged_kernel.select_attend_row(q, pool, bounds, plan, policy, None, 0.3)
+    picked = paged_kernel.top_pages(policy, q.view(H, -1, D), bounds, plan.front, plan.local_start, plan.n_dynamic,
+                                    0.3)
+    front = torch.arange(plan.front).expand(H, -1)
+    local = torch.arange(plan.local_start, plan.n_pages).expand(H, -1)
+    assert torch.equal(ranked, picked) and torch.equal(table, torch.cat([front, picked, local], dim=1))
+    want = paged_kernel.attend_row(q, pool, table, n, 0, 0.3)
+    assert (out - want).abs().max().item() < 1e-6
+    # a ranking kept from an earlier step: the last candidates, latest first
+    remembered = torch.arange(plan.local_start - 1, plan.local_start - 1 - plan.n_dynamic, -1).expand(H, -1).contiguous()
+    table, ranked, out = paged_kernel.select_attend_row(q, pool, bounds, plan, policy, remembered, 0.3)
+    assert ranked is None and torch.equal(table[:, plan.front:plan.front + plan.n_dynamic], remembered)
+    assert (out - paged_kernel.attend_row(q, pool, table, n, 0, 0.3)).abs().max().item() < 1e-6
+    with pytest.raises(InputError, match="the pool holds"):
+        paged_kernel.select_attend_row(q, pool[:10], bounds, plan, policy, None, 0.3)
+
+
 def test_kernel_rejects_what_it_cannot_read():
     q, pools, slots, pages, counts, n_tokens, lo, _ = _case(6, 2)
     bad = slots.clone()

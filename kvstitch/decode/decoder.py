@@ -238,6 +238,10 @@ class SparseDecoder:
 
     def _attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         st, plan = self.begin_step(layer, q, scaling)
+        if self.direct and st.ws is None and paged_kernel.kernel_ok(self.dtype, self.device):
+            out = self._select_attend(layer, st, plan, q, scaling)
+            if out is not None:
+                return out
         st.selected = self._select_pages(st, plan, q)
         if st.ws is not None:  # CPU: attend over the working set, updated in place (no per-step gather)
             ws = st.ws
@@ -271,6 +275,29 @@ class SparseDecoder:
             if valid is None:
                 valid = torch.ones_like(tokens, dtype=torch.bool)
             self._record_recall(layer, st, plan, q, scaling, out, tokens, valid)
+        return out
+
+    def _select_attend(self, layer: int, st: _LayerState, plan: PagePlan, q: torch.Tensor,
+                       scaling: float) -> torch.Tensor | None:
+        """CPU float32, read in place: the page table and the attention in one kernel call (`_select_pages` and
+        `paged_kernel.attend_row` in one, the same pages and outputs); None when the policy's ranking has no
+        kernel form (e.g. ArkVale's shared groups), for the separate path."""
+        reused = None
+        if 0 < plan.n_dynamic < plan.n_candidates:
+            reused = self.reused_pages(st, plan)
+            if reused is None and not paged_kernel.rank_ok(self.policy, self.device):
+                return None
+        st.selected, ranked, out = paged_kernel.select_attend_row(q, st.host.data, st.bounds, plan, self.policy,
+                                                                  reused, scaling)
+        if ranked is not None:
+            self.remember_ranking(st, plan, ranked)
+        self._pages_read += st.selected.numel()
+        self._count(plan)
+        out = out.to(q.dtype)
+        if self.diagnostic:
+            tokens = self._tokens(st.selected)
+            self._record_recall(layer, st, plan, q, scaling, out, tokens,
+                                (tokens >= plan.lo) & (tokens < plan.n_tokens))
         return out
 
     def _count(self, plan: PagePlan) -> None:

@@ -10,8 +10,9 @@ at a random address). The pairs are split over torch's intra-op thread count by 
 (the kernel releases the GIL) rather than numba's ``prange``: numba's OpenMP pool and torch's spin-wait
 against each other on a loaded CPU (measured 3-10x slower at 1-2 threads, torch's own matmuls included),
 and its workqueue pool aborts when two threads (server workers) call in at once. A lone decoder's step
-(`SparseDecoder.attend`, batch 1, the host pool read directly) takes the same kernel for its one row
-(`attend_row`) in place of its gather and two ``bmm``.
+(`SparseDecoder.attend`, batch 1, the host pool read directly) builds its page table, ranks its pages and
+attends in one call (`select_attend_row`), in place of a gather and two ``bmm`` and of the half-dozen small
+torch ops a layer that building the table separately costs.
 
 Where the time goes (SmolLM2, 8 rows x 7.7K, 1,088 tokens a row, 2 threads): reading the selected blocks
 alone (a loop that only sums them) takes ~1.5 ms a layer, this kernel ~1.7 ms on its own. Inside a decode
@@ -239,66 +240,107 @@ if numba is not None:
         ``reduce``: 0 max, 1 mean, 2 sum, 3 softmax) -> the ``k`` best pages' offsets from ``first``, best
         first, into ``out [Hkv, k]``."""
         H, G, D = q.shape
+        q2d = q.reshape((H * G, D))
+        for h in range(H):
+            _rank_head(q2d, h * G, G, data[h], first, count, k, moments, reduce, scale, out[h])
+
+    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, cache=True)
+    def _rank_head(q, q0, G, digests, first, count, k, moments, reduce, scale, out):
+        """`_rank_pages` for one KV head: the query heads ``q[q0 : q0 + G]`` over the digests ``[capacity, 2D]``
+        of its pages -> the ``k`` best offsets from ``first`` into ``out [k]``."""
+        D = q.shape[1]
         linear = reduce == 1 or reduce == 2  # mean / sum: reduce the query first (the score is linear in it)
         Gs = 1 if linear else G
         q2 = np.zeros((Gs, 2 * D), dtype=np.float32)
         dots = np.empty((Gs, count), dtype=np.float32)
         score = np.empty(count, dtype=np.float32)
         half = np.float32(scale / 2)
-        for h in range(H):
-            q2[:] = 0.0
-            for g in range(G):
-                row = q2[0] if linear else q2[g]
-                for d in range(D):
-                    v = q[h, g, d]
-                    if moments:  # (q | s/2 q^2) . (mu | var)
-                        row[d] += v
-                        row[D + d] += half * v * v
-                    elif v > 0:  # (relu(q) | relu(-q)) . (kmax | -kmin)
-                        row[d] += v
-                    else:
-                        row[D + d] -= v
-            if reduce == 1:
-                for d in range(2 * D):
-                    q2[0, d] /= G
+        for g in range(G):
+            row = q2[0] if linear else q2[g]
+            for d in range(D):
+                v = q[q0 + g, d]
+                if moments:  # (q | s/2 q^2) . (mu | var)
+                    row[d] += v
+                    row[D + d] += half * v * v
+                elif v > 0:  # (relu(q) | relu(-q)) . (kmax | -kmin)
+                    row[d] += v
+                else:
+                    row[D + d] -= v
+        if reduce == 1:
+            for d in range(2 * D):
+                q2[0, d] /= G
+        for c in range(count):  # each digest read once for every query row
+            digest = digests[first + c]
             for gi in range(Gs):
-                qg, dg = q2[gi], dots[gi]
+                qg = q2[gi]
+                acc = np.float32(0.0)
+                for d in range(2 * D):
+                    acc += qg[d] * digest[d]
+                dots[gi, c] = acc
+        if linear:
+            score[:] = dots[0]
+        elif reduce == 0:
+            for c in range(count):
+                best = dots[0, c]
+                for gi in range(1, G):
+                    best = max(best, dots[gi, c])
+                score[c] = best
+        else:  # log of the group's summed softmax over the pages (scores scaled by ``scale``)
+            for gi in range(G):
+                dg = dots[gi]
+                top = -np.inf
                 for c in range(count):
-                    digest = data[h, first + c]
-                    acc = np.float32(0.0)
-                    for d in range(2 * D):
-                        acc += qg[d] * digest[d]
-                    dg[c] = acc
-            if linear:
-                score[:] = dots[0]
-            elif reduce == 0:
+                    dg[c] *= scale
+                    top = max(top, dg[c])
+                total = 0.0
                 for c in range(count):
-                    best = dots[0, c]
-                    for gi in range(1, G):
-                        best = max(best, dots[gi, c])
-                    score[c] = best
-            else:  # log of the group's summed softmax over the pages (scores scaled by ``scale``)
+                    total += math.exp(dg[c] - top)
+                lse = top + math.log(total)
+                for c in range(count):
+                    dg[c] -= lse
+            for c in range(count):
+                top = -np.inf
                 for gi in range(G):
-                    dg = dots[gi]
-                    top = -np.inf
-                    for c in range(count):
-                        dg[c] *= scale
-                        top = max(top, dg[c])
-                    total = 0.0
-                    for c in range(count):
-                        total += math.exp(dg[c] - top)
-                    lse = top + math.log(total)
-                    for c in range(count):
-                        dg[c] -= lse
-                for c in range(count):
-                    top = -np.inf
-                    for gi in range(G):
-                        top = max(top, dots[gi, c])
-                    total = 0.0
-                    for gi in range(G):
-                        total += math.exp(dots[gi, c] - top)
-                    score[c] = top + math.log(total)
-            _top_k(score, k, out[h])
+                    top = max(top, dots[gi, c])
+                total = 0.0
+                for gi in range(G):
+                    total += math.exp(dots[gi, c] - top)
+                score[c] = top + math.log(total)
+        _top_k(score, k, out)
+
+    @numba.njit(nogil=True, fastmath=False, cache=True)
+    def _select_attend(q, pool, digests, front, local_start, n_pages, n_dynamic, reused, moments, reduce, scale,
+                       n_tokens, lo, scaling, table, dynamic, out):
+        """A lone decode step's layer in one call: the page table ``table [Hkv, M]`` (front pages, the dynamic
+        ones best first, local pages), then attention of ``q [Hq, D]`` over it read in place from ``pool
+        [capacity, Hkv, 2, P, D]`` into ``out [Hq, D]``. The dynamic pages are ``reused [Hkv, n_dynamic]`` when
+        it has rows (an earlier ranking still serving), else ranked here from ``digests [Hkv, pages, 2D]``
+        (`_rank_head`) and written to ``dynamic``. Every page lies below ``n_pages``, inside the pool."""
+        H, M = table.shape
+        G = q.shape[0] // H
+        every = n_dynamic == local_start - front  # all candidates: the table is simply every page
+        for h in range(H):
+            row = table[h]
+            if every:
+                for j in range(n_pages):
+                    row[j] = j
+            else:
+                for j in range(front):
+                    row[j] = j
+                if n_dynamic > 0:
+                    if reused.shape[0] == H:
+                        for j in range(n_dynamic):
+                            dynamic[h, j] = reused[h, j]
+                    else:
+                        _rank_head(q, h * G, G, digests[h], front, local_start - front, n_dynamic, moments,
+                                   reduce, scale, dynamic[h])
+                        for j in range(n_dynamic):
+                            dynamic[h, j] += front
+                    for j in range(n_dynamic):
+                        row[front + j] = dynamic[h, j]
+                for j in range(n_pages - local_start):
+                    row[front + n_dynamic + j] = local_start + j
+            _attend_pair(q, h * G, G, pool, h, row, row, M, n_tokens, lo, np.float32(scaling), out)
 
     @numba.njit(nogil=True, cache=True)
     def _worse(a_v, a_i, b_v, b_i):
@@ -419,6 +461,44 @@ def attend_row(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, n_token
          np.array([pool.shape[0]], dtype=np.int64), pool.shape[3], table, table, np.array([M], dtype=np.int64),
          np.array([n_tokens], dtype=np.int64), np.array([lo], dtype=np.int64), float(scaling), out, workers=1)
     return torch.from_numpy(out).view(Hq, 1, D)
+
+
+_NO_PAGES = np.empty((0, 0), dtype=np.int64)
+_NO_DIGESTS = np.empty((0, 0, 0), dtype=np.float32)
+
+
+def select_attend_row(q: torch.Tensor, pool: torch.Tensor, bounds, plan, policy, reused: torch.Tensor | None,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """CPU only (float32, numba). One lone decode step's layer (`SparseDecoder`, batch 1) in one call: its page
+    table from the step's `PagePlan` ``plan`` (front pages, the dynamic ones, local pages), ranking the dynamic
+    pages as `top_pages` does unless ``reused`` (an earlier ranking, ``[Hkv, n_dynamic]``) still serves, then
+    `attend_row` over it. The half-dozen torch ops a layer of the separate calls (range tables, a concatenation,
+    per-call tensors) cost as much as the ranking itself. -> (page table ``[Hkv, M]``, the pages ranked now
+    ``[Hkv, n_dynamic]`` or None, the attention ``[Hq, 1, D]`` float32)."""
+    Hq, _, D = q.shape
+    H = pool.shape[1]
+    if pool.dtype != torch.float32 or not pool.is_contiguous() or pool.shape[1:] != (H, 2, plan.page_size, D):
+        raise InputError(f"select_attend_row: pool {tuple(pool.shape)} {pool.dtype} does not hold {H} KV heads of "
+                         f"{D} in pages of {plan.page_size}")
+    front, local, n_dyn, n_pages = plan.front, plan.local_start, plan.n_dynamic, plan.n_pages
+    if n_pages > pool.shape[0]:
+        raise InputError(f"select_attend_row: {n_pages} pages planned, the pool holds {pool.shape[0]}")
+    every = n_dyn == local - front
+    rank = not every and n_dyn > 0 and reused is None
+    if rank:
+        bounds.settle(front, local)
+    table = np.empty((H, n_pages if every else front + n_dyn + n_pages - local), dtype=np.int64)
+    dynamic = np.empty((H, n_dyn), dtype=np.int64)
+    out = np.empty((Hq, D), dtype=np.float32)
+    q2d = q.reshape(Hq, D)
+    if q2d.dtype != torch.float32 or not q2d.is_contiguous():
+        q2d = q2d.float().contiguous()
+    digests = bounds.data.numpy() if rank else _NO_DIGESTS
+    _select_attend(q2d.numpy(), pool.numpy(), digests, front, local, n_pages, n_dyn,
+                   _NO_PAGES if reused is None else reused.numpy(), getattr(policy, "digest", "box") == "moments",
+                   _REDUCES[getattr(policy, "group_reduce", "max")], float(scaling), plan.n_tokens, plan.lo,
+                   float(scaling), table, dynamic, out)
+    return torch.from_numpy(table), torch.from_numpy(dynamic) if rank else None, torch.from_numpy(out).view(Hq, 1, D)
 
 
 def _run(q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out, workers=None) -> None:
