@@ -99,12 +99,18 @@ SPECS = [(p, {}) for p in PAGED] + [("quest", {"group_reduce": r}) for r in GROU
 
 
 @pytest.mark.parametrize("policy,options", SPECS, ids=[f"{p}-{'-'.join(map(str, o.values()))}" for p, o in SPECS])
-def test_batched_attention_equals_each_row_alone(policy, options, path):
+def test_batched_attention_equals_each_row_alone(policy, options, path, monkeypatch):
     """Four ragged rows of one policy (selection really happens: 22 of 40-95 tokens), rows ending at different
-    steps, static refreshes every 3 steps: same pages as each row alone, outputs within float rounding."""
+    steps, static refreshes every 3 steps: same pages as each row alone, outputs within float rounding. On the
+    kernel path a policy whose ranking has a kernel form builds its tables inside the kernel call."""
+    calls = []
+    real = paged_kernel.select_attend_rows
+    monkeypatch.setattr(paged_kernel, "select_attend_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     tw = Twins([(policy, options)] * 4, [40, 57, 77, 95], seed=1)
     assert tw.run([9, 4, 12, 7]) < 1e-5
     tw.check_stats()
+    if path == "kernel" and paged_kernel.rank_ok(tw.bat[0].policy, "cpu"):
+        assert len(calls) == 12 * 2  # every step (12) and layer (2)
 
 
 def test_mixed_policies_in_one_batch_with_fallback_rows(path):

@@ -148,11 +148,13 @@ def test_kernel_rejects_what_it_cannot_read():
 def _run(engine, requests, kernel: bool, monkeypatch):
     """Decode the requests together (`drive`) -> (their tokens, every decode_batch's logits, kernel calls)."""
     calls, logits = [0], []
-    real_kernel, real_decode = paged_kernel.paged_attention, engine.decode_batch
+    real_decode = engine.decode_batch
 
-    def counted(*a, **kw):
-        calls[0] += 1
-        return real_kernel(*a, **kw)
+    def counted(real):
+        def run(*a, **kw):
+            calls[0] += 1
+            return real(*a, **kw)
+        return run
 
     def recorded(steps, *a, **kw):
         out = real_decode(steps, *a, **kw)
@@ -161,7 +163,8 @@ def _run(engine, requests, kernel: bool, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(paged_kernel, "ENABLED", kernel)
-        m.setattr(paged_kernel, "paged_attention", counted)
+        for name in ("paged_attention", "select_attend_rows"):  # tables built apart, or in the kernel call
+            m.setattr(paged_kernel, name, counted(getattr(paged_kernel, name)))
         m.setattr(engine, "decode_batch", recorded)
         _, tokens, _ = drive(engine, requests)
     return tokens, logits, calls[0]

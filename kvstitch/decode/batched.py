@@ -14,6 +14,10 @@ rows of a step share them. Per layer and step:
 4. one masked GQA attention over ``[B * Hkv, M_max * P]`` keys (two ``bmm`` and a softmax): the mask drops
    pad pages, the unfilled end of the last page and the tokens before a sliding window.
 
+On the CPU with numba, when every row reads its host pool and ranks with a kernel form (`paged_kernel.rank_ok`),
+steps 2-4 are one kernel call (`paged_kernel.select_attend_rows`): per (row, KV head) the ranking, the table and the
+attention, read in place, split over the intra-op threads.
+
 Every row selects exactly the pages its lone `attend` would (same scores, same top-k order); its output
 equals the lone one up to float rounding (the softmax and the value matmul run over the padded length).
 Rows this path does not cover run the per-row path (`attend_rows`): other decoder classes (ShadowKV),
@@ -102,11 +106,16 @@ def _attend_rows_batched(decoders: list, layer: int, queries: list[torch.Tensor]
     rows = _plan_rows(decoders, layer, queries, scaling)
     q = torch.stack([r.q for r in rows]).to(dev)  # [B, Hq, 1, D]
     B, Hq = q.shape[0], q.shape[1]
-    pages = _page_table(rows, q.view(B, H, Hq // H, D), dev)  # [B, H, M]
     mask = None
-    if paged_kernel.kernel_ok(d0.dtype, dev):  # CPU only: float32 pools read in place, no gather copy
+    fused = _select_attend_in_place(rows, q.view(B, Hq, D), scaling) if paged_kernel.kernel_ok(d0.dtype, dev) else None
+    if fused is not None:  # CPU, host pools: tables, ranking and attention in one kernel call
+        pages, out = fused
+        out = out.view(B, Hq, 1, D).to(q.dtype)
+    elif paged_kernel.kernel_ok(d0.dtype, dev):  # CPU only: float32 pools read in place, no gather copy
+        pages = _page_table(rows, q.view(B, H, Hq // H, D), dev)  # [B, H, M]
         out = _attend_in_place(rows, pages, q.view(B, Hq, D), scaling).view(B, Hq, 1, D).to(q.dtype)
     else:  # the reference path (CUDA, half-precision pools, no numba)
+        pages = _page_table(rows, q.view(B, H, Hq // H, D), dev)
         keys, values = _gather(rows, pages, H, pages.shape[2], P, D, d0.dtype, dev)
         mask = _mask(rows, pages, P)
         out = _masked_attention(q, keys, values, mask[1], scaling)
@@ -123,6 +132,27 @@ def _attend_rows_batched(decoders: list, layer: int, queries: list[torch.Tensor]
             valid_r = valid[r.index * H:(r.index + 1) * H, 0, : m * P]
             dec._record_recall(layer, r.st, r.plan, r.q, scaling, o, tokens[r.index, :, :m].flatten(1), valid_r)
     return list(out)
+
+
+def _select_attend_in_place(rows: list[_Row], q: torch.Tensor, scaling: float):
+    """CPU, every row reading its host pool: `paged_kernel.select_attend_rows` (each row's page table, its ranking
+    or remembered pages, and the attention, in one call) -> (page tables ``[B, Hkv, M]``, ``[B, Hq, D]`` float32),
+    or None when a row's ranking has no kernel form (e.g. ArkVale's shared groups) or a row reads a device pool."""
+    if any(not r.dec.direct for r in rows):
+        return None
+    reused = []
+    for r in rows:
+        kept = r.dec.reused_pages(r.st, r.plan) if r.scored else None
+        if r.scored and kept is None and not paged_kernel.rank_ok(r.dec.policy, "cpu"):
+            return None
+        reused.append(kept)
+    table, dynamic, out, ranked = paged_kernel.select_attend_rows(
+        q, [r.st.host.data for r in rows], [r.st.bounds for r in rows], [r.plan for r in rows],
+        [r.dec.policy for r in rows], reused, scaling)
+    for r, now in zip(rows, ranked):
+        if now:
+            r.dec.remember_ranking(r.st, r.plan, dynamic[r.index, :, : r.plan.n_dynamic])
+    return table, out
 
 
 def _mask(rows: list[_Row], pages: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:

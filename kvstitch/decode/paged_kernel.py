@@ -309,38 +309,69 @@ if numba is not None:
         _top_k(score, k, out)
 
     @numba.njit(nogil=True, fastmath=False, cache=True)
-    def _select_attend(q, pool, digests, front, local_start, n_pages, n_dynamic, reused, moments, reduce, scale,
+    def _head_table(q, q0, G, digests, front, local_start, n_pages, n_dynamic, use_reused, reused, moments, reduce,
+                    scale, dynamic, row):
+        """One KV head's page table into ``row``: front pages, the dynamic ones best first, local pages (every page
+        when all candidates fit). The dynamic pages are ``reused`` (an earlier ranking still serving) or ranked
+        here from the head's ``digests [pages, 2D]`` for the query heads ``q[q0 : q0 + G]`` (`_rank_head`); they
+        are written to ``dynamic``. -> the table's length."""
+        if n_dynamic == local_start - front:
+            for j in range(n_pages):
+                row[j] = j
+            return n_pages
+        for j in range(front):
+            row[j] = j
+        if n_dynamic > 0:
+            if use_reused:
+                for j in range(n_dynamic):
+                    dynamic[j] = reused[j]
+            else:
+                _rank_head(q, q0, G, digests, front, local_start - front, n_dynamic, moments, reduce, scale, dynamic)
+                for j in range(n_dynamic):
+                    dynamic[j] += front
+            for j in range(n_dynamic):
+                row[front + j] = dynamic[j]
+        for j in range(n_pages - local_start):
+            row[front + n_dynamic + j] = local_start + j
+        return front + n_dynamic + n_pages - local_start
+
+    @numba.njit(nogil=True, fastmath=False, cache=True)
+    def _select_attend(q, pool, digests, front, local_start, n_pages, n_dynamic, use_reused, reused, moments, reduce,
                        n_tokens, lo, scaling, table, dynamic, out):
-        """A lone decode step's layer in one call: the page table ``table [Hkv, M]`` (front pages, the dynamic
-        ones best first, local pages), then attention of ``q [Hq, D]`` over it read in place from ``pool
-        [capacity, Hkv, 2, P, D]`` into ``out [Hq, D]``. The dynamic pages are ``reused [Hkv, n_dynamic]`` when
-        it has rows (an earlier ranking still serving), else ranked here from ``digests [Hkv, pages, 2D]``
-        (`_rank_head`) and written to ``dynamic``. Every page lies below ``n_pages``, inside the pool."""
+        """A lone decode step's layer in one call: per KV head its page table (`_head_table`: ``reused [Hkv,
+        n_dynamic]`` if ``use_reused``, else ranked from ``digests [Hkv, pages, 2D]``) into ``table [Hkv, M]``,
+        then attention of ``q [Hq, D]`` over it, read in place from ``pool [capacity, Hkv, 2, P, D]``, into
+        ``out [Hq, D]``. Every page lies below ``n_pages``, inside the pool."""
         H, M = table.shape
         G = q.shape[0] // H
-        every = n_dynamic == local_start - front  # all candidates: the table is simply every page
         for h in range(H):
             row = table[h]
-            if every:
-                for j in range(n_pages):
-                    row[j] = j
-            else:
-                for j in range(front):
-                    row[j] = j
-                if n_dynamic > 0:
-                    if reused.shape[0] == H:
-                        for j in range(n_dynamic):
-                            dynamic[h, j] = reused[h, j]
-                    else:
-                        _rank_head(q, h * G, G, digests[h], front, local_start - front, n_dynamic, moments,
-                                   reduce, scale, dynamic[h])
-                        for j in range(n_dynamic):
-                            dynamic[h, j] += front
-                    for j in range(n_dynamic):
-                        row[front + j] = dynamic[h, j]
-                for j in range(n_pages - local_start):
-                    row[front + n_dynamic + j] = local_start + j
-            _attend_pair(q, h * G, G, pool, h, row, row, M, n_tokens, lo, np.float32(scaling), out)
+            m = _head_table(q, h * G, G, digests[h], front, local_start, n_pages, n_dynamic, use_reused, reused[h],
+                            moments, reduce, scaling, dynamic[h], row)
+            _attend_pair(q, h * G, G, pool, h, row, row, m, n_tokens, lo, np.float32(scaling), out)
+
+    @numba.njit(nogil=True, fastmath=False, cache=True)
+    def _select_attend_batch(q, addresses, capacity, P, digest_addresses, digest_capacity, ints, reused, scales,
+                             table, dynamic, out, share, shares):
+        """`_select_attend` for the (row, KV head) pairs ``share, share + shares, ...`` of a batch: row ``b``'s
+        pool and digests at ``addresses[b]`` / ``digest_addresses[b]``; ``ints [B, 9]``: front, local start,
+        pages, dynamic pages, tokens, first token attended, whether ``reused[b]`` serves, digest kind, group
+        rule. ``table [B, Hkv, M]`` gets each row's pages, then repeats of page 0 (pad)."""
+        B, H, M = table.shape
+        D = q.shape[2]
+        G = q.shape[1] // H
+        for bh in range(share, B * H, shares):
+            b, h = bh // H, bh % H
+            front, local_start, n_pages, n_dynamic, n_tokens, lo = (ints[b, 0], ints[b, 1], ints[b, 2], ints[b, 3],
+                                                                    ints[b, 4], ints[b, 5])
+            pool = numba.carray(_f32_pointer(addresses[b]), (capacity[b], H, 2, P, D))
+            digests = numba.carray(_f32_pointer(digest_addresses[b]), (H, digest_capacity[b], 2 * D))
+            row = table[b, h]
+            m = _head_table(q[b], h * G, G, digests[h], front, local_start, n_pages, n_dynamic, ints[b, 6] != 0,
+                            reused[b, h], ints[b, 7] != 0, ints[b, 8], scales[b], dynamic[b, h], row)
+            for j in range(m, M):
+                row[j] = 0
+            _attend_pair(q[b], h * G, G, pool, h, row, row, m, n_tokens, lo, np.float32(scales[b]), out[b])
 
     @numba.njit(nogil=True, cache=True)
     def _worse(a_v, a_i, b_v, b_i):
@@ -463,10 +494,6 @@ def attend_row(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, n_token
     return torch.from_numpy(out).view(Hq, 1, D)
 
 
-_NO_PAGES = np.empty((0, 0), dtype=np.int64)
-_NO_DIGESTS = np.empty((0, 0, 0), dtype=np.float32)
-
-
 def select_attend_row(q: torch.Tensor, pool: torch.Tensor, bounds, plan, policy, reused: torch.Tensor | None,
                       scaling: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """CPU only (float32, numba). One lone decode step's layer (`SparseDecoder`, batch 1) in one call: its page
@@ -493,26 +520,79 @@ def select_attend_row(q: torch.Tensor, pool: torch.Tensor, bounds, plan, policy,
     q2d = q.reshape(Hq, D)
     if q2d.dtype != torch.float32 or not q2d.is_contiguous():
         q2d = q2d.float().contiguous()
-    digests = bounds.data.numpy() if rank else _NO_DIGESTS
-    _select_attend(q2d.numpy(), pool.numpy(), digests, front, local, n_pages, n_dyn,
-                   _NO_PAGES if reused is None else reused.numpy(), getattr(policy, "digest", "box") == "moments",
-                   _REDUCES[getattr(policy, "group_reduce", "max")], float(scaling), plan.n_tokens, plan.lo,
-                   float(scaling), table, dynamic, out)
+    _select_attend(q2d.numpy(), pool.numpy(), bounds.data.numpy(), front, local, n_pages, n_dyn, reused is not None,
+                   dynamic if reused is None else reused.numpy(), getattr(policy, "digest", "box") == "moments",
+                   _REDUCES[getattr(policy, "group_reduce", "max")], plan.n_tokens, plan.lo, float(scaling), table,
+                   dynamic, out)
     return torch.from_numpy(table), torch.from_numpy(dynamic) if rank else None, torch.from_numpy(out).view(Hq, 1, D)
 
 
+def select_attend_rows(q: torch.Tensor, pools: list[torch.Tensor], bounds: list, plans: list, policies: list,
+                       reused: list, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]:
+    """CPU only (float32 host pools, numba). `select_attend_row` for every row of a batched decode step: row
+    ``b``'s page table from ``plans[b]``, its dynamic pages ``reused[b]`` or ranked from ``bounds[b]`` by
+    ``policies[b]``, and its attention ``q[b] [Hq, D]`` over its pool ``pools[b] [capacity, Hkv, 2, P, D]``;
+    the (row, KV head) pairs split over torch's intra-op thread count as in `paged_attention`. -> (page tables
+    ``[B, Hkv, M]``, row b's first entries its own and the rest page 0; the dynamic pages ``[B, Hkv, *]``,
+    absolute; the attention ``[B, Hq, D]`` float32; whether each row ranked now)."""
+    B, Hq, D = q.shape
+    H, P = pools[0].shape[1], pools[0].shape[3]
+    if not len(pools) == len(bounds) == len(plans) == len(policies) == len(reused) == B or Hq % H:
+        raise InputError(f"select_attend_rows: q {tuple(q.shape)} and {len(pools)} pools, {len(bounds)} digests, "
+                         f"{len(plans)} plans do not describe one batch of {H} KV heads")
+    ints = np.empty((B, 9), dtype=np.int64)
+    n_dyn = max(1, max(p.n_dynamic for p in plans))
+    kept = np.zeros((B, H, n_dyn), dtype=np.int64)
+    ranks, M = [], 1
+    for b, (pool, digest, plan, policy, pages) in enumerate(zip(pools, bounds, plans, policies, reused)):
+        if pool.dtype != torch.float32 or not pool.is_contiguous() or pool.shape[1:] != (H, 2, P, D):
+            raise InputError(f"select_attend_rows: pool {tuple(pool.shape)} {pool.dtype} is not a contiguous "
+                             f"float32 pool of [*, {H}, 2, {P}, {D}]")
+        if plan.n_pages > pool.shape[0] or plan.page_size != P:
+            raise InputError(f"select_attend_rows: row {b} plans {plan.n_pages} pages of {plan.page_size}, its pool "
+                             f"holds {pool.shape[0]} of {P}")
+        front, local = plan.front, plan.local_start
+        every = plan.n_dynamic == local - front
+        rank = not every and plan.n_dynamic > 0 and pages is None
+        if rank:
+            digest.settle(front, local)
+        if pages is not None:
+            kept[b, :, :plan.n_dynamic] = pages.numpy()
+        ranks.append(rank)
+        M = max(M, plan.n_pages if every else front + plan.n_dynamic + plan.n_pages - local)
+        ints[b] = (front, local, plan.n_pages, plan.n_dynamic, plan.n_tokens, plan.lo, pages is not None,
+                   getattr(policy, "digest", "box") == "moments", _REDUCES[getattr(policy, "group_reduce", "max")])
+    data = [d.data for d in bounds]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != H or t.shape[2] != 2 * D for t in data):
+        raise InputError(f"select_attend_rows: page digests must be contiguous float32 [{H}, *, {2 * D}]")
+    table = np.empty((B, H, M), dtype=np.int64)
+    dynamic = np.empty((B, H, n_dyn), dtype=np.int64)
+    out = np.empty((B, Hq, D), dtype=np.float32)
+    args = (q.float().contiguous().numpy(), np.array([p.data_ptr() for p in pools], dtype=np.int64),
+            np.array([p.shape[0] for p in pools], dtype=np.int64), P,
+            np.array([t.data_ptr() for t in data], dtype=np.int64), np.array([t.shape[1] for t in data], dtype=np.int64),
+            ints, kept, np.full(B, float(scaling), dtype=np.float64), table, dynamic, out)
+    _split(_select_attend_batch, args, B * H, None)
+    return torch.from_numpy(table), torch.from_numpy(dynamic), torch.from_numpy(out), ranks
+
+
 def _run(q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out, workers=None) -> None:
-    """Check the slots (raw reads must never pass a pool's end), then run `_paged_attention`, its (row, KV head)
-    pairs split over ``workers`` threads (default: torch's intra-op thread count)."""
+    """Check the slots (raw reads must never pass a pool's end), then run `_paged_attention` (`_split`)."""
     if not _slots_inside(slots, counts, capacity):
         raise InputError("paged_attention: a page slot lies outside its pool")
-    args = (q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out)
-    workers = min(workers or torch.get_num_threads(), slots.shape[0] * slots.shape[1])
+    _split(_paged_attention, (q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out),
+           slots.shape[0] * slots.shape[1], workers)
+
+
+def _split(kernel, args: tuple, pairs: int, workers: int | None) -> None:
+    """``kernel(*args, share, shares)`` over its ``pairs`` (row, KV head) pairs, split over ``workers`` threads
+    (default: torch's intra-op thread count; the kernel releases the GIL)."""
+    workers = min(workers or torch.get_num_threads(), pairs)
     if workers < 2:
-        _paged_attention(*args, 0, 1)
+        kernel(*args, 0, 1)
         return
-    futures = [row_pool(workers - 1).submit(_paged_attention, *args, w, workers) for w in range(1, workers)]
-    _paged_attention(*args, 0, workers)
+    futures = [row_pool(workers - 1).submit(kernel, *args, w, workers) for w in range(1, workers)]
+    kernel(*args, 0, workers)
     for f in futures:
         f.result()
 
