@@ -294,3 +294,33 @@ def test_group_reduce_is_checked():
 
     with pytest.raises(BadDecodeOption, match="softmax"):
         get_policy("prkv", group_reduce="median")
+
+
+@pytest.mark.skipif(not paged_kernel.available(), reason="numba (the kvstitch[fast] extra) not installed")
+def test_batched_append_writes_what_each_row_appending_alone_writes(monkeypatch):
+    """`append_batch` (one kernel call for the rows) against each row's own `append`: pools, token positions
+    and page digests (box and moments, a moments page settled as the next page starts) bit for bit, over page
+    boundaries, a pool that has to grow, and a row (the device-pool tier) that appends on its own."""
+    from kvstitch.decode.batched import append_batch
+
+    calls = []
+    real = paged_kernel.append_rows
+    monkeypatch.setattr(paged_kernel, "append_rows", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    specs = [("prkv", {}), ("quest", {"digest": "moments"}), ("quest", {}), ("quest", {"offload": "pool"})]
+    tw = Twins(specs, [30, 41, 4 * P * 2 - 3, 37], seed=3)
+    for _ in range(2 * P + 3):
+        for layer in range(2):
+            k, v = tw.randn(len(specs), HKV, 1, D), tw.randn(len(specs), HKV, 1, D)
+            for i, dec in enumerate(tw.ref):
+                dec.append(layer, k[i], v[i])
+            append_batch(tw.bat, layer, k, v)
+        for dec in tw.ref + tw.bat:
+            dec.end_step()
+    assert calls == [3] * (2 * (2 * P + 3))  # the device-pool row appended on its own
+    for ref, bat in zip(tw.ref, tw.bat):
+        for a, b in zip(ref.layers, bat.layers):
+            assert a.host.n_tokens == b.host.n_tokens
+            assert torch.equal(a.host.data, b.host.data) and torch.equal(a.host.token_pos, b.host.token_pos)
+            assert a.bounds._lagging == b.bounds._lagging and torch.equal(a.bounds.data, b.bounds.data)
+            if a.bounds.sums is not None:
+                assert torch.equal(a.bounds.sums, b.bounds.sums) and torch.equal(a.bounds.count, b.bounds.count)

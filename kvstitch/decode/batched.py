@@ -91,6 +91,30 @@ def attend_batch(decoders: list, layer: int, queries: list[torch.Tensor], scalin
     return out
 
 
+def append_batch(decoders: list, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """``decoders[i].append(layer, keys[i], values[i])`` for every row of one batched decode step (``keys [B,
+    Hkv, 1, D]``): on the CPU with numba, the rows appending to a float32 host pool (no working set, no device
+    pool) in one kernel call (`paged_kernel.append_rows`), a row's few small torch ops otherwise."""
+    fast = [i for i, d in enumerate(decoders) if _appends_in_place(d, layer, keys.dtype)]
+    if len(fast) > 1:
+        sts = [decoders[i]._layer(layer) for i in fast]
+        index = torch.tensor(fast)
+        paged_kernel.append_rows(keys.index_select(0, index)[:, :, 0], values.index_select(0, index)[:, :, 0],
+                                 [st.host for st in sts], [st.bounds for st in sts])
+    else:
+        fast = []
+    for i in sorted(set(range(len(decoders))) - set(fast)):
+        decoders[i].append(layer, keys[i], values[i])
+
+
+def _appends_in_place(dec, layer: int, dtype) -> bool:
+    from .decoder import SparseDecoder
+
+    st = dec.layers[layer] if type(dec) is SparseDecoder and layer < len(dec.layers) else None
+    return (st is not None and dec.direct and st.ws is None and st.device is None and dtype == torch.float32
+            and paged_kernel.kernel_ok(st.host.dtype, dec.device))
+
+
 def _plan_rows(decoders: list, layer: int, queries: list[torch.Tensor], scaling: float) -> list[_Row]:
     rows = []
     for i, (dec, q) in enumerate(zip(decoders, queries)):

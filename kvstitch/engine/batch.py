@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache
 from kvstitch.core.attention import ForwardPlan, kvstitch_attention
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import InputError
-from kvstitch.decode.batched import attend_batch
+from kvstitch.decode.batched import append_batch, attend_batch
 from kvstitch.decode.decoder import attend_rows
 from kvstitch.models import cache_kwargs
 
@@ -62,7 +62,18 @@ class BatchCache(Cache):
         self.row_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self.row_kv = [c.update(key_states[i:i + 1], value_states[i:i + 1], layer_idx)
+        sparse = [i for i, c in enumerate(self.caches) if c.decoder is not None] if self.batched_sparse else []
+        if len(sparse) > 1:  # the sparse rows append to their decoders together (what `StitchCache.update` does)
+            index = torch.tensor(sparse, device=key_states.device)
+            append_batch([self.caches[i].decoder for i in sparse], layer_idx, key_states.index_select(0, index),
+                         value_states.index_select(0, index))
+            for i in sparse:
+                self.caches[i].layers[layer_idx].length += key_states.shape[-2]
+        else:
+            sparse = []
+        done = set(sparse)
+        self.row_kv = [(key_states[i:i + 1], value_states[i:i + 1]) if i in done else
+                       c.update(key_states[i:i + 1], value_states[i:i + 1], layer_idx)
                        for i, c in enumerate(self.caches)]  # append mode: slots None -> at each row's length
         return key_states, value_states  # unused: the attention reads `row_kv` (see `attend`)
 
