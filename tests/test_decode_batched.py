@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from kvstitch.decode import DECODE_POLICIES, make_decoder, paged_kernel
+from kvstitch.decode import DECODE_POLICIES, append_kernel, kernel_common, make_decoder, paged_kernel, rank_kernel
 from kvstitch.decode.batched import attend_batch
 from kvstitch.decode.policies import GROUP_REDUCES, get_policy
 from kvstitch.decode.recall import attention_recall
@@ -33,7 +33,7 @@ def path(request, monkeypatch):
     """The batched attention through the paged kernel (CPU float32, numba) or the torch gather path."""
     if request.param == "kernel" and not paged_kernel.available():
         pytest.skip("numba (the kvstitch[fast] extra) not installed")
-    monkeypatch.setattr(paged_kernel, "ENABLED", request.param == "kernel")
+    monkeypatch.setattr(kernel_common, "ENABLED", request.param == "kernel")
     return request.param
 
 
@@ -109,7 +109,7 @@ def test_batched_attention_equals_each_row_alone(policy, options, path, monkeypa
     tw = Twins([(policy, options)] * 4, [40, 57, 77, 95], seed=1)
     assert tw.run([9, 4, 12, 7]) < 1e-5
     tw.check_stats()
-    if path == "kernel" and paged_kernel.rank_ok(tw.bat[0].policy, "cpu"):
+    if path == "kernel" and rank_kernel.rank_ok(tw.bat[0].policy, "cpu"):
         assert len(calls) == 12 * 2  # every step (12) and layer (2)
 
 
@@ -169,9 +169,9 @@ def test_lone_attend_in_place_equals_the_gather_path(policy, options, monkeypatc
                 k, v, q = tw.randn(HKV, 1, D), tw.randn(HKV, 1, D), tw.randn(HQ, 1, D)
                 for dec in (tw.ref[i], tw.bat[i]):
                     dec.append(layer, k, v)
-                monkeypatch.setattr(paged_kernel, "ENABLED", False)
+                monkeypatch.setattr(kernel_common, "ENABLED", False)
                 want = tw.ref[i].attend(layer, q, SCALE)
-                monkeypatch.setattr(paged_kernel, "ENABLED", True)
+                monkeypatch.setattr(kernel_common, "ENABLED", True)
                 got = tw.bat[i].attend(layer, q, SCALE)
                 assert torch.equal(tw.ref[i].layers[layer].selected, tw.bat[i].layers[layer].selected)
                 assert got.shape == want.shape == (HQ, 1, D) and got.dtype == want.dtype
@@ -180,7 +180,7 @@ def test_lone_attend_in_place_equals_the_gather_path(policy, options, monkeypatc
             dec.end_step()
     # every attend ran a kernel; the page table and attention in one call unless the ranking has no kernel form
     assert err < 1e-5 and sum(calls.values()) == 8 * 2 * 2
-    if paged_kernel.rank_ok(tw.bat[0].policy, "cpu"):
+    if rank_kernel.rank_ok(tw.bat[0].policy, "cpu"):
         assert calls["select_attend_row"] == 8 * 2 * 2
     tw.check_stats()
 
@@ -226,7 +226,7 @@ def test_rank_pages_equals_box_scores_row_by_row():
 
 @pytest.mark.skipif(not paged_kernel.available(), reason="numba (the kvstitch[fast] extra) not installed")
 def test_numba_ranking_picks_what_box_scores_and_topk_pick():
-    """`paged_kernel.top_pages` (a CPU step's ranking in one call) against the torch reference, for every digest
+    """`rank_kernel.top_pages` (a CPU step's ranking in one call) against the torch reference, for every digest
     and group rule: the same pages in the same order (random scores: no ties), candidates from page 3 on."""
     from kvstitch.decode.pool import PageBounds
 
@@ -237,12 +237,12 @@ def test_numba_ranking_picks_what_box_scores_and_topk_pick():
         q = torch.randn(HKV, HQ // HKV, D, generator=g)
         for reduce in GROUP_REDUCES:
             pol = get_policy("quest", group_reduce=reduce, digest=digest)
-            assert paged_kernel.rank_ok(pol, "cpu")
+            assert rank_kernel.rank_ok(pol, "cpu")
             want = pol.box_scores(q, bounds.digests(3, 21), 3, SCALE).topk(7, dim=1).indices + 3
-            got = paged_kernel.top_pages(pol, q, bounds, 3, 21, 7, SCALE)
+            got = rank_kernel.top_pages(pol, q, bounds, 3, 21, 7, SCALE)
             assert torch.equal(got, want), (digest, reduce)
-    assert not paged_kernel.rank_ok(get_policy("arkvale"), "cpu")  # its shared groups rank with torch
-    assert not paged_kernel.rank_ok(get_policy("snapkv"), "cpu")  # recency: nothing to score
+    assert not rank_kernel.rank_ok(get_policy("arkvale"), "cpu")  # its shared groups rank with torch
+    assert not rank_kernel.rank_ok(get_policy("snapkv"), "cpu")  # recency: nothing to score
 
 
 # ---- GQA: one page choice per KV head for the query heads that share it ----------------------------------
@@ -304,8 +304,8 @@ def test_batched_append_writes_what_each_row_appending_alone_writes(monkeypatch)
     from kvstitch.decode.batched import append_batch
 
     calls = []
-    real = paged_kernel.append_rows
-    monkeypatch.setattr(paged_kernel, "append_rows", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    real = append_kernel.append_rows
+    monkeypatch.setattr(append_kernel, "append_rows", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
     specs = [("prkv", {}), ("quest", {"digest": "moments"}), ("quest", {}), ("quest", {"offload": "pool"})]
     tw = Twins(specs, [30, 41, 4 * P * 2 - 3, 37], seed=3)
     for _ in range(2 * P + 3):

@@ -251,11 +251,11 @@ def test_rerank_interval_ranks_every_r_steps_and_reuses_the_pages_between(policy
     """With ``rerank_interval=3`` the candidate digests are scored on 1 step in 3 (or again when the page count
     moved); in between a step attends the last ranking's dynamic pages. With 1, every step ranks and picks the
     default's pages."""
-    from kvstitch.decode import paged_kernel
+    from kvstitch.decode import paged_kernel, rank_kernel
     from kvstitch.decode.policies import BoundPolicy
 
     calls = []  # a ranking: torch's box_scores, the CPU's numba call, or the lone kernel step that ranked
-    for owner, name in ((BoundPolicy, "box_scores"), (paged_kernel, "top_pages")):
+    for owner, name in ((BoundPolicy, "box_scores"), (rank_kernel, "top_pages")):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     fused = paged_kernel.select_attend_row

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvstitch.core.errors import InputError
-from kvstitch.decode import paged_kernel
+from kvstitch.decode import kernel_common, paged_kernel, rank_kernel
 
 from .test_batched_sparse import _request, drive
 from .conftest import make_tiny_engine
@@ -115,7 +115,7 @@ def test_select_attend_row_is_the_separate_ranking_and_attention_in_one_call(dig
     plan = plan_step(n, P, 24, 1, 8)  # 1 front page, a few dynamic ones of the candidates, the local pages
     assert 0 < plan.n_dynamic < plan.n_candidates
     table, ranked, out = paged_kernel.select_attend_row(q, pool, bounds, plan, policy, None, 0.3)
-    picked = paged_kernel.top_pages(policy, q.view(H, -1, D), bounds, plan.front, plan.local_start, plan.n_dynamic,
+    picked = rank_kernel.top_pages(policy, q.view(H, -1, D), bounds, plan.front, plan.local_start, plan.n_dynamic,
                                     0.3)
     front = torch.arange(plan.front).expand(H, -1)
     local = torch.arange(plan.local_start, plan.n_pages).expand(H, -1)
@@ -162,7 +162,7 @@ def _run(engine, requests, kernel: bool, monkeypatch):
         return out
 
     with monkeypatch.context() as m:
-        m.setattr(paged_kernel, "ENABLED", kernel)
+        m.setattr(kernel_common, "ENABLED", kernel)
         for name in ("paged_attention", "select_attend_rows"):  # tables built apart, or in the kernel call
             m.setattr(paged_kernel, name, counted(getattr(paged_kernel, name)))
         m.setattr(engine, "decode_batch", recorded)

@@ -14,7 +14,7 @@ rows of a step share them. Per layer and step:
 4. one masked GQA attention over ``[B * Hkv, M_max * P]`` keys (two ``bmm`` and a softmax): the mask drops
    pad pages, the unfilled end of the last page and the tokens before a sliding window.
 
-On the CPU with numba, when every row reads its host pool and ranks with a kernel form (`paged_kernel.rank_ok`),
+On the CPU with numba, when every row reads its host pool and ranks with a kernel form (`rank_kernel.rank_ok`),
 steps 2-4 are one kernel call (`paged_kernel.select_attend_rows`): per (row, KV head) the ranking, the table and the
 attention, read in place, split over the intra-op threads.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import paged_kernel
+from . import append_kernel, paged_kernel, rank_kernel
 from .plan import PagePlan
 from .pool import K, V
 from .row_threads import row_pool
@@ -94,12 +94,12 @@ def attend_batch(decoders: list, layer: int, queries: list[torch.Tensor], scalin
 def append_batch(decoders: list, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
     """``decoders[i].append(layer, keys[i], values[i])`` for every row of one batched decode step (``keys [B,
     Hkv, 1, D]``): on the CPU with numba, the rows appending to a float32 host pool (no working set, no device
-    pool) in one kernel call (`paged_kernel.append_rows`), a row's few small torch ops otherwise."""
+    pool) in one kernel call (`append_kernel.append_rows`), a row's few small torch ops otherwise."""
     fast = [i for i, d in enumerate(decoders) if _appends_in_place(d, layer, keys.dtype)]
     if len(fast) > 1:
         sts = [decoders[i]._layer(layer) for i in fast]
         index = torch.tensor(fast)
-        paged_kernel.append_rows(keys.index_select(0, index)[:, :, 0], values.index_select(0, index)[:, :, 0],
+        append_kernel.append_rows(keys.index_select(0, index)[:, :, 0], values.index_select(0, index)[:, :, 0],
                                  [st.host for st in sts], [st.bounds for st in sts])
     else:
         fast = []
@@ -167,7 +167,7 @@ def _select_attend_in_place(rows: list[_Row], q: torch.Tensor, scaling: float):
     reused = []
     for r in rows:
         kept = r.dec.reused_pages(r.st, r.plan) if r.scored else None
-        if r.scored and kept is None and not paged_kernel.rank_ok(r.dec.policy, "cpu"):
+        if r.scored and kept is None and not rank_kernel.rank_ok(r.dec.policy, "cpu"):
             return None
         reused.append(kept)
     table, dynamic, out, ranked = paged_kernel.select_attend_rows(
@@ -244,9 +244,9 @@ def _page_table(rows: list[_Row], q: torch.Tensor, dev) -> torch.Tensor:
                     dyn[r.index, :, : r.plan.n_dynamic] = kept.to(dev) - r.plan.front
             if not ranked:
                 continue
-            if paged_kernel.rank_ok(g[0].dec.policy, dev):  # CPU: each row's scores and top-k in one numba call
+            if rank_kernel.rank_ok(g[0].dec.policy, dev):  # CPU: each row's scores and top-k in one numba call
                 for r in ranked:
-                    pages = paged_kernel.top_pages(r.dec.policy, q[r.index], r.st.bounds, r.plan.front,
+                    pages = rank_kernel.top_pages(r.dec.policy, q[r.index], r.st.bounds, r.plan.front,
                                                    r.plan.local_start, r.plan.n_dynamic, r.dec.scaling)
                     dyn[r.index, :, : r.plan.n_dynamic] = pages - r.plan.front
                     r.dec.remember_ranking(r.st, r.plan, pages)

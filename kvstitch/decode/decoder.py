@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstitch.core.errors import InputError
-from . import paged_kernel
+from . import paged_kernel, rank_kernel
 from .attention import biased_attention, grouped_attention
 from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
 from .policies import DecodePolicy, make_policy, policy_budget
@@ -285,7 +285,7 @@ class SparseDecoder:
         reused = None
         if 0 < plan.n_dynamic < plan.n_candidates:
             reused = self.reused_pages(st, plan)
-            if reused is None and not paged_kernel.rank_ok(self.policy, self.device):
+            if reused is None and not rank_kernel.rank_ok(self.policy, self.device):
                 return None
         st.selected, ranked, out = paged_kernel.select_attend_row(q, st.host.data, st.bounds, plan, self.policy,
                                                                   reused, scaling)
@@ -366,8 +366,8 @@ class SparseDecoder:
         dynamic = self.reused_pages(st, plan)
         if dynamic is None:
             q = q.to(self.device).view(H, -1, self.head_dim)
-            if paged_kernel.rank_ok(self.policy, self.device):  # CPU: scores and top-k in one numba call
-                dynamic = paged_kernel.top_pages(self.policy, q, st.bounds, plan.front, plan.local_start,
+            if rank_kernel.rank_ok(self.policy, self.device):  # CPU: scores and top-k in one numba call
+                dynamic = rank_kernel.top_pages(self.policy, q, st.bounds, plan.front, plan.local_start,
                                                  plan.n_dynamic, self.scaling)
             else:
                 box = st.bounds.digests(plan.front, plan.local_start)

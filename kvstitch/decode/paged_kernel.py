@@ -24,87 +24,31 @@ Only float32 pools on the CPU take it (`kernel_ok`): numba has no bfloat16 type,
 would need a per-element upcast it cannot express; those pools, CUDA pools and installs without numba
 (the ``kvstitch[fast]`` extra) run the torch path, which is the reference the kernel is tested against.
 
-The page ranking of the bound policies has a numba form too (`top_pages`, any pool dtype: the digests are
-float32): the digest scores, the group rule and the top-k of one row and layer in one call, where torch runs a
-half-dozen small ops. Lone and batched steps rank through the same call (`rank_ok`), so a row picks the same
-pages either way; with `ENABLED` off both rank with torch.
+The page ranking lives in `rank_kernel` (a lone step's one call uses it), the batched appends in
+`append_kernel`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
 from kvstitch.core.errors import InputError
 
-from .row_threads import row_pool
-
-try:
-    import numba
-    from numba import types
-    from numba.extending import intrinsic
-    from llvmlite import ir
-except ImportError:  # the optional `fast` extra is not installed: the torch path runs
-    numba = None
-
-
-# Switch for the batched decode path: the kernel when it applies (``KVSTITCH_PAGED_KERNEL=0``: never, e.g. to
-# time the torch path; tests set it to compare both)
-ENABLED = os.environ.get("KVSTITCH_PAGED_KERNEL", "1") != "0"
-
-
-def available() -> bool:
-    """Whether the numba kernel can run (numba importable)."""
-    return numba is not None
+from . import kernel_common
+from .kernel_common import available, f32_pointer, int64_array, numba, prefetch, split_pairs  # noqa: F401 - available: the kernels' probe
+from .rank_kernel import REDUCES, rank_head
 
 
 def kernel_ok(dtype: torch.dtype, device) -> bool:
     """Whether the batched decode path reads pools of ``dtype`` on ``device`` with the kernel: float32 on the
-    CPU, numba present and `ENABLED`."""
-    if not (ENABLED and numba is not None and dtype == torch.float32):
-        return False
-    return (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu"
+    CPU, numba present and `kernel_common.ENABLED`."""
+    return dtype == torch.float32 and kernel_common.usable(device)
 
 
 if numba is not None:
-
-    @intrinsic
-    def _f32_pointer(typingctx, address):
-        """An int64 address as a ``float32*``: each row's pool is a separate tensor, and a list of arrays
-        would cost ~100 us per call to build (numba's typed list) where the addresses cost ~1 us."""
-        sig = types.CPointer(types.float32)(types.int64)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-        return sig, codegen
-
-    @intrinsic
-    def _i64_pointer(typingctx, address):
-        """An int64 address as an ``int64*`` (`_f32_pointer` for the token-position maps)."""
-        sig = types.CPointer(types.int64)(types.int64)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-        return sig, codegen
-
-    @intrinsic
-    def _prefetch(typingctx, address):
-        """A hint to start loading the cache line at ``address`` (int64) into every cache level (x86 PREFETCHT0)."""
-        sig = types.void(types.int64)
-
-        def codegen(context, builder, signature, args):
-            i8p, i32 = ir.PointerType(ir.IntType(8)), ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
-            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])  # read, keep, data
-            return context.get_dummy_value()
-
-        return sig, codegen
 
     @numba.njit(nogil=True, cache=True)
     def _prefetch_block(pool, slot, h):
@@ -113,7 +57,8 @@ if numba is not None:
         block = pool[slot, h]
         start = np.int64(block.ctypes.data)
         for off in range(0, block.size * block.itemsize, 64):
-            _prefetch(start + off)
+            prefetch(start + off)
+
 
     @numba.njit(nogil=True, cache=True)
     def _slots_inside(slots, counts, capacity):
@@ -134,7 +79,7 @@ if numba is not None:
         G = q.shape[1] // H
         for bh in range(share, B * H, shares):
             b, h = bh // H, bh % H
-            pool = numba.carray(_f32_pointer(addresses[b]), (capacity[b], H, 2, P, q.shape[2]))
+            pool = numba.carray(f32_pointer(addresses[b]), (capacity[b], H, 2, P, q.shape[2]))
             _attend_pair(q[b], h * G, G, pool, h, slots[b, h], pages[b, h], counts[b], n_tokens[b], lo[b],
                          np.float32(scaling), out[b])
 
@@ -240,90 +185,12 @@ if numba is not None:
                     s += qg[d] * k[d]
                 logits_g[t] = s * scaling
 
-
-if numba is not None:
-
-    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, cache=True)
-    def _rank_pages(q, data, first, count, k, moments, reduce, scale, out):
-        """Per KV head: score pages ``first .. first + count - 1`` of ``data [Hkv, capacity, 2D]`` for the
-        query heads ``q [Hkv, G, D]`` as `policies.BoundPolicy.box_scores` does (``moments``: the digest kind;
-        ``reduce``: 0 max, 1 mean, 2 sum, 3 softmax) -> the ``k`` best pages' offsets from ``first``, best
-        first, into ``out [Hkv, k]``."""
-        H, G, D = q.shape
-        q2d = q.reshape((H * G, D))
-        for h in range(H):
-            _rank_head(q2d, h * G, G, data[h], first, count, k, moments, reduce, scale, out[h])
-
-    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, cache=True)
-    def _rank_head(q, q0, G, digests, first, count, k, moments, reduce, scale, out):
-        """`_rank_pages` for one KV head: the query heads ``q[q0 : q0 + G]`` over the digests ``[capacity, 2D]``
-        of its pages -> the ``k`` best offsets from ``first`` into ``out [k]``."""
-        D = q.shape[1]
-        linear = reduce == 1 or reduce == 2  # mean / sum: reduce the query first (the score is linear in it)
-        Gs = 1 if linear else G
-        q2 = np.zeros((Gs, 2 * D), dtype=np.float32)
-        dots = np.empty((Gs, count), dtype=np.float32)
-        score = np.empty(count, dtype=np.float32)
-        half = np.float32(scale / 2)
-        for g in range(G):
-            row = q2[0] if linear else q2[g]
-            for d in range(D):
-                v = q[q0 + g, d]
-                if moments:  # (q | s/2 q^2) . (mu | var)
-                    row[d] += v
-                    row[D + d] += half * v * v
-                elif v > 0:  # (relu(q) | relu(-q)) . (kmax | -kmin)
-                    row[d] += v
-                else:
-                    row[D + d] -= v
-        if reduce == 1:
-            for d in range(2 * D):
-                q2[0, d] /= G
-        for c in range(count):  # each digest read once for every query row
-            digest = digests[first + c]
-            for gi in range(Gs):
-                qg = q2[gi]
-                acc = np.float32(0.0)
-                for d in range(2 * D):
-                    acc += qg[d] * digest[d]
-                dots[gi, c] = acc
-        if linear:
-            score[:] = dots[0]
-        elif reduce == 0:
-            for c in range(count):
-                best = dots[0, c]
-                for gi in range(1, G):
-                    best = max(best, dots[gi, c])
-                score[c] = best
-        else:  # log of the group's summed softmax over the pages (scores scaled by ``scale``)
-            for gi in range(G):
-                dg = dots[gi]
-                top = -np.inf
-                for c in range(count):
-                    dg[c] *= scale
-                    top = max(top, dg[c])
-                total = 0.0
-                for c in range(count):
-                    total += math.exp(dg[c] - top)
-                lse = top + math.log(total)
-                for c in range(count):
-                    dg[c] -= lse
-            for c in range(count):
-                top = -np.inf
-                for gi in range(G):
-                    top = max(top, dots[gi, c])
-                total = 0.0
-                for gi in range(G):
-                    total += math.exp(dots[gi, c] - top)
-                score[c] = top + math.log(total)
-        _top_k(score, k, out)
-
     @numba.njit(nogil=True, fastmath=False, cache=True)
     def _head_table(q, q0, G, digests, front, local_start, n_pages, n_dynamic, use_reused, reused, moments, reduce,
                     scale, dynamic, row):
         """One KV head's page table into ``row``: front pages, the dynamic ones best first, local pages (every page
         when all candidates fit). The dynamic pages are ``reused`` (an earlier ranking still serving) or ranked
-        here from the head's ``digests [pages, 2D]`` for the query heads ``q[q0 : q0 + G]`` (`_rank_head`); they
+        here from the head's ``digests [pages, 2D]`` for the query heads ``q[q0 : q0 + G]`` (`rank_head`); they
         are written to ``dynamic``. -> the table's length."""
         if n_dynamic == local_start - front:
             for j in range(n_pages):
@@ -336,7 +203,7 @@ if numba is not None:
                 for j in range(n_dynamic):
                     dynamic[j] = reused[j]
             else:
-                _rank_head(q, q0, G, digests, front, local_start - front, n_dynamic, moments, reduce, scale, dynamic)
+                rank_head(q, q0, G, digests, front, local_start - front, n_dynamic, moments, reduce, scale, dynamic)
                 for j in range(n_dynamic):
                     dynamic[j] += front
             for j in range(n_dynamic):
@@ -374,8 +241,8 @@ if numba is not None:
             b, h = bh // H, bh % H
             front, local_start, n_pages, n_dynamic, n_tokens, lo = (ints[b, 0], ints[b, 1], ints[b, 2], ints[b, 3],
                                                                     ints[b, 4], ints[b, 5])
-            pool = numba.carray(_f32_pointer(addresses[b]), (capacity[b], H, 2, P, D))
-            digests = numba.carray(_f32_pointer(digest_addresses[b]), (H, digest_capacity[b], 2 * D))
+            pool = numba.carray(f32_pointer(addresses[b]), (capacity[b], H, 2, P, D))
+            digests = numba.carray(f32_pointer(digest_addresses[b]), (H, digest_capacity[b], 2 * D))
             row = table[b, h]
             m = _head_table(q[b], h * G, G, digests[h], front, local_start, n_pages, n_dynamic, ints[b, 6] != 0,
                             reused[b, h], ints[b, 7] != 0, ints[b, 8], scales[b], dynamic[b, h], row)
@@ -383,123 +250,6 @@ if numba is not None:
                 row[j] = 0
             _attend_pair(q[b], h * G, G, pool, h, row, row, m, n_tokens, lo, np.float32(scales[b]), out[b])
 
-    @numba.njit(nogil=True, fastmath=False, cache=True)
-    def _append_rows(keys, values, P, pools, pool_pages, positions, position_cap, digests, digest_cap, sums, counts,
-                     ints):
-        """One new token per row: row ``b``'s ``keys / values [b] [Hkv, D]`` into its pool (addresses ``pools[b]``,
-        ``[pool_pages, Hkv, 2, P, D]``) at page ``ints[b, 0]``, offset ``ints[b, 1]``; its token position
-        ``ints[b, 2]`` into the map ``[Hkv, position_cap]``; and its page digest ``[Hkv, digest_cap, 2D]``
-        updated as `PageBounds.add_token` does: the box ``(kmax | -kmin)`` when ``sums[b]`` is 0, else the running
-        ``(sum k | sum k^2)`` and token count of the moments digest, the page ``ints[b, 3]`` (if >= 0) settled
-        from its sums (the one lagging page)."""
-        B, H, D = keys.shape
-        for b in range(B):
-            page, off, n, lag = ints[b, 0], ints[b, 1], ints[b, 2], ints[b, 3]
-            pool = numba.carray(_f32_pointer(pools[b]), (pool_pages[b], H, 2, P, D))
-            pos = numba.carray(_i64_pointer(positions[b]), (H, position_cap[b]))
-            data = numba.carray(_f32_pointer(digests[b]), (H, digest_cap[b], 2 * D))
-            for h in range(H):
-                k, v = keys[b, h], values[b, h]
-                pool[page, h, 0, off, :] = k
-                pool[page, h, 1, off, :] = v
-                pos[h, n] = n
-                if sums[b] == 0:
-                    row = data[h, page]
-                    for d in range(D):
-                        if off == 0:
-                            row[d], row[D + d] = k[d], -k[d]
-                        else:
-                            row[d], row[D + d] = max(row[d], k[d]), max(row[D + d], -k[d])
-            if sums[b] == 0:
-                continue
-            total = numba.carray(_f32_pointer(sums[b]), (H, digest_cap[b], 2 * D))
-            count = numba.carray(_f32_pointer(counts[b]), (digest_cap[b],))
-            for h in range(H):
-                row, k = total[h, page], keys[b, h]
-                for d in range(D):
-                    if off == 0:
-                        row[d], row[D + d] = k[d], k[d] * k[d]
-                    else:
-                        row[d], row[D + d] = row[d] + k[d], row[D + d] + k[d] * k[d]
-            count[page] = off + 1
-            if lag >= 0:
-                c = count[lag]
-                for h in range(H):
-                    for d in range(D):
-                        mean = total[h, lag, d] / c
-                        data[h, lag, d] = mean
-                        data[h, lag, D + d] = max(total[h, lag, D + d] / c - mean * mean, np.float32(0.0))
-
-    @numba.njit(nogil=True, cache=True)
-    def _worse(a_v, a_i, b_v, b_i):
-        """Ranking order: a lower score is worse; of equal scores, the later page."""
-        return a_v < b_v or (a_v == b_v and a_i > b_i)
-
-    @numba.njit(nogil=True, cache=True)
-    def _top_k(score, k, out):
-        """The ``k`` best indices of ``score``, best first (ties: the earlier index), into ``out``: a heap of the k
-        best seen, its worst at the root (a full sort of every candidate cost more than the scores)."""
-        val = np.empty(k, dtype=np.float32)
-        idx = np.empty(k, dtype=np.int64)
-        n = 0
-        for c in range(score.shape[0]):
-            v = score[c]
-            if n < k:  # sift the new entry up while it is worse than its parent
-                j = n
-                n += 1
-                while j > 0 and _worse(v, c, val[(j - 1) >> 1], idx[(j - 1) >> 1]):
-                    p = (j - 1) >> 1
-                    val[j], idx[j] = val[p], idx[p]
-                    j = p
-                val[j], idx[j] = v, c
-            elif _worse(val[0], idx[0], v, c):  # better than the worst kept: replace it, sift down
-                j = 0
-                while True:
-                    m = 2 * j + 1
-                    if m >= k:
-                        break
-                    if m + 1 < k and _worse(val[m + 1], idx[m + 1], val[m], idx[m]):
-                        m += 1
-                    if not _worse(val[m], idx[m], v, c):
-                        break
-                    val[j], idx[j] = val[m], idx[m]
-                    j = m
-                val[j], idx[j] = v, c
-        for i in range(1, n):  # best first (insertion sort: k is a few dozen)
-            v, c = val[i], idx[i]
-            j = i
-            while j > 0 and _worse(val[j - 1], idx[j - 1], v, c):
-                val[j], idx[j] = val[j - 1], idx[j - 1]
-                j -= 1
-            val[j], idx[j] = v, c
-        out[:n] = idx[:n]
-
-
-_REDUCES = {"max": 0, "mean": 1, "sum": 2, "softmax": 3}
-
-
-def rank_ok(policy, device) -> bool:
-    """Whether `top_pages` ranks ``policy``'s pages on ``device``: numba present and `ENABLED`, the CPU, and a
-    bound policy whose scores are `BoundPolicy.box_scores` itself (a subclass that changes them, e.g. ArkVale's
-    shared groups, ranks with torch)."""
-    from .policies import BoundPolicy
-
-    return (ENABLED and numba is not None and isinstance(policy, BoundPolicy)
-            and type(policy).box_scores is BoundPolicy.box_scores
-            and (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu")
-
-
-def top_pages(policy, q: torch.Tensor, bounds, start: int, end: int, k: int, scaling: float | None) -> torch.Tensor:
-    """CPU only (numba). ``policy``'s ``k`` best pages of ``[start, end)`` per KV head, best first, from the
-    layer's `PageBounds` ``bounds``: `box_scores` + ``topk`` in one call (a lone step's half-dozen small torch
-    ops cost more than the scores). ``q [Hkv, G, D]`` -> page ids ``[Hkv, k]`` (int64)."""
-    H, G, D = q.shape
-    bounds.settle(start, end)
-    out = np.empty((H, k), dtype=np.int64)
-    scale = scaling if scaling is not None else D ** -0.5
-    _rank_pages(q.float().contiguous().numpy(), bounds.data.contiguous().numpy(), start, end - start, k,
-                policy.digest == "moments", _REDUCES[policy.group_reduce], float(scale), out)
-    return torch.from_numpy(out).add_(start)
 
 
 def paged_attention(q: torch.Tensor, pools: list[torch.Tensor], slots: torch.Tensor, pages: torch.Tensor,
@@ -525,8 +275,8 @@ def paged_attention(q: torch.Tensor, pools: list[torch.Tensor], slots: torch.Ten
             raise InputError(f"pool shape {tuple(pool.shape)} does not match [*, {H}, 2, {P}, {D}]")
     out = torch.empty(B, Hq, D, dtype=torch.float32)
     _run(q.float().contiguous().numpy(), np.array([p.data_ptr() for p in pools], dtype=np.int64),
-         np.array([p.shape[0] for p in pools], dtype=np.int64), P, _ints(slots), _ints(pages), _ints(counts),
-         _ints(n_tokens), _ints(lo), float(scaling), out.numpy())
+         np.array([p.shape[0] for p in pools], dtype=np.int64), P, int64_array(slots), int64_array(pages), int64_array(counts),
+         int64_array(n_tokens), int64_array(lo), float(scaling), out.numpy())
     return out
 
 
@@ -579,7 +329,7 @@ def select_attend_row(q: torch.Tensor, pool: torch.Tensor, bounds, plan, policy,
         q2d = q2d.float().contiguous()
     _select_attend(q2d.numpy(), pool.numpy(), bounds.data.numpy(), front, local, n_pages, n_dyn, reused is not None,
                    dynamic if reused is None else reused.numpy(), getattr(policy, "digest", "box") == "moments",
-                   _REDUCES[getattr(policy, "group_reduce", "max")], plan.n_tokens, plan.lo, float(scaling), table,
+                   REDUCES[getattr(policy, "group_reduce", "max")], plan.n_tokens, plan.lo, float(scaling), table,
                    dynamic, out)
     return torch.from_numpy(table), torch.from_numpy(dynamic) if rank else None, torch.from_numpy(out).view(Hq, 1, D)
 
@@ -618,7 +368,7 @@ def select_attend_rows(q: torch.Tensor, pools: list[torch.Tensor], bounds: list,
         ranks.append(rank)
         M = max(M, plan.n_pages if every else front + plan.n_dynamic + plan.n_pages - local)
         ints[b] = (front, local, plan.n_pages, plan.n_dynamic, plan.n_tokens, plan.lo, pages is not None,
-                   getattr(policy, "digest", "box") == "moments", _REDUCES[getattr(policy, "group_reduce", "max")])
+                   getattr(policy, "digest", "box") == "moments", REDUCES[getattr(policy, "group_reduce", "max")])
     data = [d.data for d in bounds]
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != H or t.shape[2] != 2 * D for t in data):
         raise InputError(f"select_attend_rows: page digests must be contiguous float32 [{H}, *, {2 * D}]")
@@ -629,70 +379,14 @@ def select_attend_rows(q: torch.Tensor, pools: list[torch.Tensor], bounds: list,
             np.array([p.shape[0] for p in pools], dtype=np.int64), P,
             np.array([t.data_ptr() for t in data], dtype=np.int64), np.array([t.shape[1] for t in data], dtype=np.int64),
             ints, kept, np.full(B, float(scaling), dtype=np.float64), table, dynamic, out)
-    _split(_select_attend_batch, args, B * H, None)
+    split_pairs(_select_attend_batch, args, B * H, None)
     return torch.from_numpy(table), torch.from_numpy(dynamic), torch.from_numpy(out), ranks
 
 
-def append_rows(keys: torch.Tensor, values: torch.Tensor, hosts: list, bounds: list) -> None:
-    """CPU only (float32 host pools, numba). Append one token per row, as `HostPool.append` followed by
-    `PageBounds.add_token` do for each, in one call: row ``b``'s ``keys / values [b] [Hkv, D]`` to its host pool
-    ``hosts[b]`` and page digests ``bounds[b]`` (the same values, bit for bit)."""
-    B, H, D = keys.shape
-    ints = np.empty((B, 4), dtype=np.int64)
-    for b, (host, digest) in enumerate(zip(hosts, bounds)):
-        n = host.n_tokens
-        if n + 1 > host.capacity_pages * host.page_size:
-            host.reserve(n + 1)
-        page, off = divmod(n, host.page_size)
-        if page >= digest.data.shape[1]:
-            digest.reserve(page + 1)
-        lag = digest._lagging if digest.sums is not None and digest._lagging not in (None, page) else -1
-        ints[b] = (page, off, n, lag)
-    digests = [t for d in bounds for t in ((d.data,) if d.sums is None else (d.data, d.sums, d.count))]
-    for t in [h.data for h in hosts] + [h.token_pos for h in hosts] + digests:
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise InputError("append_rows writes contiguous CPU pools, position maps and digests only")
-    if any(t.dtype != torch.float32 for t in digests) or any(h.token_pos.dtype != torch.int64 for h in hosts):
-        raise InputError("append_rows: digests must be float32 and position maps int64")
-    if any(h.data.dtype != torch.float32 or h.data.shape[1:] != (H, 2, hosts[0].page_size, D) for h in hosts):
-        raise InputError(f"append_rows: every pool must be float32 [*, {H}, 2, {hosts[0].page_size}, {D}]")
-    moments = [d.sums is not None for d in bounds]
-    _append_rows(keys.float().contiguous().numpy(), values.float().contiguous().numpy(), hosts[0].page_size,
-                 _addresses([h.data for h in hosts]), np.array([h.data.shape[0] for h in hosts], dtype=np.int64),
-                 _addresses([h.token_pos for h in hosts]), np.array([h.token_pos.shape[1] for h in hosts], dtype=np.int64),
-                 _addresses([d.data for d in bounds]), np.array([d.data.shape[1] for d in bounds], dtype=np.int64),
-                 np.array([d.sums.data_ptr() if m else 0 for d, m in zip(bounds, moments)], dtype=np.int64),
-                 np.array([d.count.data_ptr() if m else 0 for d, m in zip(bounds, moments)], dtype=np.int64), ints)
-    for host, digest, m, (page, _, _, _) in zip(hosts, bounds, moments, ints):
-        host.n_tokens += 1
-        if m:
-            digest._lagging = int(page)
-
-
-def _addresses(tensors: list[torch.Tensor]) -> np.ndarray:
-    return np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-
 
 def _run(q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out, workers=None) -> None:
-    """Check the slots (raw reads must never pass a pool's end), then run `_paged_attention` (`_split`)."""
+    """Check the slots (raw reads must never pass a pool's end), then run `_paged_attention` (`split_pairs`)."""
     if not _slots_inside(slots, counts, capacity):
         raise InputError("paged_attention: a page slot lies outside its pool")
-    _split(_paged_attention, (q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out),
+    split_pairs(_paged_attention, (q, addresses, capacity, P, slots, pages, counts, n_tokens, lo, scaling, out),
            slots.shape[0] * slots.shape[1], workers)
-
-
-def _split(kernel, args: tuple, pairs: int, workers: int | None) -> None:
-    """``kernel(*args, share, shares)`` over its ``pairs`` (row, KV head) pairs, split over ``workers`` threads
-    (default: torch's intra-op thread count; the kernel releases the GIL)."""
-    workers = min(workers or torch.get_num_threads(), pairs)
-    if workers < 2:
-        kernel(*args, 0, 1)
-        return
-    futures = [row_pool(workers - 1).submit(kernel, *args, w, workers) for w in range(1, workers)]
-    kernel(*args, 0, workers)
-    for f in futures:
-        f.result()
-
-
-def _ints(t: torch.Tensor) -> np.ndarray:
-    return t.to("cpu", torch.int64).contiguous().numpy()

@@ -1,5 +1,6 @@
 """The threads that split a decode step's rows (or the paged kernel's (row, KV head) pairs) on a CPU: one pool
-for the process, grown on demand, shared by `decoder.attend_rows`, `batched` and `paged_kernel`."""
+for the process, grown on demand, shared by `decoder.attend_rows`, `batched` and
+`kernel_common.split_pairs`."""
 
 from __future__ import annotations
 
