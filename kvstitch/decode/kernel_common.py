@@ -38,26 +38,23 @@ def usable(device) -> bool:
 
 if numba is not None:
 
-    @intrinsic
-    def f32_pointer(typingctx, address):
-        """An int64 address as a ``float32*``: each row's pool is a separate tensor, and a list of arrays
-        would cost ~100 us per call to build (numba's typed list) where the addresses cost ~1 us."""
-        sig = types.CPointer(types.float32)(types.int64)
+    def _address_as(element):
+        """An intrinsic viewing an int64 address as an ``element*``: each row's pool is a separate tensor, and a
+        list of arrays would cost ~100 us per call to build (numba's typed list) where the addresses cost ~1 us."""
 
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+        @intrinsic
+        def cast(typingctx, address):
+            sig = types.CPointer(element)(types.int64)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
-    @intrinsic
-    def i64_pointer(typingctx, address):
-        """An int64 address as an ``int64*`` (`f32_pointer` for the token-position maps)."""
-        sig = types.CPointer(types.int64)(types.int64)
+            return sig, codegen
 
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+        return cast
 
-        return sig, codegen
+    f32_pointer = _address_as(types.float32)  # pools and digests
+    i64_pointer = _address_as(types.int64)  # token-position maps
 
     @intrinsic
     def prefetch(typingctx, address):
