@@ -74,7 +74,7 @@ def merge_runs(runs: Sequence[Path]) -> tuple[list[dict], dict, int, dict[str, i
             key = row_key(r)
             if key in kept:
                 if not _same_row(kept[key], r):
-                    raise InputError(f"{run} has another answer for the row {key} than an earlier run: "
+                    raise InputError(f"{run} has another answer for the row {key} than another of the runs: "
                                      f"{kept[key].get('pred')!r} vs {r.get('pred')!r}; nothing was merged")
                 duplicates += 1
                 continue
