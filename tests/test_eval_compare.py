@@ -79,8 +79,20 @@ def test_qa_runs_of_two_models_compare_answers_kept_against_each_runs_own_full_p
             r["nll"] = nll[(run, r["method"])]
     own = {(r["method"], r["ratio"]): r for r in compare_runs(small2, large2)}[("prophet", 0.1)]
     assert math.isclose(own["nll_rec_own_base"], 0.5) and math.isclose(own["nll_rec_own_other"], 0.75)
+    lo, hi = p["kept_other_ci"]
+    assert 0.0 <= lo <= 2 / 3 <= hi <= 1.0  # a bootstrap interval around the kept share
     table = compare_table(list(rows.values()), "0.5B", "1.5B")
-    assert "| prophet | 0.1 | 3 | 2 | 0.50 | 3 | 0.67 | 0.67 | 0.67 | " in table
+    line = next(x for x in table.splitlines() if x.startswith("| prophet | 0.1 | 3 | 2 | 0.50 ["))
+    assert "| 0.67 | 0.67 | " in line and line.endswith("| – | – |")  # no TTFT recorded: no speed-up
+    assert "identical rows" in table  # by default both tables
+    assert "identical rows" not in compare_table(list(rows.values()), "0.5B", "1.5B", same_model=False)
+    # each run's TTFT speed-up over its own full prefill: mean full TTFT / mean method TTFT
+    for rs, full_s in ((small, 2.0), (large, 6.0)):
+        for r in rs:
+            r.update(ttft_full_s=full_s, ttft_s=full_s if r["method"] == "full" else full_s / (2 + r["index"]))
+    timed = {(r["method"], r["ratio"]): r for r in compare_runs(small, large)}[("prophet", 0.1)]
+    assert math.isclose(timed["speedup_base"], 2.0 / (2.0 / 2 + 2.0 / 3 + 2.0 / 4) * 3)
+    assert math.isclose(timed["speedup_other"], timed["speedup_base"])
     base, other = _runs()
     assert "kept" not in compare_table(compare_runs(base, other))  # no QA rows: no such table
 
@@ -141,3 +153,22 @@ def test_compare_filters_tasks_and_lengths(tmp_path):
     assert [r["n"] for r in none] == [4, 4, 4]
     with pytest.raises(InputError, match="share no"):
         write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", lengths=[4096])
+
+
+def test_runs_of_two_models_get_only_the_answers_kept_table(tmp_path):
+    """run.json names each run's weights: two different models are not matched row by row."""
+    def qa(index, method, correct):
+        return dict(_row(index, method, None if method == "full" else 0.1, float(correct), 1.0, 1.0, 0.0, "x",
+                         task="squad_p10"), correct=correct)
+
+    rows = [qa(i, m, c) for i in range(3) for m, c in (("full", True), ("prophet", i != 0))]
+    for name, fingerprint in (("a", "small"), ("b", "large"), ("c", "small")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps({"model": {"fingerprint": fingerprint}}))
+        for r in rows:
+            append_jsonl(tmp_path / name / "results.jsonl", r)
+    md, js, _ = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o")
+    assert "kept" in md.read_text() and "identical rows" not in md.read_text()
+    assert json.loads(js.read_text())["meta"]["same_model"] is False
+    md, js, _ = write_comparison(tmp_path / "a", tmp_path / "c", tmp_path / "o")
+    assert "identical rows" in md.read_text() and json.loads(js.read_text())["meta"]["same_model"] is True

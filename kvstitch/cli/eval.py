@@ -32,7 +32,8 @@ def compare_command(
         lengths: str = typer.Option("", help="only these context lengths (comma-separated; default: all)"),
 ) -> None:
     """Two eval runs of the same samples side by side: score, NLL-gap recovery (both against BASE's gap),
-    KL and the share of identical answers, per method and ratio (markdown + JSON)."""
+    KL and the share of identical answers, per method and ratio (markdown + JSON). QA runs add answers kept and
+    TTFT speed-up, each against the run's own full prefill; runs of two models get only that table."""
     from rich.console import Console
 
     from kvstitch.eval.compare import write_comparison

@@ -11,9 +11,10 @@ present in both runs count. Per (method, ratio):
 - ``kl_*``: mean KL(full || method) over the answer;
 - ``same_answer``: share of samples whose greedy answer text is identical in both runs;
 - ``kept_*`` (QA rows, e.g. SQuAD): of the samples the run's *own* full prefill answers correctly, the share the
-  method still answers correctly (``right_*``: how many those are); ``agree_*``: the share whose answer is full
-  prefill's of the same run. Across two models on the same samples this is "does stitching keep more answers
-  as the model grows";
+  method still answers correctly (``right_*``: how many those are; ``kept_*_ci`` its 95% bootstrap interval);
+  ``agree_*``: the share whose answer is full prefill's of the same run; ``speedup_*``: the run's mean full-prefill
+  TTFT over the method's mean TTFT on the same samples. Across two models on the same samples this is "does
+  stitching keep more answers as the model grows";
 - ``identical``: share of samples whose rows agree in answer text, recomputed-token count, NLL and KL
   (within `IDENTICAL_TOL`): the check that a refactor left the numbers unchanged; ``max_dnll`` is the
   largest |NLL difference|.
@@ -31,7 +32,7 @@ from pathlib import Path
 from kvstitch.core.errors import InputError
 from kvstitch.tasks.agreement import same_answer
 
-from .rows import method_key, ratio_key, read_jsonl
+from .rows import bootstrap_mean_ci, fmt_ci, method_key, ratio_key, ratio_of_means, read_jsonl
 
 SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")
 IDENTICAL_TOL = 1e-5  # absolute, on the answer NLL and KL: two processes running the same float32 prefill
@@ -90,8 +91,11 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
         if any(r.get("correct") is not None for r in ra):
             for side, rows, answers in (("base", ra, answers_a), ("other", rb, answers_b)):
                 right = [r for r in rows if answers.get(_sample(r), (False, ""))[0]]
-                out[-1].update({f"right_{side}": len(right),
-                                f"kept_{side}": _mean(float(bool(r.get("correct"))) for r in right),
+                kept = [float(bool(r.get("correct"))) for r in right]
+                out[-1].update({f"right_{side}": len(right), f"kept_{side}": _mean(kept),
+                                f"kept_{side}_ci": bootstrap_mean_ci([kept]),
+                                f"speedup_{side}": ratio_of_means([r.get("ttft_full_s") for r in rows],
+                                                                  [r.get("ttft_s") for r in rows]),
                                 f"nll_rec_own_{side}": _recovery(rows, *_references(a if side == "base" else b)),
                                 f"agree_{side}": _mean(float(same_answer(r.get("pred", ""), answers[_sample(r)][1]))
                                                        for r in rows if _sample(r) in answers)})
@@ -127,22 +131,33 @@ def _f(x: float, digits: int) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: str = "other") -> str:
-    """The comparison as a markdown table (the README's int8 table)."""
+def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: str = "other",
+                  same_model: bool = True) -> str:
+    """The comparison as a markdown table (the README's int8 table). Runs of two different models
+    (``same_model=False``) get only the answers-kept table: matching their rows' NLLs or answer texts would
+    compare two models, not two settings."""
     b, o = base_label, other_label
-    lines = [f"| method | r | n | score {b} | score {o} | NLL rec. {b} | NLL rec. {o} | KL {b} | KL {o} | same answer | "
-             "identical rows | max abs NLL diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = (f"| method | r | n | score {b} | score {o} | NLL rec. {b} | NLL rec. {o} | KL {b} | KL {o} | same answer | "
+              "identical rows | max abs NLL diff |")
+    rule = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    lines = [header, rule]
     qa = [r for r in rows if "kept_base" in r]
     if qa:
         lines = [f"Answers kept: of the questions each run's own full prefill answers correctly (right), the share the "
                  f"method still answers correctly; agrees: the method's answer is its run's full prefill's.", "",
                  f"| method | r | n | right {b} | kept {b} | right {o} | kept {o} | agrees {b} | agrees {o} | "
-                 f"NLL rec. (own gap) {b} | NLL rec. (own gap) {o} |", "|---|---|---|---|---|---|---|---|---|---|---|"] + [
-            f"| {r['method']} | {_ratio_cell(r['ratio'])} | {r['n']} | {r['right_base']} | {_f(r['kept_base'], 2)} | "
-            f"{r['right_other']} | {_f(r['kept_other'], 2)} | {_f(r['agree_base'], 2)} | {_f(r['agree_other'], 2)} | "
-            f"{_f(r['nll_rec_own_base'], 2)} | {_f(r['nll_rec_own_other'], 2)} |"
-            for r in qa] + ["", f"Below, both runs' NLL recovery is measured against {b}'s gap (two settings of one model; "
-                                f"across models read the own-gap columns above).", ""] + lines
+                 f"NLL rec. (own gap) {b} | NLL rec. (own gap) {o} | TTFT speed-up {b} | TTFT speed-up {o} |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + [
+            f"| {r['method']} | {_ratio_cell(r['ratio'])} | {r['n']} | {r['right_base']} | "
+            f"{fmt_ci(r['kept_base'], r['kept_base_ci'], 2)} | {r['right_other']} | "
+            f"{fmt_ci(r['kept_other'], r['kept_other_ci'], 2)} | {_f(r['agree_base'], 2)} | {_f(r['agree_other'], 2)} | "
+            f"{_f(r['nll_rec_own_base'], 2)} | {_f(r['nll_rec_own_other'], 2)} | {_f(r['speedup_base'], 2)} | "
+            f"{_f(r['speedup_other'], 2)} |"
+            for r in qa]
+        if not same_model:
+            return "\n".join(lines) + "\n"
+        lines += ["", f"Below, both runs' NLL recovery is measured against {b}'s gap (two settings of one model; "
+                      f"across models read the own-gap columns above).", "", header, rule]
     for r in rows:
         ratio = _ratio_cell(r["ratio"])
         dnll = "–" if math.isnan(r["max_dnll"]) else f"{r['max_dnll']:.1e}"
@@ -164,6 +179,14 @@ def _results(path: str | os.PathLike) -> Path:
     return p
 
 
+def _model(results: Path) -> str | None:
+    """The weights' fingerprint recorded in the run.json beside ``results`` (None when there is none)."""
+    try:
+        return json.loads((results.parent / "run.json").read_text())["model"]["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_comparison(base: str | os.PathLike, other: str | os.PathLike, out: str | os.PathLike,
                      base_label: str = "base", other_label: str = "other", name: str = "compare",
                      command: str | None = None, tasks: Sequence[str] | None = None,
@@ -181,8 +204,10 @@ def write_comparison(base: str | os.PathLike, other: str | os.PathLike, out: str
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / f"{name}.md", out / f"{name}.json"
-    md.write_text(compare_table(rows, base_label, other_label))
+    models = _model(pa), _model(pb)
+    same_model = None in models or models[0] == models[1]
+    md.write_text(compare_table(rows, base_label, other_label, same_model=same_model))
     meta = {"base": str(pa), "other": str(pb), "base_label": base_label, "other_label": other_label,
-            "command": command, "rows_matched": sum(r["n"] for r in rows)}
+            "command": command, "rows_matched": sum(r["n"] for r in rows), "same_model": same_model}
     js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
     return md, js, rows
