@@ -172,3 +172,19 @@ def test_runs_of_two_models_get_only_the_answers_kept_table(tmp_path):
     assert json.loads(js.read_text())["meta"]["same_model"] is False
     md, js, _ = write_comparison(tmp_path / "a", tmp_path / "c", tmp_path / "o")
     assert "identical rows" in md.read_text() and json.loads(js.read_text())["meta"]["same_model"] is True
+
+
+def test_across_tasks_matches_the_same_samples_prompted_two_ways(tmp_path):
+    """--merge-passages renames the task (squad_p40 -> squad_p40_m4): --across-tasks pairs its samples anyway."""
+    base, other = _runs()
+    for name, rows, task in (("a", base, "squad_p40"), ("b", other, "squad_p40_m4")):
+        (tmp_path / name).mkdir()
+        for r in rows:
+            append_jsonl(tmp_path / name / "results.jsonl", dict(r, task=task))
+    with pytest.raises(InputError, match="share no"):
+        write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o")
+    _, _, rows = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", across_tasks=True)
+    assert rows == compare_runs(base, other)  # as if the tasks had one name
+    append_jsonl(tmp_path / "b" / "results.jsonl", dict(other[0], task="squad_p10"))
+    with pytest.raises(InputError, match="one task per run"):
+        write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", across_tasks=True)

@@ -30,6 +30,8 @@ def compare_command(
         name: str = typer.Option("compare", help="file name stem of the outputs"),
         tasks: str = typer.Option("", help="only these tasks (comma-separated; default: all)"),
         lengths: str = typer.Option("", help="only these context lengths (comma-separated; default: all)"),
+        across_tasks: bool = typer.Option(False, "--across-tasks", help="match samples by index, not task: the "
+                                          "same questions prompted two ways (e.g. --merge-passages 1 and 4)"),
 ) -> None:
     """Two eval runs of the same samples side by side: score, NLL-gap recovery (both against BASE's gap),
     KL and the share of identical answers, per method and ratio (markdown + JSON). QA runs add answers kept and
@@ -45,10 +47,11 @@ def compare_command(
         raise InputError(f"--lengths takes comma-separated integers, got {lengths!r}") from None
     args = ["eval-compare", str(base), str(other), "--out", str(out), "--base-label", base_label,
             "--other-label", other_label] + (["--name", name] if name != "compare" else []) + \
-        (["--tasks", tasks] if task_list else []) + (["--lengths", lengths] if length_list else [])
+        (["--tasks", tasks] if task_list else []) + (["--lengths", lengths] if length_list else []) + \
+        (["--across-tasks"] if across_tasks else [])
     command = "kvstitch " + " ".join(shlex.quote(a) for a in args)  # what reproduces these files
     md, js, rows = write_comparison(base, other, out, base_label, other_label, name, command=command,
-                                    tasks=task_list, lengths=length_list)
+                                    tasks=task_list, lengths=length_list, across_tasks=across_tasks)
     console = Console()
     console.print(md.read_text(), highlight=False, soft_wrap=True)
     console.print(f"{len(rows)} rows -> {md}, {js}", highlight=False)

@@ -190,15 +190,26 @@ def _model(results: Path) -> str | None:
 def write_comparison(base: str | os.PathLike, other: str | os.PathLike, out: str | os.PathLike,
                      base_label: str = "base", other_label: str = "other", name: str = "compare",
                      command: str | None = None, tasks: Sequence[str] | None = None,
-                     lengths: Sequence[int] | None = None) -> tuple[Path, Path, list[dict]]:
+                     lengths: Sequence[int] | None = None,
+                     across_tasks: bool = False) -> tuple[Path, Path, list[dict]]:
     """Compare two eval outputs (only `tasks` / `lengths` when given); write ``<out>/<name>.md`` and
-    ``<out>/<name>.json`` -> (md, json, rows)."""
+    ``<out>/<name>.json`` -> (md, json, rows). ``across_tasks``: each run holds one task and the two differ
+    only in how the same samples were prompted (e.g. ``--merge-passages``): rows are matched by sample, not
+    by task name."""
     pa, pb = _results(base), _results(other)
 
     def keep(r: dict) -> bool:
         return (not tasks or r.get("task") in tasks) and (not lengths or r.get("length") in lengths)
 
-    rows = compare_runs([r for r in read_jsonl(pa) if keep(r)], [r for r in read_jsonl(pb) if keep(r)])
+    runs = [[r for r in read_jsonl(p) if keep(r)] for p in (pa, pb)]
+    if across_tasks:
+        for p, rs in zip((pa, pb), runs):
+            names = sorted({str(r.get("task")) for r in rs})
+            if len(names) > 1:
+                raise InputError(f"{p}: matching samples across tasks needs one task per run, this one holds "
+                                 f"{', '.join(names)} (choose one with --tasks)")
+        runs = [[dict(r, task="") for r in rs] for rs in runs]
+    rows = compare_runs(*runs)
     if not rows:
         raise InputError(f"{pa} and {pb} share no (sample, method, ratio) rows: nothing to compare")
     out = Path(out)
