@@ -65,6 +65,27 @@ def test_embedder_loads_offline_and_ranks_the_relevant_chunk_first(offline):
     assert get_embedder() is emb  # loaded once per process
 
 
+def test_embedder_reads_a_text_longer_than_its_window(offline):
+    """A chunk past MiniLM's 256-wordpiece window is not truncated: what its tail says is found."""
+    emb = get_embedder()
+    filler = " ".join(["The committee met on a Tuesday to review the annual budget of the town library."] * 40)
+    tail = "The secret launch code of the rocket is kept in a locked steel box under the lighthouse."
+    long_text = f"{filler} {tail}"
+    assert len(emb.tokenizer(long_text)["input_ids"]) > 2 * emb.max_length  # three windows at least
+    other = filler  # the same text without the tail
+    e = emb.encode([long_text, other])
+    q = emb.encode(["Where is the rocket's secret launch code kept?"])[0]
+    assert float(e[0] @ q) > float(e[1] @ q) + 0.02  # the tail moved the embedding toward the question
+    # a text that fits in one window is embedded exactly as before (sentence-transformers' mean pooling)
+    enc = emb.tokenizer([tail], return_tensors="pt")
+    hidden = emb.model(**enc).last_hidden_state
+    ref = torch.nn.functional.normalize(hidden.mean(1), dim=1)
+    assert torch.allclose(emb.encode([tail]), ref, atol=1e-5)
+    # batched with a long text or alone: the same rows (windows are pooled per text)
+    assert torch.allclose(emb.encode([tail, long_text])[0], emb.encode([tail])[0], atol=1e-5)
+    assert torch.allclose(emb.encode([tail, long_text])[1], e[0], atol=1e-5)
+
+
 def test_bm25_ranks_by_term_overlap():
     bm = BM25(list(DOCS.values()))
     s = bm.scores("magic number Carol")

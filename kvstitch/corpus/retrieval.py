@@ -120,7 +120,9 @@ def embedder_dir() -> Path | None:
 
 class Embedder:
     """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2: BERT, mean pooling
-    over real tokens, L2 normalisation. Thread-safe (one lock around the forward)."""
+    over real tokens, L2 normalisation. A text longer than the model's window (``max_length`` wordpieces) is
+    not truncated: it is cut into windows, and the mean pools over the real tokens of all of them (for a text
+    that fits, exactly sentence-transformers' embedding). Thread-safe (one lock around the forward)."""
 
     def __init__(self, path: str | os.PathLike, device: str = "cpu"):
         from transformers import AutoModel, AutoTokenizer
@@ -156,12 +158,20 @@ class Embedder:
         out = []
         with self._lock:
             for i in range(0, len(texts), batch_size):
-                enc = self.tokenizer(list(texts[i:i + batch_size]), padding=True, truncation=True,
-                                     max_length=self.max_length, return_tensors="pt").to(self.device)
-                hidden = self.model(**enc).last_hidden_state.float()
-                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                out.append(torch.nn.functional.normalize(pooled, p=2, dim=1).cpu())
+                batch = list(texts[i:i + batch_size])
+                enc = self.tokenizer(batch, padding=True, truncation=True, max_length=self.max_length,
+                                     return_overflowing_tokens=True, return_tensors="pt")
+                owner = enc.pop("overflow_to_sample_mapping")  # window -> its text
+                sums = torch.zeros(len(batch), self.dim)
+                counts = torch.zeros(len(batch), 1)
+                for j in range(0, len(owner), batch_size):  # long texts: many windows, bounded forwards
+                    part = {k: v[j:j + batch_size].to(self.device) for k, v in enc.items()}
+                    hidden = self.model(**part).last_hidden_state.float()
+                    mask = part["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                    sums.index_add_(0, owner[j:j + batch_size], (hidden * mask).sum(1).cpu())
+                    counts.index_add_(0, owner[j:j + batch_size], mask.sum(1).cpu())
+                pooled = sums / counts.clamp(min=1e-9)
+                out.append(torch.nn.functional.normalize(pooled, p=2, dim=1))
         return torch.cat(out)
 
 
