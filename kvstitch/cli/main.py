@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from kvstitch.core.errors import InputError
 from kvstitch.engine.request import DEFAULT_METHOD
+from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS
 
 from .bench import bench_app
 from .common import budget_note, console, friendly_errors, load_engine
@@ -183,7 +184,7 @@ def _passages(query: str, chunk: list[Path], collection: Optional[str], top_k: i
 
 def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md documents"),
                store: str = typer.Option(..., "--store", help="store directory or redis://host:port/db"),
-               chunk_tokens: int = typer.Option(256, help="tokens per chunk"),
+               chunk_tokens: int = typer.Option(DOCUMENT_CHUNK_TOKENS, help="max tokens per chunk"),
                overlap: int = typer.Option(0, help="tokens of trailing sentences repeated in the next chunk"),
                batch_size: int = typer.Option(8, help="chunks per forward"),
                storage_dtype: str = typer.Option("float16", help="float16, bfloat16, float32 or int8"),

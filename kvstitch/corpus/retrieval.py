@@ -37,6 +37,7 @@ import torch
 
 from kvstitch.text.bm25 import BM25, bm25_tokens  # noqa: F401  (re-exported: the collection's fallback)
 from kvstitch.core.errors import InputError, KVStitchError
+from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS, chunk_directory
 
 log = logging.getLogger("kvstitch.retrieval")
 
@@ -372,7 +373,7 @@ class CollectionCache:
 
 # ---- building an index -----------------------------------------------------------------------------
 def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.PathLike,
-                chunk_tokens: int = 256, overlap: int = 0, embedder: str | Embedder | None = "auto",
+                chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0, embedder: str | Embedder | None = "auto",
                 precompute: bool = True, batch: int = 8, progress=None) -> Collection:
     """Chunk every ``*.txt``/``*.md`` in `docs_dir` with the engine's tokenizer, embed the chunks (BM25 when
     no embedding model: `embedder` "auto" | "bm25" | an `Embedder`), save under ``root/name`` and, with
@@ -380,7 +381,6 @@ def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.P
 
     ``progress(done, total)`` is called after each precompute batch. Returns the saved collection, with
     ``meta["precompute"]`` = `precompute_chunks`' report."""
-    from kvstitch.text.chunking import chunk_directory
 
     check_collection_name(name)
     pairs = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)

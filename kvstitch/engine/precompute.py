@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from kvstitch.core.chunk import ChunkKV
-from kvstitch.text.chunking import chunk_directory
+from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS, chunk_directory
 from kvstitch.core.anchors import AnchorSpec, anchor_scores
 from kvstitch.core.prompt import PromptBuilder
 from kvstitch.store.codec import roundtrip
@@ -204,14 +204,14 @@ def progress_bar(progress: bool = True):
     return Progress(*columns, disable=not progress)
 
 
-def directory_chunks(engine: ChunkComputer, docs_dir, chunk_tokens: int = 256,
+def directory_chunks(engine: ChunkComputer, docs_dir, chunk_tokens: int = DOCUMENT_CHUNK_TOKENS,
                      overlap: int = 0) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
     """``(document, chunk text)`` pairs of a folder and each chunk's token ids (as a request builds them)."""
     chunks = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
     return chunks, [engine.builder.encode_chunk(text) for _, text in chunks]
 
 
-def precompute_directory(engine: ChunkComputer, docs_dir, chunk_tokens: int = 256, overlap: int = 0,
+def precompute_directory(engine: ChunkComputer, docs_dir, chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0,
                          batch_size: int = 8, progress: bool = True) -> tuple[PrecomputeReport, list[tuple[str, str]]]:
     """Chunk every document, precompute the chunks missing from ``engine.store`` (after every canonical
     prefix: `PromptBuilder.canonical_prefixes`), write them back.

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from kvstitch.core.errors import InputError
 
+DOCUMENT_CHUNK_TOKENS = 256  # the default max chunk size of documents (index, precompute)
+
 _PARA = re.compile(r"\n[ \t]*\n\s*")
 # a unit ends after . ! ? or an ellipsis (optionally one closing quote/bracket) before spaces, or at a line break
 _SENT = re.compile(r"(?:(?<=[.!?\u2026])|(?<=[.!?\u2026][\"'\u201d\u2019)\]]))[ \t]+|[ \t]*\n\s*")
@@ -49,7 +51,7 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def chunk_text(text: str, tokenizer, chunk_tokens: int = 256, overlap: int = 0) -> list[str]:
+def chunk_text(text: str, tokenizer, chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0) -> list[str]:
     """Split `text` into chunks of at most `chunk_tokens` tokens at paragraph/sentence boundaries.
 
     `overlap`: up to this many tokens of whole trailing sentences of a chunk are repeated at the start of
@@ -127,7 +129,7 @@ def _split_tokens(tokenizer, sentence: str, chunk_tokens: int, overlap: int) -> 
     return out
 
 
-def chunk_directory(docs_dir, tokenizer, chunk_tokens: int = 256, overlap: int = 0) -> list[tuple[str, str]]:
+def chunk_directory(docs_dir, tokenizer, chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0) -> list[tuple[str, str]]:
     """``(doc_name, chunk)`` for every ``*.txt`` / ``*.md`` file directly in `docs_dir`, sorted by name."""
     root = Path(docs_dir)
     if not root.is_dir():
