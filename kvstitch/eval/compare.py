@@ -156,8 +156,7 @@ def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: s
             for r in qa]
         if not same_model:
             return "\n".join(lines) + "\n"
-        lines += ["", f"Below, both runs' NLL recovery is measured against {b}'s gap (two settings of one model; "
-                      f"across models read the own-gap columns above).", "", header, rule]
+        lines += ["", f"Below, both runs' NLL recovery is measured against {b}'s gap.", "", header, rule]
     for r in rows:
         ratio = _ratio_cell(r["ratio"])
         dnll = "–" if math.isnan(r["max_dnll"]) else f"{r['max_dnll']:.1e}"
