@@ -12,6 +12,11 @@ is the share of questions one of whose gold answers is in the retrieved text (SQ
         --budgets 1024,2048,4096 --out docs/results/squad/retrieval
 
 writes ``retrieval.json`` and ``retrieval.md`` (questions of the report split; n beside every figure).
+
+``--blocks 4`` adds "small-to-big" rows: the chunks are still what is embedded and ranked, but the context holds the
+fixed block of 4 consecutive chunks of its article that each retrieved chunk belongs to (each block once, in the
+order of its best chunk), as a store of 4-chunk caches would stitch them: the larger cache unit's stitching with the
+small unit's retrieval.
 """
 
 from __future__ import annotations
@@ -37,11 +42,32 @@ def answer_in(text: str, answers) -> bool:
     return any(f" {normalize_answer(a)} " in norm for a in answers if normalize_answer(a))
 
 
+def _unit(k: int) -> str:
+    return "the chunk" if k == 1 else f"its block of {k} chunks"
+
+
+def _retrieve(ranked, block, members, block_tokens, chunks, budget: int) -> str:
+    """The context a question gets: the blocks of its best chunks, each once, in the order of their best chunk,
+    until the next does not fit the budget (a block of one chunk: plain chunk retrieval)."""
+    used, taken = 0, {}
+    for i in ranked:
+        b = block[i]
+        if b in taken:
+            continue
+        if used + block_tokens[b] > budget:
+            break
+        used += block_tokens[b]
+        taken[b] = "\n\n".join(chunks[j] for j in members[b])
+    return "\n\n".join(taken.values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", default="100:1100", help="question range of the visiting order (100: the report split)")
     ap.add_argument("--chunk-tokens", default="128,256,512,1024")
     ap.add_argument("--budgets", default="1024,2048,4096", help="context tokens retrieved per question")
+    ap.add_argument("--blocks", default="",
+                    help="also retrieve chunks but stitch the blocks of K consecutive chunks holding them, e.g. 4")
     ap.add_argument("--model", default="qwen2.5-0.5b", help="whose tokenizer counts the tokens")
     ap.add_argument("--max-articles", type=int, default=None,
                     help="a collection of the first N articles only (and their questions): a quick check")
@@ -52,6 +78,7 @@ def main(argv=None) -> int:
     start, stop = (int(x) for x in args.samples.split(":"))
     sizes = [int(x) for x in args.chunk_tokens.split(",")]
     budgets = [int(x) for x in args.budgets.split(",")]
+    blocks = [1] + [int(x) for x in args.blocks.split(",") if x.strip()]
 
     from transformers import AutoTokenizer
 
@@ -65,37 +92,37 @@ def main(argv=None) -> int:
     q_emb = embedder.encode([q.text for q in questions])
     rows = []
     for size in sizes:
-        chunks, lengths = [], []
-        for paras in tqdm(articles, desc=f"chunking at {size}", leave=False):
-            for c in chunk_text("\n\n".join(paras), tokenizer, size):
+        chunks, lengths, block_of = [], [], []  # block_of[i][k]: (article, block) of chunk i in blocks of k
+        for a, paras in enumerate(tqdm(articles, desc=f"chunking at {size}", leave=False)):
+            for j, c in enumerate(chunk_text("\n\n".join(paras), tokenizer, size)):
                 chunks.append(c)
                 lengths.append(len(tokenizer.encode(c, add_special_tokens=False)))
+                block_of.append({k: (a, j // k) for k in blocks})
         emb = torch.cat([embedder.encode(chunks[i:i + 256]) for i in
                          tqdm(range(0, len(chunks), 256), desc=f"embedding {len(chunks)} chunks", leave=False)])
-        order = torch.argsort(q_emb @ emb.T, dim=1, descending=True)
-        for budget in budgets:
-            found = []
-            for q, ranked in zip(questions, order.tolist()):
-                used, text = 0, []
-                for i in ranked:
-                    if used + lengths[i] > budget:
-                        break
-                    used += lengths[i]
-                    text.append(chunks[i])
-                found.append(float(answer_in("\n\n".join(text), q.answers)))
-            rows.append({"chunk_tokens": size, "budget": budget, "n": len(found), "chunks": len(chunks),
-                         "mean_chunk_tokens": sum(lengths) / len(lengths),
-                         "answer_recall": sum(found) / len(found), "ci": bootstrap_mean_ci([found])})
+        order = torch.argsort(q_emb @ emb.T, dim=1, descending=True).tolist()
+        for k in blocks:
+            members: dict[tuple, list[int]] = {}
+            for i, b in enumerate(block_of):
+                members.setdefault(b[k], []).append(i)
+            block_tokens = {b: sum(lengths[i] for i in m) for b, m in members.items()}
+            block = [b[k] for b in block_of]
+            for budget in budgets:
+                found = [float(answer_in(_retrieve(ranked, block, members, block_tokens, chunks, budget), q.answers))
+                         for q, ranked in zip(questions, order)]
+                rows.append({"chunk_tokens": size, "block_chunks": k, "budget": budget, "n": len(found),
+                             "chunks": len(members), "mean_chunk_tokens": sum(block_tokens.values()) / len(members),
+                             "answer_recall": sum(found) / len(found), "ci": bootstrap_mean_ci([found])})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/squad_retrieval.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "retrieval.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
     lines = [f"Written by `{command}`: SQuAD v1.1 dev questions {start}-{stop - 1} over {len(articles)} "
              f"dev articles as one collection, MiniLM retrieval, {args.model}'s tokens.", "",
-             "| chunk tokens (max) | chunks | mean chunk tokens | context budget | n | answer recall |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['chunk_tokens']} | {r['chunks']} | {r['mean_chunk_tokens']:.0f} | {r['budget']} | {r['n']} | "
-              f"{fmt_ci(r['answer_recall'], r['ci'], 3)} |" for r in rows]
+             "| chunk tokens (max) | stitched unit | units | mean unit tokens | context budget | n | answer recall |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['chunk_tokens']} | {_unit(r['block_chunks'])} | {r['chunks']} | {r['mean_chunk_tokens']:.0f} | "
+              f"{r['budget']} | {r['n']} | {fmt_ci(r['answer_recall'], r['ci'], 3)} |" for r in rows]
     (out / "retrieval.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

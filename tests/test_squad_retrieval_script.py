@@ -27,15 +27,36 @@ def test_an_answer_counts_as_whole_normalised_words():
 def test_recall_per_chunk_size_and_budget(tmp_path):
     """Two articles as the collection: recall in [0, 1], never lower with a larger budget (the retrieved chunks at a
     larger budget include those at a smaller one), and a budget holding the whole collection finds almost every
-    answer (SQuAD's answers are spans of its paragraphs; the few that are fragments of a word are not whole words)."""
+    answer (SQuAD's answers are spans of its paragraphs; the few that are fragments of a word are not whole words).
+    `--blocks 2` (small-to-big): the same ranking of the same chunks, but each retrieved chunk brings its block of 2
+    (about half as many units, each about twice as long); over the whole collection blocks find every answer plain
+    chunks find, and a few more: their chunks are joined in document order, so an answer cut by a boundary is whole."""
     out = tmp_path / "r"
     assert _load().main(["--samples", "0:10570", "--chunk-tokens", "64,256", "--budgets", "128,512,100000",
-                         "--model", "smollm2", "--max-articles", "2", "--out", str(out)]) == 0
-    rows = json.loads((out / "retrieval.json").read_text())["rows"]
-    assert [(r["chunk_tokens"], r["budget"]) for r in rows] == [(64, 128), (64, 512), (64, 100000),
-                                                                 (256, 128), (256, 512), (256, 100000)]
+                         "--blocks", "2", "--model", "smollm2", "--max-articles", "2", "--out", str(out)]) == 0
+    rows = {(r["chunk_tokens"], r["block_chunks"], r["budget"]): r
+            for r in json.loads((out / "retrieval.json").read_text())["rows"]}
+    assert list(rows) == [(size, k, budget) for size in (64, 256) for k in (1, 2) for budget in (128, 512, 100000)]
     for size in (64, 256):
-        recall = [r["answer_recall"] for r in rows if r["chunk_tokens"] == size]
-        assert 0.0 <= recall[0] <= recall[1] <= recall[2] and recall[2] >= 0.98
-    assert rows[0]["chunks"] > rows[3]["chunks"] and rows[0]["n"] > 100  # smaller chunks: more of them
-    assert "| 256 |" in (out / "retrieval.md").read_text()
+        for k in (1, 2):
+            recall = [rows[(size, k, budget)]["answer_recall"] for budget in (128, 512, 100000)]
+            assert 0.0 <= recall[0] <= recall[1] <= recall[2] and recall[2] >= 0.98
+        assert rows[(size, 1, 100000)]["answer_recall"] <= rows[(size, 2, 100000)]["answer_recall"]
+    plain, blocks = rows[(64, 1, 128)], rows[(64, 2, 128)]
+    assert plain["chunks"] > rows[(256, 1, 128)]["chunks"] and plain["n"] > 100  # smaller chunks: more of them
+    assert plain["chunks"] / 2 <= blocks["chunks"] <= plain["chunks"] / 2 + 2  # an article's last block may hold one
+    assert 1.5 < blocks["mean_chunk_tokens"] / plain["mean_chunk_tokens"] <= 2.0
+    text = (out / "retrieval.md").read_text()
+    assert "| 256 | the chunk |" in text and "| 64 | its block of 2 chunks |" in text
+
+
+def test_a_block_enters_once_in_the_order_of_its_best_chunk():
+    retrieve = _load()._retrieve
+    chunks = ["a0", "a1", "a2", "b0"]
+    block = [("a", 0), ("a", 0), ("a", 1), ("b", 0)]
+    members = {("a", 0): [0, 1], ("a", 1): [2], ("b", 0): [3]}
+    tokens = {("a", 0): 20, ("a", 1): 10, ("b", 0): 10}
+    # chunk 1 ranks first: its block (chunks 0 and 1) comes first, in document order; chunk 0 adds nothing again
+    assert retrieve([1, 3, 0, 2], block, members, tokens, chunks, 40) == "a0\n\na1\n\nb0\n\na2"
+    assert retrieve([1, 3, 0, 2], block, members, tokens, chunks, 35) == "a0\n\na1\n\nb0"  # a2 does not fit
+    assert retrieve([2, 1], block, members, tokens, chunks, 25) == "a2"  # the next block cut off: stop there
