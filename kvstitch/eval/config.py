@@ -43,6 +43,7 @@ class EvalConfig:
     samples: tuple[int, int | None] = (0, None)  # the dataset's records start:stop (a split: calibrate / report)
     passages: int | None = None  # squad / squad2: paragraphs a question (None = `tasks.squad.DEFAULT_PASSAGES`)
     merge: int = 1  # join this many adjacent passages into one chunk
+    retrieve: dict | None = None  # squad over retrieval: {context_tokens, chunk_tokens, block_chunks}
     auto_methods: list[str] = field(default_factory=list)  # also run these at the "auto" ratio (not every method)
 
     def protocol(self) -> dict:
@@ -64,6 +65,11 @@ class EvalConfig:
                                 "passages": self.passages or squad.DEFAULT_PASSAGES, "merge": self.merge}
                 if self.dataset == "squad2":
                     p["dataset"]["instruction"] += squad.ABSTAIN_INSTRUCTION
+                if self.retrieve is not None:
+                    from kvstitch.tasks.squad_retrieval import embedder_name
+
+                    del p["dataset"]["passages"], p["dataset"]["merge"]
+                    p["dataset"]["retrieve"] = {**self.retrieve, "ranker": embedder_name()}
             else:
                 p["dataset"] = {"name": dataset_name(self.dataset), "instruction": SHORT_ANSWER}
                 if self.merge > 1:

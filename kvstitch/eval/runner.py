@@ -58,9 +58,7 @@ def spread_order(n: int) -> list[int]:
     return order
 
 
-def _token_counter(engine):
-    tok = engine.tokenizer
-
+def _token_counter(tok):
     def count(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))
 
@@ -138,7 +136,7 @@ def _model_desc(engine) -> dict:
     return json.loads(json.dumps(desc, default=str))
 
 
-def run_samples(cfg: EvalConfig, count) -> list[Sample]:
+def run_samples(cfg: EvalConfig, tokenizer) -> list[Sample]:
     """The run's samples in visiting order. A dataset: its records ``cfg.samples`` in file order (the first
     k done are the file's first k). Generated tasks: length-major; within a length, tasks round-robin over
     the indices in `spread_order`, so an interrupted run keeps every task at about the same n and depths
@@ -146,7 +144,9 @@ def run_samples(cfg: EvalConfig, count) -> list[Sample]:
     if cfg.dataset:
         from kvstitch.tasks.datasets import load_dataset
 
-        return load_dataset(cfg.dataset, *cfg.samples, passages=cfg.passages, merge=cfg.merge, seed=cfg.seed)
+        return load_dataset(cfg.dataset, *cfg.samples, passages=cfg.passages, merge=cfg.merge, seed=cfg.seed,
+                            retrieve=cfg.retrieve, tokenizer=tokenizer)
+    count = _token_counter(tokenizer)
     out = []
     for length in cfg.lengths:
         samples = {t: generate(t, cfg.n, length, cfg.chunk_tokens, cfg.seed, count, haystack=cfg.haystack)
@@ -188,7 +188,7 @@ def run_plan(engine, cfg: EvalConfig, rows: Sequence[dict], shard: tuple[int, in
     todo_combos = combos(cfg.methods, cfg.ratios, cfg.auto_methods)
     k_shard, n_shards = check_shard(shard)
     plan: list[tuple[Sample, list]] = []
-    for position, s in enumerate(run_samples(cfg, _token_counter(engine))):  # the place in the whole run: what a shard is cut by
+    for position, s in enumerate(run_samples(cfg, engine.tokenizer)):  # the place in the whole run: what a shard is cut by
         if position % n_shards != k_shard:
             continue
         todo = [(mm, r) for mm, r in todo_combos if (*_sample_key(s), mm, r) not in have]
