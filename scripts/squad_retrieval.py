@@ -29,36 +29,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvstitch.corpus.retrieval import get_embedder
+from kvstitch.corpus.retrieval import Chunk, get_embedder, group_blocks, take_units
 from kvstitch.eval.rows import bootstrap_mean_ci, fmt_ci
 from kvstitch.models.loader import resolve_model
-from kvstitch.tasks.grading import normalize_answer
 from kvstitch.tasks.squad import read_squad
+from kvstitch.tasks.squad_retrieval import answer_in
 from kvstitch.text.chunking import chunk_text
-
-
-def answer_in(text: str, answers) -> bool:
-    norm = f" {normalize_answer(text)} "
-    return any(f" {normalize_answer(a)} " in norm for a in answers if normalize_answer(a))
 
 
 def _unit(k: int) -> str:
     return "the chunk" if k == 1 else f"its block of {k} chunks"
 
 
-def _retrieve(ranked, block, members, block_tokens, chunks, budget: int) -> str:
-    """The context a question gets: the blocks of its best chunks, each once, in the order of their best chunk,
-    until the next does not fit the budget (a block of one chunk: plain chunk retrieval)."""
-    used, taken = 0, {}
-    for i in ranked:
-        b = block[i]
-        if b in taken:
-            continue
-        if used + block_tokens[b] > budget:
-            break
-        used += block_tokens[b]
-        taken[b] = "\n\n".join(chunks[j] for j in members[b])
-    return "\n\n".join(taken.values())
+def _retrieve(ranked, chunks: list[Chunk], blocks: list[Chunk] | None, budget: int) -> str:
+    """The context a question gets: the units of its best chunks (`kvstitch.corpus.retrieval.take_units`, as a
+    collection's search takes them) until the next does not fit the budget."""
+    units = chunks if blocks is None else blocks
+    return "\n\n".join(units[u].text for u, _ in take_units(ranked, chunks, blocks, max_tokens=budget))
 
 
 def main(argv=None) -> int:
@@ -92,26 +79,26 @@ def main(argv=None) -> int:
     q_emb = embedder.encode([q.text for q in questions])
     rows = []
     for size in sizes:
-        chunks, lengths, block_of = [], [], []  # block_of[i][k]: (article, block) of chunk i in blocks of k
+        chunks = []
         for a, paras in enumerate(tqdm(articles, desc=f"chunking at {size}", leave=False)):
-            for j, c in enumerate(chunk_text("\n\n".join(paras), tokenizer, size)):
-                chunks.append(c)
-                lengths.append(len(tokenizer.encode(c, add_special_tokens=False)))
-                block_of.append({k: (a, j // k) for k in blocks})
-        emb = torch.cat([embedder.encode(chunks[i:i + 256]) for i in
-                         tqdm(range(0, len(chunks), 256), desc=f"embedding {len(chunks)} chunks", leave=False)])
+            chunks += [Chunk(id=f"article{a}#{j}", doc=f"article{a}", text=c,
+                             n_tokens=len(tokenizer.encode(c, add_special_tokens=False)))
+                       for j, c in enumerate(chunk_text("\n\n".join(paras), tokenizer, size))]
+        texts = [c.text for c in chunks]
+        emb = torch.cat([embedder.encode(texts[i:i + 256]) for i in
+                         tqdm(range(0, len(texts), 256), desc=f"embedding {len(texts)} chunks", leave=False)])
         order = torch.argsort(q_emb @ emb.T, dim=1, descending=True).tolist()
         for k in blocks:
-            members: dict[tuple, list[int]] = {}
-            for i, b in enumerate(block_of):
-                members.setdefault(b[k], []).append(i)
-            block_tokens = {b: sum(lengths[i] for i in m) for b, m in members.items()}
-            block = [b[k] for b in block_of]
+            units = group_blocks(chunks, k) if k > 1 else None
+            for c in chunks if units else []:  # a block's tokens: its chunks' (the separators not counted)
+                units[c.block].n_tokens += c.n_tokens
+            n_units = len(units or chunks)
+            mean_tokens = sum(u.n_tokens for u in (units or chunks)) / n_units
             for budget in budgets:
-                found = [float(answer_in(_retrieve(ranked, block, members, block_tokens, chunks, budget), q.answers))
+                found = [float(answer_in(_retrieve(ranked, chunks, units, budget), q.answers))
                          for q, ranked in zip(questions, order)]
                 rows.append({"chunk_tokens": size, "block_chunks": k, "budget": budget, "n": len(found),
-                             "chunks": len(members), "mean_chunk_tokens": sum(block_tokens.values()) / len(members),
+                             "chunks": n_units, "mean_chunk_tokens": mean_tokens,
                              "answer_recall": sum(found) / len(found), "ci": bootstrap_mean_ci([found])})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -51,12 +51,13 @@ def test_recall_per_chunk_size_and_budget(tmp_path):
 
 
 def test_a_block_enters_once_in_the_order_of_its_best_chunk():
+    from kvstitch.corpus.retrieval import Chunk, group_blocks
+
     retrieve = _load()._retrieve
-    chunks = ["a0", "a1", "a2", "b0"]
-    block = [("a", 0), ("a", 0), ("a", 1), ("b", 0)]
-    members = {("a", 0): [0, 1], ("a", 1): [2], ("b", 0): [3]}
-    tokens = {("a", 0): 20, ("a", 1): 10, ("b", 0): 10}
+    chunks = [Chunk(f"{d}#{j}", d, f"{d}{j}", n_tokens=10) for d, j in (("a", 0), ("a", 1), ("a", 2), ("b", 0))]
+    blocks = group_blocks(chunks, 2)  # a0+a1, a2, b0
+    blocks[0].n_tokens, blocks[1].n_tokens, blocks[2].n_tokens = 20, 10, 10
     # chunk 1 ranks first: its block (chunks 0 and 1) comes first, in document order; chunk 0 adds nothing again
-    assert retrieve([1, 3, 0, 2], block, members, tokens, chunks, 40) == "a0\n\na1\n\nb0\n\na2"
-    assert retrieve([1, 3, 0, 2], block, members, tokens, chunks, 35) == "a0\n\na1\n\nb0"  # a2 does not fit
-    assert retrieve([2, 1], block, members, tokens, chunks, 25) == "a2"  # the next block cut off: stop there
+    assert retrieve([1, 3, 0, 2], chunks, blocks, 40) == "a0\n\na1\n\nb0\n\na2"
+    assert retrieve([1, 3, 0, 2], chunks, blocks, 39) == "a0\n\na1\n\nb0"  # the next block does not fit
+    assert retrieve([1, 3, 0, 2], chunks, None, 20) == "a1\n\nb0"  # no blocks: the chunks themselves

@@ -304,22 +304,8 @@ class Collection:
         scores, _ = self.scores(query, embedder)
         # stable: sort by (-score, index)
         order = sorted(range(len(self.chunks)), key=lambda i: (-float(scores[i]), i))
-        hits: list[Hit] = []
-        seen: set[int] = set()
-        used = 0
-        for i in order:
-            unit = i if self.blocks is None else self.chunks[i].block
-            if unit in seen:
-                continue
-            if max_tokens is not None:
-                if used + self.units[unit].n_tokens > max_tokens:
-                    break
-                used += self.units[unit].n_tokens
-            seen.add(unit)
-            hits.append(Hit(len(hits), float(scores[i]), self.units[unit]))
-            if k is not None and len(hits) == k:
-                break
-        return hits
+        taken = take_units(order, self.chunks, self.blocks, k, max_tokens)
+        return [Hit(r, float(scores[i]), self.units[u]) for r, (u, i) in enumerate(taken)]
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, root: str | os.PathLike) -> Path:
@@ -349,6 +335,30 @@ class Collection:
         _atomic_write(d / META, (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
         self.meta, self.path = meta, d
         return d
+
+
+def take_units(order, chunks: list[Chunk], blocks: list[Chunk] | None, k: int | None = None,
+               max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Chunks ranked best first (`order`, chunk indices) -> the units a question gets: (unit index, its best
+    chunk), each unit once in the order of its best chunk (a chunk's unit: its block, or itself without
+    blocks), until `k` are taken or the next would take the units' tokens past `max_tokens`."""
+    units = chunks if blocks is None else blocks
+    taken: list[tuple[int, int]] = []
+    seen: set[int] = set()
+    used = 0
+    for i in order:
+        unit = i if blocks is None else chunks[i].block
+        if unit in seen:
+            continue
+        if max_tokens is not None:
+            if used + units[unit].n_tokens > max_tokens:
+                break
+            used += units[unit].n_tokens
+        seen.add(unit)
+        taken.append((unit, i))
+        if k is not None and len(taken) == k:
+            break
+    return taken
 
 
 def _jsonl(chunks: list[Chunk]) -> bytes:
