@@ -66,7 +66,8 @@ def index_command(
                           block_chunks=block_chunks)
     pre = col.meta["precompute"]
     blocks = f" in {len(col.blocks)} blocks of {block_chunks}" if col.blocks is not None else ""
-    console.print(f"collection [bold]{collection}[/]: {len(col)} chunks{blocks} from {col.meta['documents']} documents, "
+    console.print(f"collection [bold]{collection}[/]: {len(col)} chunks{blocks} from {col.meta['documents']} "
+                  f"documents, "
                   f"{col.backend} index ({col.meta['embed_model'] or 'BM25'}) at {col.path}", highlight=False)
     if precompute:
         console.print(f"chunk caches: {pre['computed']} computed, {pre['already_stored']} already stored "

@@ -506,7 +506,8 @@ def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.P
         stats = precompute_chunks(engine, [c.text for c in (blocks or chunks)], batch, progress)
 
     meta = {"docs_dir": str(Path(docs_dir).resolve()), "documents": len(per_doc), "chunk_tokens": chunk_tokens,
-            "block_chunks": block_chunks, "overlap": overlap, "embed_model": emb_model.name if emb_model is not None else None,
+            "block_chunks": block_chunks, "overlap": overlap,
+            "embed_model": emb_model.name if emb_model is not None else None,
             "embed_s": round(embed_s, 3), "model_fingerprint": engine.fingerprint,
             "store_dtype": getattr(engine.store, "storage_dtype", None), "precompute": stats,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
