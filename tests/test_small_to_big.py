@@ -157,3 +157,20 @@ def test_an_eval_over_retrieval_records_its_protocol(small_squad, smollm_tokeniz
 def test_eval_refuses_retrieval_options_that_do_not_fit(args, says):
     res = CliRunner().invoke(app, ["eval", *args, "--out", "/nonexistent/never-written"])
     assert res.exit_code != 0 and says in res.output
+
+
+def test_the_summary_says_how_often_retrieval_brought_the_answer(tmp_path):
+    from kvstitch.eval.qa_report import squad_sections
+
+    def row(i, method, gold, correct):
+        return {"task": "squad_r2048_c256", "index": i, "method": method, "ratio": None if method == "full" else 0.1,
+                "gold_position": gold, "depth": None if gold is None else 0.0, "answerable": True, "correct": correct,
+                "pred": "x", "score": float(correct), "em": float(correct), "ttft_s": 1.0, "ttft_full_s": 2.0}
+
+    rows = [row(0, "full", 0, True), row(1, "full", None, True), row(2, "full", None, False), row(3, "full", 2, False)]
+    rows += [{**r, "method": "prophet", "ratio": 0.1} for r in rows]
+    parts, _ = squad_sections(rows, tmp_path, "squad_r2048_c256")
+    assert ("The answer is in the retrieved context for 2 of 4 answerable questions; full prefill is right on 1 of the "
+            "2 others.") in parts
+    parts, _ = squad_sections([r for r in rows if r["gold_position"] is not None], tmp_path, "x")
+    assert not any("retrieved context" in p for p in parts)  # passages given, not retrieved: no such line

@@ -198,6 +198,12 @@ def squad_sections(rows: Sequence[dict], out: Path, name: str) -> tuple[list[str
              "correctly. Same answer: SQuAD-normalised first line equal to full prefill's, over every answerable "
              "question. F1 / EM: SQuAD's official scores, as % of full prefill's on the same questions.", "",
              answers_table(rows), ""]
+    full = [r for r in rows if r.get("method") == "full" and r.get("answerable", True)]
+    missed = [r for r in full if "gold_position" in r and r["gold_position"] is None]
+    if missed:  # retrieved prompts (--retrieve): how often retrieval brought the answer at all
+        parts += [f"The answer is in the retrieved context for {len(full) - len(missed)} of {len(full)} answerable "
+                  f"questions; full prefill is right on {sum(bool(r.get('correct')) for r in missed)} of the "
+                  f"{len(missed)} others.", ""]
     ab = abstention_table(rows)
     if ab:
         parts += ["Unanswerable questions (SQuAD v2.0): where full prefill abstains, does the method abstain too, "
