@@ -33,7 +33,7 @@ from kvstitch.corpus.retrieval import Chunk, get_embedder, group_blocks, take_un
 from kvstitch.eval.rows import bootstrap_mean_ci, fmt_ci
 from kvstitch.models.loader import resolve_model
 from kvstitch.tasks.squad import read_squad
-from kvstitch.tasks.squad_retrieval import answer_in
+from kvstitch.eval.squad_retrieval import answer_in
 from kvstitch.text.chunking import chunk_text
 
 

@@ -175,12 +175,13 @@ def test_runs_of_two_models_get_only_the_answers_kept_table(tmp_path):
 
 
 def test_across_tasks_matches_the_same_samples_prompted_two_ways(tmp_path):
-    """--merge-passages renames the task (squad_p40 -> squad_p40_m4): --across-tasks pairs its samples anyway."""
+    """--merge-passages renames the task (squad_p40 -> squad_p40_m4), --retrieve with another --chunk-tokens also
+    changes the rows' chunk size: --across-tasks pairs their samples anyway."""
     base, other = _runs()
-    for name, rows, task in (("a", base, "squad_p40"), ("b", other, "squad_p40_m4")):
+    for name, rows, task, size in (("a", base, "squad_p40", 256), ("b", other, "squad_p40_m4", 128)):
         (tmp_path / name).mkdir()
         for r in rows:
-            append_jsonl(tmp_path / name / "results.jsonl", dict(r, task=task))
+            append_jsonl(tmp_path / name / "results.jsonl", dict(r, task=task, chunk_tokens=size))
     with pytest.raises(InputError, match="share no"):
         write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o")
     _, _, rows = write_comparison(tmp_path / "a", tmp_path / "b", tmp_path / "o", across_tasks=True)

@@ -52,6 +52,7 @@ SIBLING_DEPENDENCIES: dict[tuple[str, str], str] = {
     ("kvstitch.eval", "kvstitch.serve"): "calibrate updates the server's TOML config (load_toml)",
     ("kvstitch.bench", "kvstitch.serve"): "the load test runs a real server",
     ("kvstitch.bench", "kvstitch.corpus"): "the precompute bench times the Ray path",
+    ("kvstitch.eval", "kvstitch.corpus"): "SQuAD over retrieval ranks with a collection (eval --retrieve)",
 }
 
 # (importer prefix, imported prefix) inside one layer that must not import each other

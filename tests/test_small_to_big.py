@@ -14,8 +14,8 @@ from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.corpus import retrieval
 from kvstitch.corpus.retrieval import Chunk, Collection, build_index, group_blocks, load_collection
 from kvstitch.eval.runner import EvalConfig, run_eval
-from kvstitch.tasks import squad, squad_retrieval
-from kvstitch.tasks.datasets import load_dataset
+from kvstitch.eval import squad_retrieval
+from kvstitch.tasks import squad
 
 from .conftest import make_tiny_engine
 
@@ -114,7 +114,7 @@ def small_squad(tmp_path, monkeypatch):
 
 def test_squad_over_retrieval_fills_the_budget_best_first_and_finds_the_gold_unit(small_squad, smollm_tokenizer):
     spec = {"context_tokens": 120, "chunk_tokens": 24, "block_chunks": 2}
-    samples = load_dataset("squad", 0, 8, retrieve=spec, tokenizer=smollm_tokenizer)
+    samples = squad_retrieval.load_squad_retrieved("squad", smollm_tokenizer, start=0, stop=8, **spec)
     col = squad_retrieval.squad_collection("squad", smollm_tokenizer, 24, 2)
     assert len(samples) == 8 and col.blocks is not None and col.backend == "bm25"
     size = {b.text: b.n_tokens for b in col.blocks}
@@ -127,12 +127,10 @@ def test_squad_over_retrieval_fills_the_budget_best_first_and_finds_the_gold_uni
     assert len(hall) >= 6  # BM25 ranks the paragraph naming the hall first for most questions
     # built once: a second process (cache cleared) loads the saved collection, same units
     squad_retrieval.squad_collection.cache_clear()
-    again = load_dataset("squad", 0, 8, retrieve=spec, tokenizer=smollm_tokenizer)
+    again = squad_retrieval.load_squad_retrieved("squad", smollm_tokenizer, start=0, stop=8, **spec)
     assert [s.chunks for s in again] == [s.chunks for s in samples]
-    with pytest.raises(InputError, match="--passages"):
-        load_dataset("squad", 0, 1, passages=10, retrieve=spec, tokenizer=smollm_tokenizer)
-    with pytest.raises(InputError, match="SQuAD"):
-        load_dataset("musique", 0, 1, retrieve=spec, tokenizer=smollm_tokenizer)
+    with pytest.raises(InputError, match="outside"):
+        squad_retrieval.load_squad_retrieved("squad", smollm_tokenizer, start=100, stop=101, **spec)
 
 
 def test_an_eval_over_retrieval_records_its_protocol(small_squad, smollm_tokenizer, tmp_path):

@@ -278,7 +278,7 @@ def _retrieval(dataset: Optional[str], retrieve: Optional[int], chunk_tokens: in
             raise InputError("--block-chunks shapes what --retrieve stitches: give --retrieve TOKENS too")
         return None
     from kvstitch.tasks.squad import FILES
-    from kvstitch.tasks.squad_retrieval import check_retrieval
+    from kvstitch.eval.squad_retrieval import check_retrieval
 
     if dataset not in FILES:
         raise InputError(f"--retrieve retrieves from SQuAD's dev set: use it with --dataset squad or squad2")

@@ -193,8 +193,8 @@ def write_comparison(base: str | os.PathLike, other: str | os.PathLike, out: str
                      across_tasks: bool = False) -> tuple[Path, Path, list[dict]]:
     """Compare two eval outputs (only `tasks` / `lengths` when given); write ``<out>/<name>.md`` and
     ``<out>/<name>.json`` -> (md, json, rows). ``across_tasks``: each run holds one task and the two differ
-    only in how the same samples were prompted (e.g. ``--merge-passages``): rows are matched by sample, not
-    by task name."""
+    only in how the same samples were prompted (e.g. ``--merge-passages``, ``--chunk-tokens`` with
+    ``--retrieve``): rows are matched by sample, not by task name or chunk size."""
     pa, pb = _results(base), _results(other)
 
     def keep(r: dict) -> bool:
@@ -207,7 +207,7 @@ def write_comparison(base: str | os.PathLike, other: str | os.PathLike, out: str
             if len(names) > 1:
                 raise InputError(f"{p}: matching samples across tasks needs one task per run, this one holds "
                                  f"{', '.join(names)} (choose one with --tasks)")
-        runs = [[dict(r, task="") for r in rs] for rs in runs]
+        runs = [[dict(r, task="", chunk_tokens=None) for r in rs] for rs in runs]  # the prompt's shape differs
     rows = compare_runs(*runs)
     if not rows:
         raise InputError(f"{pa} and {pb} share no (sample, method, ratio) rows: nothing to compare")

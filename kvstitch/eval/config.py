@@ -66,7 +66,7 @@ class EvalConfig:
                 if self.dataset == "squad2":
                     p["dataset"]["instruction"] += squad.ABSTAIN_INSTRUCTION
                 if self.retrieve is not None:
-                    from kvstitch.tasks.squad_retrieval import embedder_name
+                    from .squad_retrieval import embedder_name
 
                     del p["dataset"]["passages"], p["dataset"]["merge"]
                     p["dataset"]["retrieve"] = {**self.retrieve, "ranker": embedder_name()}

@@ -144,8 +144,12 @@ def run_samples(cfg: EvalConfig, tokenizer) -> list[Sample]:
     if cfg.dataset:
         from kvstitch.tasks.datasets import load_dataset
 
-        return load_dataset(cfg.dataset, *cfg.samples, passages=cfg.passages, merge=cfg.merge, seed=cfg.seed,
-                            retrieve=cfg.retrieve, tokenizer=tokenizer)
+        if cfg.retrieve is not None:
+            from .squad_retrieval import load_squad_retrieved
+
+            return load_squad_retrieved(cfg.dataset, tokenizer, start=cfg.samples[0], stop=cfg.samples[1],
+                                        **cfg.retrieve)
+        return load_dataset(cfg.dataset, *cfg.samples, passages=cfg.passages, merge=cfg.merge, seed=cfg.seed)
     count = _token_counter(tokenizer)
     out = []
     for length in cfg.lengths:

@@ -157,23 +157,14 @@ def to_sample(rec: object, where: str, task: str, index: int) -> Sample:
 
 
 def load_dataset(spec: str, start: int = 0, stop: int | None = None, *, passages: int | None = None,
-                 merge: int = 1, seed: int = 0, retrieve: dict | None = None, tokenizer=None) -> list[Sample]:
+                 merge: int = 1, seed: int = 0) -> list[Sample]:
     """Samples ``start`` .. ``stop`` (exclusive; None = to the end) of a dataset file or bundled name. Every
     record of the file is checked, so a bad record fails the run before any model time is spent.
     ``squad`` / ``squad2`` are built from SQuAD's articles (`kvstitch.tasks.squad`: ``passages`` paragraphs a
     question, ``seed`` their draw); ``merge`` > 1 joins every ``merge`` adjacent passages into one chunk.
-    ``retrieve`` ({context_tokens, chunk_tokens, block_chunks}): SQuAD questions over what a retriever returns
-    from the whole dev set instead (`kvstitch.tasks.squad_retrieval`, chunked with ``tokenizer``)."""
+    (SQuAD over retrieval from the whole dev set: `kvstitch.eval.squad_retrieval`.)"""
     from .squad import FILES as SQUAD, DEFAULT_PASSAGES, load_squad
 
-    if retrieve is not None:
-        from .squad_retrieval import load_squad_retrieved
-
-        if spec not in SQUAD:
-            raise InputError(f"--retrieve retrieves from SQuAD's dev set (squad / squad2), not {spec!r}")
-        if passages is not None or merge != 1:
-            raise InputError("--retrieve chooses a question's passages itself: drop --passages / --merge-passages")
-        return load_squad_retrieved(spec, tokenizer, start=start, stop=stop, **retrieve)
     if spec in SQUAD:
         return load_squad(spec, DEFAULT_PASSAGES if passages is None else passages, seed, start, stop, merge)
     if passages is not None:

@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from kvstitch.core.errors import InputError, KVStitchError
-from .grading import normalize_answer
-from .squad import ANSWER_TOKENS, INSTRUCTION, ABSTAIN_INSTRUCTION, read_squad
-from .tasks import Sample
+from kvstitch.tasks.grading import normalize_answer
+from kvstitch.tasks.squad import ANSWER_TOKENS, INSTRUCTION, ABSTAIN_INSTRUCTION, read_squad
+from kvstitch.tasks.tasks import Sample
 
 
 def task_name(version: str, context_tokens: int, chunk_tokens: int, block_chunks: int = 1) -> str:
@@ -54,7 +54,7 @@ def squad_collection(version: str, tokenizer, chunk_tokens: int, block_chunks: i
     from kvstitch.corpus.retrieval import load_collection
     from kvstitch.models.loader import cache_root
 
-    from .squad import FILES
+    from kvstitch.tasks.squad import FILES
 
     ranker = embedder_name()
     key = json.dumps([FILES[version], getattr(tokenizer, "name_or_path", ""), len(tokenizer), chunk_tokens,
