@@ -241,16 +241,15 @@ def eval_command(
     console = Console(stderr=True)
     if threads:
         torch.set_num_threads(threads)
-    lengths = _lengths(length)
     check_precompute(precompute_mode)  # before the model loads
-    retrieval = _retrieval(dataset, retrieve, chunk_tokens, block_chunks)
-    records = _records(dataset, samples, n, passages, merge_passages, seed, retrieval)
+    records, retrieval = _records(dataset, samples, n, passages, merge_passages, seed,
+                                  _retrieval(dataset, retrieve, chunk_tokens, block_chunks))
     shard_kn = parse_shard(shard)
     haystack = _haystack(haystack)
     ratio_list, auto = _auto_options(ratios, tol=auto_tol, max_ratio=auto_max_ratio, probe_tokens=auto_probe_tokens,
                                      mode=auto_mode, schedule=auto_schedule, min_p=auto_min_p,
                                      verify_chunks=auto_verify_chunks)
-    cfg = EvalConfig(tasks=csv_list(tasks), lengths=lengths, methods=resolve_methods(methods, exclude),
+    cfg = EvalConfig(tasks=csv_list(tasks), lengths=_lengths(length), methods=resolve_methods(methods, exclude),
                      ratios=ratio_list, n=20 if n is None else n, chunk_tokens=chunk_tokens, seed=seed,
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, overlap=overlap,
                      storage_dtype=storage_dtype, precompute_mode=precompute_mode, haystack=haystack, auto=auto,
@@ -287,14 +286,14 @@ def _retrieval(dataset: Optional[str], retrieve: Optional[int], chunk_tokens: in
 
 
 def _records(dataset: Optional[str], samples: str, n: Optional[int], passages: Optional[int], merge: int,
-             seed: int, retrieval: Optional[dict] = None) -> tuple[int, Optional[int]]:
-    """The (start, stop) records of ``--dataset``, its file read once so that a malformed one fails before the
-    model loads; the dataset-only options are refused for generated tasks."""
+             seed: int, retrieval: Optional[dict] = None) -> tuple[tuple[int, Optional[int]], Optional[dict]]:
+    """(the (start, stop) records of ``--dataset``, `retrieval`): its file read once so that a malformed one fails
+    before the model loads; the dataset-only options are refused for generated tasks."""
     if not dataset:
         if samples or passages is not None or merge != 1:
             raise InputError("--samples, --passages and --merge-passages select and shape the records of a "
                              "--dataset; generated tasks take --n")
-        return 0, None
+        return (0, None), None
     from kvstitch.tasks.datasets import load_dataset, sample_range
 
     records = sample_range(samples, n)
@@ -306,9 +305,9 @@ def _records(dataset: Optional[str], samples: str, n: Optional[int], passages: O
         if records[0] >= len(read_squad(dataset).questions):
             raise InputError(f"--samples {samples} starts past {dataset}'s {len(read_squad(dataset).questions)} "
                              "questions")
-        return records
+        return records, retrieval
     load_dataset(dataset, *records, passages=passages, merge=merge, seed=seed)
-    return records
+    return records, None
 
 
 def _haystack(name: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from functools import lru_cache
 
 import torch
@@ -26,6 +27,8 @@ from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.tasks.grading import normalize_answer
 from kvstitch.tasks.squad import ANSWER_TOKENS, INSTRUCTION, ABSTAIN_INSTRUCTION, read_squad
 from kvstitch.tasks.tasks import Sample
+
+log = logging.getLogger("kvstitch.eval")
 
 
 def task_name(version: str, context_tokens: int, chunk_tokens: int, block_chunks: int = 1) -> str:
@@ -51,7 +54,7 @@ def squad_collection(version: str, tokenizer, chunk_tokens: int, block_chunks: i
     """The dev set's articles as one `Collection` (documents ``article<i>``): built once (minutes: chunking at
     sentence boundaries re-tokenises, and every chunk is embedded) and kept under
     ``$KVSTITCH_CACHE/squad-collections``, keyed by everything that shapes it."""
-    from kvstitch.corpus.retrieval import load_collection
+    from kvstitch.corpus.retrieval import CollectionNotFound, load_collection
     from kvstitch.models.loader import cache_root
 
     from kvstitch.tasks.squad import FILES
@@ -63,8 +66,10 @@ def squad_collection(version: str, tokenizer, chunk_tokens: int, block_chunks: i
     root = cache_root() / "squad-collections"
     try:
         return load_collection(name, root)
-    except KVStitchError:  # not built yet (or damaged: rebuilt)
-        pass
+    except CollectionNotFound:  # the first run on this machine builds it
+        log.info("building %s under %s", name, root)
+    except KVStitchError as e:  # damaged (an interrupted write): rebuilt
+        log.warning("rebuilding %s: %s", name, e)
     col = _build_collection(version, tokenizer, chunk_tokens, block_chunks, name)
     col.meta = {"key": key}
     col.save(root)
