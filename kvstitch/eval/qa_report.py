@@ -27,7 +27,7 @@ from kvstitch.tasks.agreement import same_answer
 
 from .plots import plot_pareto
 from .rows import (REFERENCES, new_figure, fmt_num, mean_of, colour_cycle, ratio_cell, ratio_of_means, save_png,
-                     bootstrap_mean_ci, fmt_ci, method_key, norm_ratio, ratio_key, sample_key)
+                     mean_ci_cell, method_key, norm_ratio, ratio_key, sample_key, ttft_speedup)
 
 
 def is_squad(rows: Sequence[dict]) -> bool:
@@ -64,10 +64,10 @@ def answers_table(rows: Sequence[dict]) -> str:
         kept = [float(bool(x["correct"])) for x in right]
         same = [float(same_answer(x.get("pred", ""), full[sample_key(x)].get("pred", ""))) for x in g]
         lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | {len(right)} | "
-                     f"{fmt_ci(mean_of(kept), bootstrap_mean_ci([kept]), 2)} | "
-                     f"{fmt_ci(mean_of(same), bootstrap_mean_ci([same]), 2)} | {_pct_of_full(g, full, 'score')} | "
+                     f"{mean_ci_cell(kept, 2)} | "
+                     f"{mean_ci_cell(same, 2)} | {_pct_of_full(g, full, 'score')} | "
                      f"{_pct_of_full(g, full, 'em')} | "
-                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
+                     f"{fmt_num(ttft_speedup(g), 2)} | "
                      f"{fmt_num(mean_of(x.get('select_s') for x in g), 3)} |")
     return "\n".join(lines) + "\n"
 
@@ -87,8 +87,8 @@ def abstention_table(rows: Sequence[dict]) -> str:
         kept = [float(bool(x.get("abstained"))) for x in abstained]
         invented = [1.0 - k for k in kept]
         lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | {len(abstained)} | "
-                     f"{fmt_ci(mean_of(kept), bootstrap_mean_ci([kept]), 3)} | "
-                     f"{fmt_ci(mean_of(invented), bootstrap_mean_ci([invented]), 3)} |")
+                     f"{mean_ci_cell(kept, 3)} | "
+                     f"{mean_ci_cell(invented, 3)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,7 +113,7 @@ def paired_kept_table(rows: Sequence[dict]) -> str:
             diff = [by[a][s] - by[b][s] for s in common]
             lines.append(f"| {ratio_cell(a[1])} | {a[0]} | {b[0]} | {len(common)} | "
                          f"{mean_of(by[a][s] for s in common):.2f} | {mean_of(by[b][s] for s in common):.2f} | "
-                         f"{fmt_ci(mean_of(diff), bootstrap_mean_ci([diff]), 2)} |")
+                         f"{mean_ci_cell(diff, 2)} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
@@ -148,7 +148,7 @@ def auto_bound_table(rows: Sequence[dict]) -> str:
             paid = tries if k is None else tries[:k + 1]
             cascade.append(sum(float(x["ttft_s"]) for x in paid) + (t_full if k is None else 0.0))
         lines.append(f"| {m} | {', '.join(ratio_cell(r) for r in ratios)} | {len(common)} | "
-                     f"{fmt_ci(mean_of(first), bootstrap_mean_ci([first]), 2)} | "
+                     f"{mean_ci_cell(first, 2)} | "
                      f"{fmt_num(ratio_of_means(full_t, clair), 2)} | {fmt_num(ratio_of_means(full_t, cascade), 2)} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 

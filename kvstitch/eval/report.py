@@ -19,7 +19,7 @@ from .plots import PANELS, plot_accuracy_vs_ratio  # noqa: F401  (part of this m
 from .plots import plot_niah_heatmap, plot_pareto, plot_vs_ratio
 from .rows import (REFERENCES, as_number, mean_of, median_of, method_key, ratio_key, ratio_cell, fmt_num,
                    bootstrap_mean_ci, bootstrap_ratio_ci, fmt_ci, sample_id, group_rows, norm_ratio,
-                   sample_key, ratio_of_means)
+                   sample_key, ratio_of_means, mean_ci_cell, ttft_speedup)
 from .rows import naive_nll_by_sample, pooled_recovery, pooled_recovery_ci  # noqa: F401  (part of this module's API)
 
 
@@ -118,7 +118,7 @@ def fidelity_table(rows: Sequence[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ci(g, field, digits):  # mean [95% CI]
-        return fmt_ci(mean_of(x.get(field) for x in g), bootstrap_mean_ci([[x.get(field) for x in g]]), digits)
+        return mean_ci_cell([x.get(field) for x in g], digits)
 
     for key in sorted(groups, key=lambda k: (method_key(str(k[0])), ratio_key(k[1]))):
         g = groups[key]
@@ -194,12 +194,12 @@ def agreement_table(rows: Sequence[dict]) -> str:
         fell = (f"{sum(1 for x in falls if _fell_back(x)) / len(falls):.2f}"
                 if falls else "–")
         lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | "
-                     f"{fmt_ci(mean_of(agree), bootstrap_mean_ci([agree]), 2)} | "
+                     f"{mean_ci_cell(agree, 2)} | "
                      f"{fmt_num(mean_of(float(bool(x['agree_first'])) for x in g), 2)} | {fmt_num(100 * pct, 1)} | "
                      f"{fmt_ci(pooled_recovery(g, naive_nll), pooled_recovery_ci(g, naive_nll), 2)} | "
                      f"{fmt_num(mean_of(_used(x) for x in g), 3)} | "
                      f"{fmt_num(mean_of(x.get('recompute_cost') or _used(x) for x in g), 3)} | "
-                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} | "
+                     f"{fmt_num(ttft_speedup(g), 2)} | "
                      f"{fell} |")
     return "\n".join(lines) + "\n"
 
@@ -249,12 +249,12 @@ def kept_table(rows: Sequence[dict]) -> str:
         still = [float(bool(x["correct"])) for x in right]
         em = [x.get("em") for x in g if x.get("em") is not None]
         lines.append(f"| {m} | {'–' if ratio is None else ratio_cell(ratio)} | {len(g)} | "
-                     f"{fmt_ci(mean_of(agree), bootstrap_mean_ci([agree]), 2)} | {len(right)} | "
-                     f"{fmt_ci(mean_of(kept), bootstrap_mean_ci([kept]), 2)} | "
-                     f"{fmt_ci(mean_of(still), bootstrap_mean_ci([still]), 2)} | "
+                     f"{mean_ci_cell(agree, 2)} | {len(right)} | "
+                     f"{mean_ci_cell(kept, 2)} | "
+                     f"{mean_ci_cell(still, 2)} | "
                      f"{fmt_num(100 * mean_of(x.get('score') for x in g), 1)} | "
                      f"{fmt_num(100 * mean_of(em), 1) if em else '–'} | "
-                     f"{fmt_num(ratio_of_means([x.get('ttft_full_s') for x in g], [x.get('ttft_s') for x in g]), 2)} |")
+                     f"{fmt_num(ttft_speedup(g), 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -287,7 +287,7 @@ def paired_table(rows: Sequence[dict]) -> str:
                     den.append(naive_nll[k] - float(x["nll_full"]))
             d_rec = sum(num) / sum(den) if den and abs(sum(den)) > 1e-9 else math.nan
             lines.append(f"| {b} − {a} | {ratio_cell(ra)} | {len(shared)} | "
-                         f"{fmt_ci(mean_of(d_agree), bootstrap_mean_ci([d_agree]), 2)} | "
+                         f"{mean_ci_cell(d_agree, 2)} | "
                          f"{fmt_ci(d_rec, bootstrap_ratio_ci([(num, den)]), 2)} |")
     if not lines:
         return ""

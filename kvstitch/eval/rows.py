@@ -134,6 +134,11 @@ def fmt_ci(x: float, ci: tuple[float, float], digits: int = 1, scale: float = 1.
     return f"{scale * x:.{digits}f} [{scale * lo:.{digits}f}, {scale * hi:.{digits}f}]"
 
 
+def mean_ci_cell(values: Sequence[Any], digits: int = 2) -> str:
+    """A table cell: the mean of `values` with its 95% bootstrap interval."""
+    return fmt_ci(mean_of(values), bootstrap_mean_ci([values]), digits)
+
+
 def sample_id(r: dict) -> tuple:
     return tuple(r.get(k) for k in ("task", *_SAMPLE_FIELDS))
 
@@ -251,6 +256,11 @@ def colour_cycle() -> list:
 def ratio_of_means(num: Iterable[Any], den: Iterable[Any]) -> float:
     n, d = mean_of(num), mean_of(den)
     return n / d if d and not math.isnan(n) and not math.isnan(d) else math.nan
+
+
+def ttft_speedup(rows: Sequence[dict]) -> float:
+    """Mean TTFT speed-up over full prefill: mean full TTFT / mean method TTFT, both from the same rows."""
+    return ratio_of_means([x.get("ttft_full_s") for x in rows], [x.get("ttft_s") for x in rows])
 
 
 def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:
