@@ -83,7 +83,12 @@ def test_qa_runs_of_two_models_compare_answers_kept_against_each_runs_own_full_p
     assert 0.0 <= lo <= 2 / 3 <= hi <= 1.0  # a bootstrap interval around the kept share
     table = compare_table(list(rows.values()), "0.5B", "1.5B")
     line = next(x for x in table.splitlines() if x.startswith("| prophet | 0.1 | 3 | 2 | 0.50 ["))
-    assert "| 0.67 | 0.67 | " in line and line.endswith("| – | – |")  # no TTFT recorded: no speed-up
+    assert "| 0.67 | 0.67 | " in line and "| – | – | 0.33 | 0.67 | 0.33 [" in line  # no TTFT recorded: no speed-up
+    # correct over all 3 questions, whatever full prefill said: 1 of 3 against 2 of 3; paired per question +1, +1, -1
+    assert math.isclose(p["correct_base"], 1 / 3) and math.isclose(p["correct_other"], 2 / 3)
+    assert math.isclose(p["correct_diff"], 1 / 3)
+    lo, hi = p["correct_diff_ci"]
+    assert -1.0 <= lo < 1 / 3 < hi <= 1.0
     assert "identical rows" in table  # by default both tables
     assert "identical rows" not in compare_table(list(rows.values()), "0.5B", "1.5B", same_model=False)
     # each run's TTFT speed-up over its own full prefill: mean full TTFT / mean method TTFT

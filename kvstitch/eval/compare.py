@@ -15,6 +15,10 @@ present in both runs count. Per (method, ratio):
   ``agree_*``: the share whose answer is full prefill's of the same run; ``speedup_*``: the run's mean full-prefill
   TTFT over the method's mean TTFT on the same samples. Across two models on the same samples this is "does
   stitching keep more answers as the model grows";
+- ``correct_*`` (QA rows): the share of *all* the samples the method answers correctly, and ``correct_diff`` other
+  minus base paired over the same samples (``correct_diff_ci`` its 95% bootstrap interval): where the two runs
+  differ in what the prompt holds (e.g. two chunkings of retrieved context), the end-to-end answer to "which
+  gives more right answers", that answers kept (each against its own full prefill) cannot give;
 - ``identical``: share of samples whose rows agree in answer text, recomputed-token count, NLL and KL
   (within `IDENTICAL_TOL`): the check that a refactor left the numbers unchanged; ``max_dnll`` is the
   largest |NLL difference|.
@@ -89,6 +93,10 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
                              if x.get("nll") is not None and y.get("nll") is not None), default=math.nan),
         })
         if any(r.get("correct") is not None for r in ra):
+            diffs = [float(bool(y.get("correct"))) - float(bool(x.get("correct"))) for x, y in zip(ra, rb)]
+            out[-1].update({"correct_base": _mean(float(bool(r.get("correct"))) for r in ra),
+                            "correct_other": _mean(float(bool(r.get("correct"))) for r in rb),
+                            "correct_diff": _mean(diffs), "correct_diff_ci": bootstrap_mean_ci([diffs])})
             for side, rows, answers in (("base", ra, answers_a), ("other", rb, answers_b)):
                 right = [r for r in rows if answers.get(_sample(r), (False, ""))[0]]
                 kept = [float(bool(r.get("correct"))) for r in right]
@@ -144,15 +152,18 @@ def compare_table(rows: Sequence[dict], base_label: str = "base", other_label: s
     qa = [r for r in rows if "kept_base" in r]
     if qa:
         lines = [f"Answers kept: of the questions each run's own full prefill answers correctly (right), the share the "
-                 f"method still answers correctly; agrees: the method's answer is its run's full prefill's.", "",
+                 f"method still answers correctly; agrees: the method's answer is its run's full prefill's; correct: "
+                 f"the share of all n questions the method answers correctly, and {o} - {b} paired over them.", "",
                  f"| method | r | n | right {b} | kept {b} | right {o} | kept {o} | agrees {b} | agrees {o} | "
-                 f"NLL rec. (own gap) {b} | NLL rec. (own gap) {o} | TTFT speed-up {b} | TTFT speed-up {o} |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + [
+                 f"NLL rec. (own gap) {b} | NLL rec. (own gap) {o} | TTFT speed-up {b} | TTFT speed-up {o} | "
+                 f"correct {b} | correct {o} | correct {o} - {b} |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + [
             f"| {r['method']} | {_ratio_cell(r['ratio'])} | {r['n']} | {r['right_base']} | "
             f"{fmt_ci(r['kept_base'], r['kept_base_ci'], 2)} | {r['right_other']} | "
             f"{fmt_ci(r['kept_other'], r['kept_other_ci'], 2)} | {_f(r['agree_base'], 2)} | {_f(r['agree_other'], 2)} | "
             f"{_f(r['nll_rec_own_base'], 2)} | {_f(r['nll_rec_own_other'], 2)} | {_f(r['speedup_base'], 2)} | "
-            f"{_f(r['speedup_other'], 2)} |"
+            f"{_f(r['speedup_other'], 2)} | {_f(r['correct_base'], 2)} | {_f(r['correct_other'], 2)} | "
+            f"{fmt_ci(r['correct_diff'], r['correct_diff_ci'], 2)} |"
             for r in qa]
         if not same_model:
             return "\n".join(lines) + "\n"
