@@ -97,7 +97,7 @@ def test_bm25_fallback_when_the_embedding_model_is_absent(engine, docs_dir, tmp_
     monkeypatch.setenv("KVSTITCH_EMBEDDER", "bm25")  # simulates the package being absent
     assert embedder_dir() is None and get_embedder() is None
     root = tmp_path / "cols"
-    col = build_index(engine, docs_dir, "plain", root, chunk_tokens=48, precompute=False)
+    col = build_index(engine, docs_dir, "plain", root, chunk_tokens=48, block_chunks=1, precompute=False)
     assert col.backend == "bm25" and col.embeddings is None and col.meta["embed_model"] is None
     assert not (root / "plain" / retrieval.EMBEDDINGS).exists()
     hits = load_collection("plain", root).search("What is the magic number for Carol?", k=2)
@@ -106,7 +106,7 @@ def test_bm25_fallback_when_the_embedding_model_is_absent(engine, docs_dir, tmp_
 
 def test_index_is_persisted_reloaded_and_precomputed(engine, docs_dir, tmp_path, offline):
     root = tmp_path / "cols"
-    col = build_index(engine, docs_dir, "kb", root, chunk_tokens=32, overlap=0)
+    col = build_index(engine, docs_dir, "kb", root, chunk_tokens=32, overlap=0, block_chunks=1)
     n = len(col)
     assert n > len(DOCS)  # 32-token chunks split the longer documents
     assert col.backend == "embedding" and col.embeddings.shape == (n, 384)
@@ -130,7 +130,7 @@ def test_index_is_persisted_reloaded_and_precomputed(engine, docs_dir, tmp_path,
     assert again.search(q, 1)[0].chunk.doc == "eiffel.txt"
 
     # re-indexing the same documents finds every chunk cache already stored
-    col2 = build_index(engine, docs_dir, "kb", root, chunk_tokens=32)
+    col2 = build_index(engine, docs_dir, "kb", root, chunk_tokens=32, block_chunks=1)
     assert col2.meta["precompute"] == {**col2.meta["precompute"], "computed": 0,
                                                  "already_stored": unique * n_prefixes}
 
@@ -172,7 +172,7 @@ def test_collections_root_next_to_the_store(tmp_path, monkeypatch):
 
 def test_ask_collection_end_to_end(engine, docs_dir, tmp_path, offline):
     root = tmp_path / "cols"
-    build_index(engine, docs_dir, "kb", root, chunk_tokens=64)
+    build_index(engine, docs_dir, "kb", root, chunk_tokens=64, block_chunks=1)
     q = "What is the special magic number for Carol?"
     res, hits = ask_collection(engine, q, "kb", root, top_k=2, method="random", recompute_ratio=0.2,
                                max_new_tokens=6)
@@ -196,7 +196,7 @@ def test_index_and_ask_commands(engine, docs_dir, tmp_path, monkeypatch, offline
     runner = CliRunner()
     cols = tmp_path / "cols"
     r = runner.invoke(app, ["index", str(docs_dir), "--collection", "cli", "--store", str(tmp_path / "kv"),
-                            "--collections-dir", str(cols), "--chunk-tokens", "64"])
+                            "--collections-dir", str(cols), "--chunk-tokens", "64", "--block-chunks", "1"])
     assert r.exit_code == 0, r.output
     assert "collection cli:" in r.output and "embedding index" in r.output and "computed" in r.output
     meta = json.loads((cols / "cli" / "collection.json").read_text())

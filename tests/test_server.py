@@ -36,7 +36,7 @@ def collections_dir(tmp_path_factory, engine):
     (docs / "weather.txt").write_text("It rained all week in Rome. The forecast says sun on Sunday.")
     (docs / "coffee.md").write_text("A new coffee shop opened near the central park; it also sells green tea.")
     root = tmp_path_factory.mktemp("collections")
-    build_index(engine, docs, "facts", root, chunk_tokens=64, embedder="bm25", precompute=True)
+    build_index(engine, docs, "facts", root, chunk_tokens=64, block_chunks=1, embedder="bm25", precompute=True)
     return root
 
 

@@ -13,6 +13,7 @@ from kvstitch.cli.main import app
 from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.corpus import retrieval
 from kvstitch.corpus.retrieval import Chunk, Collection, build_index, group_blocks, load_collection
+from kvstitch.corpus.units import INDEX_BLOCK_CHUNKS, INDEX_CHUNK_TOKENS
 from kvstitch.eval.runner import EvalConfig, run_eval
 from kvstitch.eval import squad_retrieval
 from kvstitch.tasks import squad
@@ -83,6 +84,22 @@ def test_an_index_of_blocks_precomputes_the_blocks_and_reloads_them(engine, tmp_
         load_collection("kb", root)
     with pytest.raises(InputError, match="overlap"):
         build_index(engine, docs, "kb2", root, chunk_tokens=24, overlap=4, block_chunks=2)
+
+    # the default collection is small-to-big: 128-token chunks ranked, blocks of 4 stitched; overlapping chunks
+    # (which cannot form blocks) and block_chunks=1 stitch the chunks themselves
+    long = tmp_path / "long"
+    long.mkdir()
+    (long / "b.txt").write_text("\n\n".join(" ".join(f"[{tag}] Paragraph {p} sentence {i} names item {p * 40 + i}."
+                                                      for i in range(20)) for p in range(8)))
+    d = build_index(engine, long, "default", root, precompute=False)
+    assert (d.meta["chunk_tokens"], d.meta["block_chunks"]) == (INDEX_CHUNK_TOKENS, INDEX_BLOCK_CHUNKS) == (128, 4)
+    assert len(d.chunks) > 4 and len(d.blocks) == -(-len(d.chunks) // 4)
+    assert max(c.n_tokens for c in d.chunks) < 2 * 128 < max(b.n_tokens for b in d.blocks)  # n_tokens: with separators
+    ov = build_index(engine, long, "overlap", root, overlap=16, precompute=False)
+    assert ov.blocks is None and ov.meta["block_chunks"] == 1
+    assert build_index(engine, long, "plain", root, block_chunks=1, precompute=False).blocks is None
+    with pytest.raises(InputError, match="positive integer"):
+        build_index(engine, long, "bad", root, block_chunks=0, precompute=False)
 
 
 def _squad_file(tmp_path) -> str:

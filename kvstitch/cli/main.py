@@ -70,7 +70,8 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
                                                    help="a passage file (repeatable, in order)"),
         collection: Optional[str] = typer.Option(None, "--collection",
                                                  help="retrieve the passages from this collection (`kvstitch index`)"),
-        top_k: int = typer.Option(4, "--top-k", help="chunks to retrieve with --collection"),
+        top_k: int = typer.Option(4, "--top-k",
+                                  help="units to retrieve with --collection (its blocks of chunks, small-to-big)"),
         collections_dir: CollectionsDir = None,
         method: str = typer.Option(DEFAULT_METHOD, help="selection method, a spec: NAME or NAME(opt=value, ...), e.g. "
                                                    "'deltaprop(base=infoflow)' (see `kvstitch methods`)"),

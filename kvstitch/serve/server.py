@@ -11,7 +11,7 @@ Endpoints
 
 Request extensions (top-level JSON fields; the OpenAI Python client sends them with ``extra_body=``):
     documents: [str]            the retrieved passages, in prompt order ...
-    collection: str, top_k: int ... or retrieve the top-k chunks of an indexed collection (`kvstitch index`)
+    collection: str, top_k: int ... or retrieve the top-k units (chunks, or blocks) of a collection (`kvstitch index`)
     method, ratio (or recompute_ratio), decode, kv_budget: per-request overrides; ``method`` is a spec string
                                 ("deltaprop(base=infoflow,alpha_k=0.5)", see `kvstitch methods`); the older
                                 ``method_options`` object is merged into it; ``decode`` a policy spec

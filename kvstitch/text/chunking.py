@@ -14,9 +14,10 @@ from pathlib import Path
 
 from kvstitch.core.errors import InputError
 
-# the default max chunk size of documents (index, precompute). Larger chunks keep more answers once stitched
-# (SQuAD, passages joined 4 to a chunk) but retrieve worse at the same context budget (MiniLM, SQuAD: answer
-# recall at 2K tokens 0.92 with 256-token chunks, 0.84 with 512): docs/results/squad/retrieval
+# the default max chunk size of documents precomputed whole (`kvstitch precompute`). Larger chunks keep more answers
+# once stitched (SQuAD, passages joined 4 to a chunk) but retrieve worse at the same context budget (MiniLM, SQuAD:
+# answer recall at 2K tokens 0.92 with 256-token chunks, 0.84 with 512): docs/results/squad/retrieval. A collection
+# (`kvstitch index`) ranks smaller chunks and stitches their blocks instead (`kvstitch.corpus.units`).
 DOCUMENT_CHUNK_TOKENS = 256
 
 _PARA = re.compile(r"\n[ \t]*\n\s*")
