@@ -174,6 +174,15 @@ def test_eval_refuses_retrieval_options_that_do_not_fit(args, says):
     assert res.exit_code != 0 and says in res.output
 
 
+
+@pytest.mark.parametrize("args, says", [
+    (["--overlap", "8", "--block-chunks", "2"], "need overlap 0"),
+    (["--block-chunks", "0"], "positive integer"),
+])
+def test_index_refuses_blocks_that_do_not_fit_before_loading_a_model(tmp_path, args, says):
+    res = CliRunner().invoke(app, ["index", str(tmp_path), "--collection", "kb", *args])
+    assert res.exit_code == 2 and says in res.output
+
 def test_the_summary_says_how_often_retrieval_brought_the_answer(tmp_path):
     from kvstitch.eval.qa_report import squad_sections
 

@@ -13,7 +13,7 @@ import typer
 
 from kvstitch.core.errors import InputError
 from kvstitch.corpus.retrieval import build_index, check_collection_name, collections_root, retrieve
-from kvstitch.corpus.units import INDEX_BLOCK_CHUNKS, INDEX_CHUNK_TOKENS
+from kvstitch.corpus.units import INDEX_BLOCK_CHUNKS, INDEX_CHUNK_TOKENS, default_block_chunks
 from kvstitch.engine.request import DEFAULT_METHOD
 
 
@@ -52,10 +52,7 @@ def index_command(
     check_collection_name(collection)
     if embedder not in ("auto", "bm25"):
         raise InputError(f"unknown embedder {embedder!r}: use auto or bm25")
-    if block_chunks is not None and block_chunks < 1:
-        raise InputError(f"--block-chunks must be >= 1, got {block_chunks}")
-    if block_chunks is not None and block_chunks > 1 and overlap:
-        raise InputError("--block-chunks needs --overlap 0: a block would repeat the overlap")
+    block_chunks = default_block_chunks(block_chunks, overlap)  # before loading the model: fail fast
     if precompute and store is None:
         console.print("[yellow]no --store given: the chunk caches would live in memory only, so precompute is "
                       "skipped (pass --store DIR or redis://... to keep them)[/]")
@@ -68,7 +65,7 @@ def index_command(
                           progress=lambda d, n: status.update(f"precomputing chunk caches {d}/{n} ..."),
                           block_chunks=block_chunks)
     pre = col.meta["precompute"]
-    blocks = f" in {len(col.blocks)} blocks of {col.meta['block_chunks']}" if col.blocks is not None else ""
+    blocks = f" in {len(col.blocks)} blocks of {block_chunks}" if col.blocks is not None else ""
     console.print(f"collection [bold]{collection}[/]: {len(col)} chunks{blocks} from {col.meta['documents']} "
                   f"documents, "
                   f"{col.backend} index ({col.meta['embed_model'] or 'BM25'}) at {col.path}", highlight=False)
