@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from rich.console import Console
+from rich.progress import track
 
 from kvstitch.corpus.retrieval import Chunk, get_embedder, group_blocks, take_units
 from kvstitch.eval.rows import bootstrap_mean_ci, fmt_ci
@@ -35,6 +36,8 @@ from kvstitch.models.loader import resolve_model
 from kvstitch.tasks.squad import read_squad
 from kvstitch.eval.squad_retrieval import answer_in
 from kvstitch.text.chunking import chunk_text
+
+_stderr = Console(stderr=True)
 
 
 def _unit(k: int) -> str:
@@ -80,13 +83,14 @@ def main(argv=None) -> int:
     rows = []
     for size in sizes:
         chunks = []
-        for a, paras in enumerate(tqdm(articles, desc=f"chunking at {size}", leave=False)):
+        for a, paras in enumerate(track(articles, f"chunking at {size}", transient=True, console=_stderr)):
             chunks += [Chunk(id=f"article{a}#{j}", doc=f"article{a}", text=c,
                              n_tokens=len(tokenizer.encode(c, add_special_tokens=False)))
                        for j, c in enumerate(chunk_text("\n\n".join(paras), tokenizer, size))]
         texts = [c.text for c in chunks]
         emb = torch.cat([embedder.encode(texts[i:i + 256]) for i in
-                         tqdm(range(0, len(texts), 256), desc=f"embedding {len(texts)} chunks", leave=False)])
+                         track(range(0, len(texts), 256), f"embedding {len(texts)} chunks", transient=True,
+                               console=_stderr)])
         order = torch.argsort(q_emb @ emb.T, dim=1, descending=True).tolist()
         for k in blocks:
             units = group_blocks(chunks, k) if k > 1 else None

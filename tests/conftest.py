@@ -79,26 +79,31 @@ def tiny_engine(request, smollm_tokenizer):
 
 def make_tiny_engine(name: str, tokenizer) -> Engine:
     if name not in _tiny_cache:
-        from transformers import AutoModelForCausalLM
-
-        register()
-        cfg = tiny_configs()[name]
-        cfg.vocab_size = len(tokenizer)
-        cfg.pad_token_id = cfg.bos_token_id = tokenizer.bos_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPL, dtype=torch.float32).eval()
-        # random init gives near-uniform logits; sharpen so greedy answers are meaningful to compare
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.mul_(4.0)
-        # float32 storage: the exactness gates compare against full prefill at float32 precision;
-        # cold_path="stitched": the suite tests the stitched mechanism, also on a cold store (tests/test_cold.py
-        # covers the default "auto" policy)
-        _tiny_cache[name] = Engine(model, tokenizer, weights_id=f"tiny-{name}",
-                                   store=MemoryStore(storage_dtype="float32"), cold_path="stitched")
+        _tiny_cache[name] = new_tiny_engine(name, tokenizer)
     return _tiny_cache[name]
+
+
+def new_tiny_engine(name: str, tokenizer) -> Engine:
+    """A tiny random model of family ``name`` in an engine of its own (not shared: for tests that change it)."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    cfg = tiny_configs()[name]
+    cfg.vocab_size = len(tokenizer)
+    cfg.pad_token_id = cfg.bos_token_id = tokenizer.bos_token_id
+    cfg.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPL, dtype=torch.float32).eval()
+    # random init gives near-uniform logits; sharpen so greedy answers are meaningful to compare
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    # float32 storage: the exactness gates compare against full prefill at float32 precision;
+    # cold_path="stitched": the suite tests the stitched mechanism, also on a cold store (tests/test_cold.py
+    # covers the default "auto" policy)
+    return Engine(model, tokenizer, weights_id=f"tiny-{name}", store=MemoryStore(storage_dtype="float32"),
+                  cold_path="stitched")
 
 
 @pytest.fixture(scope="session")

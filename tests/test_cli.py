@@ -162,3 +162,25 @@ def test_ask_conversation_errors_are_one_clear_line(args, message, tmp_path):
 def test_eval_sample_flags_fail_before_the_model_loads(args, says):
     r = runner.invoke(app, ["eval", "--model", "/nowhere/model.gguf", *args])
     assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output
+
+
+def test_bench_methods_keep_the_commas_inside_a_spec(monkeypatch, tmp_path):
+    """`--methods 'deltaprop(base=infoflow,alpha_k=0.5),prophet'` is two methods, as everywhere else."""
+    import kvstitch.bench.ttft as ttft
+    import kvstitch.cli.bench as bench_cli
+
+    seen = {}
+
+    def fake_bench(eng, lengths, methods, *args, **kwargs):
+        seen["methods"] = methods
+        return []
+
+    monkeypatch.setattr(ttft, "bench_ttft", fake_bench)
+    monkeypatch.setattr(ttft, "ttft_table", lambda rows: "")
+    monkeypatch.setattr(ttft, "write_results", lambda *a, **k: None)
+    monkeypatch.setattr(bench_cli, "load_engine", lambda *a, **k: type("E", (), {"cold_path": None, "adapter": None,
+                                                                                  "device": "cpu", "dtype": "f",
+                                                                                  "store": None})())
+    res = runner.invoke(app, ["bench", "ttft", "--methods", "deltaprop(base=infoflow,alpha_k=0.5),prophet",
+                              "--out", str(tmp_path)])
+    assert seen["methods"] == ["deltaprop(base=infoflow,alpha_k=0.5)", "prophet"], res.output

@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("foundations", ["kvstitch.core", "kvstitch.models", "kvstitch.store", "kvstitch.tasks", "kvstitch.text"]),
     ("methods", ["kvstitch.select", "kvstitch.decode"]),
     ("engine", ["kvstitch.engine"]),
-    ("applications", ["kvstitch.eval", "kvstitch.corpus", "kvstitch.serve", "kvstitch.bench"]),
+    ("applications", ["kvstitch.eval", "kvstitch.corpus", "kvstitch.serve", "kvstitch.bench", "kvstitch.adapt",
+                      "kvstitch.route"]),
     ("command line", ["kvstitch.cli"]),
 ]
 FACADE = "kvstitch"

@@ -187,7 +187,7 @@ def test_memory_tier_eviction_keeps_pins():
     s.pin(keys[0])
     for k in keys[1:]:
         s.put(k, _kv())
-    assert keys[0] in s and len(s) == 3 and keys[5] in s and keys[1] not in s  # LRU among the unpinned
+    assert keys[0] in s and len(s) == 3 and keys[5] in s and keys[1] not in s  # evicted among the unpinned
     assert s.gc(0)["entries"] == 1 and keys[0] in s
     assert s.unpin(keys[0]) and s.gc(0)["entries"] == 0
 

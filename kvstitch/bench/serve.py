@@ -161,7 +161,9 @@ async def _one(client, body: dict, max_retry_s: float) -> dict:
 async def run_load(url: str, bodies: list[dict], concurrency: int, max_retry_s: float = 2.0,
                    timeout: float = 600.0) -> tuple[list[dict], float]:
     """Send ``bodies`` with ``concurrency`` clients (each takes the next request when done) -> (results, wall s)."""
-    import httpx
+    from kvstitch.core.extras import require
+
+    httpx = require("httpx", "serve", "kvstitch bench serve")
 
     todo = list(enumerate(bodies))
     results: list[dict | None] = [None] * len(bodies)

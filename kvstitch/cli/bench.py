@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from .common import console, csv_ints, csv_list, err_console, friendly_errors, load_engine, set_threads
+from .common import console, csv_ints, err_console, friendly_errors, load_engine, set_threads
 from .options import (DECODE_DEFAULT, RESULTS_DIR, DecodeBudgets, DecodePolicies, DecodeSweep, Dtype, KvBudget, Model,
-                      PageSize, PolicyOption, ResultsDir, Store, Threads)
+                      PageSize, PolicyOption, ResultsDir, StitchAdapterOpt, Store, Threads)
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results as JSON + a markdown table).")
 
@@ -25,7 +25,7 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
                    cold_path: str = typer.Option("auto", help="cold-path policy: auto, full_prefill or stitched "
                                                               "(kvstitch.engine.cold)"),
                    threads: Threads = None, dtype: Dtype = None, out: ResultsDir = RESULTS_DIR,
-                   model: Model = None, store: Store = None) -> None:
+                   model: Model = None, store: Store = None, stitch_adapter: StitchAdapterOpt = None) -> None:
     """Full-prefill TTFT vs stitched TTFT (warm and cold chunk store), ratios measured in one run, with
     the stage breakdown (attention kernel vs MLP, the selection's causal work and its bound)."""
     import torch
@@ -34,11 +34,13 @@ def bench_ttft_cmd(lengths: str = typer.Option("2048,4096,8192", help="context l
 
     from kvstitch.engine.cold import check_cold_path
 
+    from kvstitch.select import split_specs
+
     check_cold_path(cold_path, 0.5)
     set_threads(threads)
-    eng = load_engine(model, store, dtype)
+    eng = load_engine(model, store, dtype, stitch_adapter)
     eng.cold_path = cold_path
-    rows = bench_ttft(eng, csv_ints(lengths), csv_list(methods), ratio, repeats, chunk_tokens, cold=cold)
+    rows = bench_ttft(eng, csv_ints(lengths), split_specs(methods), ratio, repeats, chunk_tokens, cold=cold)
     table = ttft_table(rows)
     write_results(rows, out, "bench_ttft", table, {"model": eng.adapter.describe(), "device": str(eng.device),
                                                    "dtype": str(eng.dtype), "store": repr(eng.store),
@@ -68,22 +70,25 @@ def bench_serve_cmd(concurrency: str = typer.Option("1,4,16", help="comma-separa
                     recall_sample: float = typer.Option(0.05, help="share of sparse decode passes whose recall is measured "
                                                                    "(those passes also attend densely: keep it small)"),
                     threads: Threads = None, dtype: Dtype = None, out: ResultsDir = RESULTS_DIR,
-                    model: Model = None, store: Store = None) -> None:
+                    model: Model = None, store: Store = None, stitch_adapter: StitchAdapterOpt = None) -> None:
     """Load test of a real server on loopback: requests/s, tokens/s, TTFT and TPOT p50/p95, 429 rate, answers vs
     alone; with --decode, sparse decode policies against dense, recall and memory."""
     import torch
 
     from kvstitch.bench.ttft import write_results
     from kvstitch.bench.serve import bench_serve, serve_table
+    from kvstitch.core.extras import require
     from kvstitch.select import split_specs
     from .store import parse_size
 
+    for module in ("fastapi", "uvicorn", "prometheus_client", "httpx"):  # before the (slow) model load
+        require(module, "serve", "kvstitch bench serve")
     set_threads(threads)
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
     policies = tuple(split_specs(decode))
-    eng = load_engine(model, store, dtype)
+    eng = load_engine(model, store, dtype, stitch_adapter)
     rows = bench_serve(eng, csv_ints(concurrency), requests, docs, doc_tokens, docs_per_request, max_tokens,
-                       tuple(csv_list(methods)), ratio, max_batch, serial=serial, log=console.print, decode=policies,
+                       tuple(split_specs(methods)), ratio, max_batch, serial=serial, log=console.print, decode=policies,
                        context=context, kv_budget=kv_budget, kv_pool_bytes=pool_bytes, recall_sample=recall_sample)
     table = serve_table(rows)
     write_results(rows, out, "bench_serve", table, {"model": eng.adapter.describe(), "device": str(eng.device),
@@ -145,7 +150,7 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
                                                        "as one batch, as a server runs them (1: one request)"),
                      chunk_tokens: int = typer.Option(256), seed: int = typer.Option(0),
                      threads: Threads = None, dtype: Dtype = None, out: ResultsDir = RESULTS_DIR,
-                     model: Model = None) -> None:
+                     model: Model = None, stitch_adapter: StitchAdapterOpt = None) -> None:
     """Sparse decode on a real model: attention recall, TPOT vs dense and NIAH accuracy per policy and budget."""
     from kvstitch.bench.ttft import write_results
     from kvstitch.bench.decode import bench_decode_model
@@ -159,7 +164,7 @@ def bench_decode_cmd(context: int = typer.Option(8192, help="context tokens (cap
     except ValueError:
         raise InputError(f"--budget takes comma-separated integers, got {budget!r}") from None
     options = _policy_options(policy_option or [])
-    eng = load_engine(model, dtype=dtype)
+    eng = load_engine(model, dtype=dtype, stitch_adapter=stitch_adapter)
     cap = eng.adapter.max_positions - 256
     if context > cap:
         err_console.print(f"[yellow]note:[/] --context {context} is more than this model takes; running at "

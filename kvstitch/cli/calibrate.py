@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .options import Dtype, Model, Store, Threads
+from .options import Dtype, Model, StitchAdapterOpt, Store, Threads
 
 DEFAULT_AUTOS = ("schedule=0.05/0.1,tol=0.01", "schedule=0.1/0.2,tol=0.01", "schedule=0.05/0.1,tol=0.02",
                  "schedule=0.1,verify_chunks=2")  # the last: verification by a short full prefill (design.md)
@@ -24,6 +24,7 @@ def calibrate_command(
     merge_passages: int = typer.Option(1, "--merge-passages", help="join this many adjacent passages into one chunk"),
     dtype: Dtype = None,
     model: Model = None,
+    stitch_adapter: StitchAdapterOpt = None,
     methods: str = typer.Option("prophet,deltaprop", "--methods", help="selection methods to compare: comma-separated "
                                                                       "specs, e.g. 'prophet,deltaprop(base=infoflow)'"),
     ratios: str = typer.Option("0.05,0.1,0.2,0.4", "--ratios", help="fixed recompute ratios to compare"),
@@ -45,8 +46,10 @@ def calibrate_command(
 
     from kvstitch.eval.calibrate import calibrate, configs, parse_auto
     from kvstitch.core.errors import InputError
+    from kvstitch.core.extras import require
     from kvstitch.tasks.datasets import load_dataset, parse_range
 
+    require("matplotlib", "plots", "kvstitch calibrate")  # frontier.png: fail before the measuring, not after it
     console = Console(stderr=True)
     if not 0.0 < target <= 1.0:
         raise InputError(f"--target must be in (0, 1], got {target}")
@@ -68,7 +71,7 @@ def calibrate_command(
     from kvstitch.engine import Engine
 
     with console.status(f"loading {model or 'the embedded model'} ..."):
-        eng = Engine.load(model, store=store, dtype=dtype)
+        eng = Engine.load(model, store=store, dtype=dtype, stitch_adapter=stitch_adapter)
     command = "kvstitch calibrate " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else ""
     rep = calibrate(eng, data, cfgs, out, target, config, model=model, dataset=dataset, command=command,
                     progress=lambda s, c: console.print(f"[dim]{s} {c}[/]", highlight=False))

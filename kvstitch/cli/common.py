@@ -36,12 +36,13 @@ def friendly_errors(fn):
     return wrapper
 
 
-def load_engine(model: Optional[str], store: Optional[str] = None, dtype: Optional[str] = None):
+def load_engine(model: Optional[str], store: Optional[str] = None, dtype: Optional[str] = None,
+                stitch_adapter: Optional[str] = None, **kwargs):
     """`Engine.load` behind a status line (loading takes seconds)."""
     from kvstitch.engine import Engine
 
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        return Engine.load(model, store=store, dtype=dtype)
+        return Engine.load(model, store=store, dtype=dtype, stitch_adapter=stitch_adapter, **kwargs)
 
 
 def set_threads(threads: Optional[int]) -> None:

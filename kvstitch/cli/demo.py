@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from .common import budget_note, console, load_engine, parse_schedule
-from .options import MODEL_HELP, Store
+from .options import MODEL_HELP, StitchAdapterOpt, Store
 
 # The demo's default: the reference model, and `auto` as chosen on the Qwen NIAH 8K calibration split (one round
 # at 10%, accepted only if a full prefill of the question over its 2 best-matching passages agrees), measured on
@@ -33,7 +33,7 @@ def demo_command(method: str = typer.Option("deltaprop", help="stitched method t
          model: str = typer.Option(DEMO_MODEL, "--model", "-m", help=MODEL_HELP),
          dtype: str = typer.Option("fast", help="model dtype: fast (bfloat16 where the CPU or GPU multiplies it "
                                                  "natively, else float32), float32 or bfloat16"),
-         store: Store = None) -> None:
+         store: Store = None, stitch_adapter: StitchAdapterOpt = None) -> None:
     """The main job in one command: bundled passages and questions, answered with `full` prefill and with
     stitched reuse (by default kvstitch's own method with the adaptive budget, each round checked against a
     full prefill of the question over its two best-matching passages), answers, the budget each used and TTFT
@@ -51,7 +51,7 @@ def demo_command(method: str = typer.Option("deltaprop", help="stitched method t
         if questions < 1:
             raise InputError(f"--questions must be >= 1, got {questions}")
         data["questions"] = data["questions"][:questions]
-    eng = load_engine(model, store, dtype)
+    eng = load_engine(model, store, dtype, stitch_adapter)
     passages = data["passages"]
     with console.status("precomputing the passages' KV caches (once; later questions reuse them) ..."):
         eng.generate(data["questions"][0]["question"], passages, method="naive", max_new_tokens=1)

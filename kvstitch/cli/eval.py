@@ -18,7 +18,7 @@ from kvstitch.eval.runner import DEFAULT_TASKS, RESULTS, EvalConfig, parse_shard
 from kvstitch.eval.config import parse_ratios
 
 from .common import csv_list, parse_schedule
-from .options import DTYPE_HELP, Model, Store, Threads
+from .options import DTYPE_HELP, Model, StitchAdapterOpt, Store, Threads
 
 
 def compare_command(
@@ -227,6 +227,9 @@ def eval_command(
                                                           "instead of --passages paragraphs of its article"),
         block_chunks: int = typer.Option(1, help="with --retrieve: small-to-big, rank the chunks but stitch blocks "
                                                  "of this many consecutive chunks (`kvstitch index --block-chunks`)"),
+        stitch_adapter: StitchAdapterOpt = None,
+        heldout: bool = typer.Option(False, "--heldout", help="SQuAD: only the questions of articles stitch adapters "
+                                                              "never train on (how an adapter is reported)"),
         auto_methods: str = typer.Option("", help="methods also run at the 'auto' ratio (e.g. prophet), without "
                                                   "running every method at 'auto'"),
 ) -> None:
@@ -234,10 +237,13 @@ def eval_command(
     summary and plots (resumable: rerun the same command to continue)."""
     from rich.console import Console
 
+    from kvstitch.core.extras import require
     from kvstitch.engine import Engine
+    from kvstitch.models.stitch_adapter import resolve_adapter
     from kvstitch.select import resolve_methods
     from kvstitch.store import check_precompute
 
+    require("matplotlib", "plots", "kvstitch eval")  # its summary's plots: fail before the run, not after it
     console = Console(stderr=True)
     if threads:
         torch.set_num_threads(threads)
@@ -254,9 +260,13 @@ def eval_command(
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, overlap=overlap,
                      storage_dtype=storage_dtype, precompute_mode=precompute_mode, haystack=haystack, auto=auto,
                      dataset=dataset, samples=records, passages=passages, merge=merge_passages, retrieve=retrieval,
-                     auto_methods=resolve_methods(auto_methods, "") if auto_methods else [])
+                     auto_methods=resolve_methods(auto_methods, "") if auto_methods else [], heldout=heldout)
+    adapter = resolve_adapter(stitch_adapter, model)  # a bad file fails before the model loads
+    if adapter is not None:
+        cfg.stitch_adapter = {"form": adapter.config.form, "sha256": adapter.digest()}
     with console.status("loading the model ..."):
-        engine = Engine.load(model, store=store, dtype=dtype, storage_dtype=storage_dtype, precompute=precompute_mode)
+        engine = Engine.load(model, store=store, dtype=dtype, storage_dtype=storage_dtype, precompute=precompute_mode,
+                             stitch_adapter=adapter)
     rows = run_eval(engine, cfg, out, command=_command_line(), console=console, shard=shard_kn)
     console.print(f"{len(rows)} rows in {out / RESULTS}; summary: {out / 'summary.md'}", highlight=False)
 

@@ -17,7 +17,7 @@ from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS
 
 from .bench import bench_app
 from .common import budget_note, console, friendly_errors, load_engine
-from .options import DECODE_DEFAULT, CollectionsDir, Decode, Dtype, Model, Store
+from .options import DECODE_DEFAULT, CollectionsDir, Decode, Dtype, Model, StitchAdapterOpt, Store
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Stitched KV-cache reuse with selective recompute for long-context RAG.")
@@ -83,7 +83,7 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
                                                           "prefill; returns full prefill's answer if they differ)"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
         max_new_tokens: int = typer.Option(32, help="answer length cap"),
-        model: Model = None, store: Store = None, dtype: Dtype = None,
+        model: Model = None, store: Store = None, dtype: Dtype = None, stitch_adapter: StitchAdapterOpt = None,
         config: Optional[Path] = typer.Option(None, "--config", help="a TOML config (`kvstitch calibrate` writes "
                                               "one): its method, ratio, auto and model unless given here")) -> None:
     """Answer QUESTION over passage files (--chunk) or the top-k chunks of an indexed collection (--collection).
@@ -106,7 +106,7 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
         if compare:
             raise InputError("--compare needs passages (--chunk or --collection): plain chat is a full prefill")
         method = "full"
-    eng = load_engine(model, store, dtype)
+    eng = load_engine(model, store, dtype, stitch_adapter)
     runs = [(method, ratio)] + ([(compare, ratio)] if compare else [])
     results = [eng.generate(question if messages is None else None, texts, method=m, recompute_ratio=r,
                             max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None,
@@ -226,6 +226,7 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
 
 def _mount() -> None:
     """Every command, in the order `kvstitch --help` lists them."""
+    from .adapt import adapt_command
     from .calibrate import calibrate_command
     from .demo import demo_command
     from .eval import compare_command, eval_command, merge_command, overview_command, report_command
@@ -247,6 +248,7 @@ def _mount() -> None:
     app.command("index")(friendly_errors(index_command))
     app.command("serve", context_settings={"auto_envvar_prefix": "KVSTITCH"})(friendly_errors(serve_command))
     app.command("calibrate")(friendly_errors(calibrate_command))
+    app.command("adapt")(friendly_errors(adapt_command))
     app.add_typer(bench_app, name="bench")
     app.add_typer(store_app, name="store", help="Inspect, verify and garbage-collect a chunk store.")
 

@@ -22,6 +22,10 @@ DTYPE_HELP = ("model dtype: float32 (CPU default), bfloat16 (CUDA default; on a 
               "prefill) or fast (bfloat16 where native, else float32)")
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help=DTYPE_HELP)]
 
+STITCH_ADAPTER_HELP = ("stitch adapter: default (the one kvstitch ships for this embedded model), a file from "
+                       "`kvstitch adapt`, or none")
+StitchAdapterOpt = Annotated[Optional[str], typer.Option("--stitch-adapter", help=STITCH_ADAPTER_HELP)]
+
 Threads = Annotated[Optional[int], typer.Option("--threads", help="torch CPU threads (default: torch's, one per core)")]
 
 CollectionsDir = Annotated[Optional[Path], typer.Option(

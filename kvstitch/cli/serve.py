@@ -21,7 +21,7 @@ from kvstitch.serve.config import SECRET, read_config
 from kvstitch.serve.security import SecurityConfig
 from kvstitch.engine.request import DEFAULT_METHOD
 
-from .options import DECODE_DEFAULT, CollectionsDir, Dtype, Model, ServeDecode, Store
+from .options import DECODE_DEFAULT, CollectionsDir, Dtype, Model, ServeDecode, StitchAdapterOpt, Store
 
 
 # ---- --config and the effective configuration ---------------------------------------------------------
@@ -102,16 +102,24 @@ def serve_command(
     max_request_tokens: Optional[int] = typer.Option(None, "--max-request-tokens",
                                                      help="passage tokens per request (413 above it)"),
     max_bytes: Optional[str] = typer.Option(None, "--max-bytes",
-                                            help="store budget: unpinned chunk caches are evicted least-recently-"
-                                                 "used above it (memory, directory and Redis stores)"),
+                                            help="store budget: unpinned chunk caches are evicted above it (the "
+                                                 "memory tier: S3-FIFO, a reused set survives a scan of one-off "
+                                                 "chunks; directory and Redis stores: least recently used)"),
+    stitch_adapter: StitchAdapterOpt = None,
     config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=config_callback,
                                           help="a TOML file of serve options (flags > KVSTITCH_* env > file)"),
 ) -> None:
     """Serve the OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, /health, /metrics)."""
-    import uvicorn
     from rich.console import Console
 
+    from kvstitch.core.extras import require
+
+    for module in ("fastapi", "uvicorn", "prometheus_client"):  # before the (slow) model load
+        require(module, "serve", "kvstitch serve")
+    import uvicorn
+
     from kvstitch.engine.cold import DEFAULT_COLD_THRESHOLD, check_cold_path
+    from kvstitch.models.stitch_adapter import resolve_adapter
     from .store import parse_size
 
     console = Console(stderr=True)
@@ -126,8 +134,9 @@ def serve_command(
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
     if not 0.0 <= recall_sample <= 1.0:
         raise InputError(f"--recall-sample must be in [0, 1], got {recall_sample}")
+    adapter = resolve_adapter(stitch_adapter, model)  # a bad file fails before the model loads
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
-        eng = _load_engine(model, store, max_bytes, cold_path, dtype, auto_options)
+        eng = _load_engine(model, store, max_bytes, cold_path, dtype, auto_options, adapter)
     root = collections_root(store if store is not None else eng.store, collections_dir)
     app = server.create_app(eng, default_method=method, default_ratio=ratio, max_queue=max_queue,
                             collections_dir=root, default_decode=decode, max_tokens=max_tokens,
@@ -156,7 +165,7 @@ def _security(host: str, api_key: Optional[list[str]], insecure: bool, max_body:
 
 
 def _load_engine(model: Optional[str], store: Optional[str], max_bytes: Optional[str], cold_path: str,
-                 dtype: Optional[str], auto_options):
+                 dtype: Optional[str], auto_options, stitch_adapter=None):
     """The engine behind the server: its store within ``--max-bytes`` (when given), ratio 'auto' defaulting to
     ``--auto``, and stored chunks converted to the model's dtype when loaded."""
     from kvstitch.engine import Engine
@@ -168,7 +177,7 @@ def _load_engine(model: Optional[str], store: Optional[str], max_bytes: Optional
 
         budget = parse_size(max_bytes)
         store_obj = open_store(store, max_bytes=budget, memory_bytes=budget)
-    eng = Engine.load(model, store=store_obj, cold_path=cold_path, dtype=dtype)
+    eng = Engine.load(model, store=store_obj, cold_path=cold_path, dtype=dtype, stitch_adapter=stitch_adapter)
     eng.default_auto = auto_options
     if eng.store.compute_dtype is None:
         eng.store.compute_dtype = eng.dtype

@@ -10,9 +10,10 @@ import re
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from kvstitch.core.errors import StoreError
+from kvstitch.core.errors import MissingExtra, StoreError
 from kvstitch.store.base import ChunkStore
 from kvstitch.store.disk import DiskStore
 from kvstitch.store.redis_store import RedisStore
@@ -46,12 +47,12 @@ def _open(path: str, fingerprint: str | None = None) -> ChunkStore:
         if path.startswith(("redis://", "rediss://", "unix://")):
             return RedisStore(path, fingerprint=fingerprint, check=True)
         return DiskStore(path, fingerprint=fingerprint, create=False)
-    except StoreError as e:
+    except (StoreError, MissingExtra) as e:
         _die(e)
 
 
 def _die(err: Exception):
-    console.print(f"[red]error:[/red] {err}", soft_wrap=True)
+    console.print(f"[red]error:[/red] {escape(str(err))}", soft_wrap=True)  # escaped: "kvstitch[redis]" is no markup
     raise typer.Exit(2)
 
 

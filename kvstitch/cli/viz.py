@@ -33,10 +33,12 @@ def viz_command(
     a self-contained HTML page plus a PNG."""
     from rich.console import Console
 
+    from kvstitch.core.extras import require
     from kvstitch.engine import Engine
     from kvstitch.select import resolve_methods
     from kvstitch.tasks.tasks import TASKS, generate
 
+    require("matplotlib", "plots", "kvstitch viz")  # its PNG: fail before the model loads
     console = Console(stderr=True)
     if task not in TASKS:
         raise InputError(f"unknown task {task!r}; known: {', '.join(sorted(TASKS))}")

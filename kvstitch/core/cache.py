@@ -65,6 +65,9 @@ class StitchCache(Cache):
     def __init__(self, layers: list[StitchLayer]):
         super().__init__(layers=layers)
         self.slots: torch.Tensor | None = None
+        # query-time passes over this cache read through the stitch adapter's reader LoRA (a stitched cache of
+        # an engine that has one; `kvstitch.models.stitch_adapter`)
+        self.adapted = False
         self.write = True
         self.capture: set[int] = set()
         self.captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

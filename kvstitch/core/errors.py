@@ -87,3 +87,16 @@ class StoreError(KVStitchError):
 
 class CorruptEntryError(StoreError):
     """A stored entry failed its checksum / fingerprint check (it is not used)."""
+
+
+class MissingExtra(KVStitchError, ImportError):
+    """A feature whose optional dependencies (a pip extra of kvstitch) are not installed (`core.extras.require`).
+
+    An ImportError too, so code that falls back on a missing import still does."""
+
+    def __init__(self, feature: str, extra: str):
+        super().__init__(f"{feature} needs the '{extra}' extra: pip install 'kvstitch[{extra}]'")
+        self.feature, self.extra = feature, extra
+
+    def __reduce__(self):  # rebuilt from its fields (pickled across processes, e.g. by Ray)
+        return type(self), (self.feature, self.extra)

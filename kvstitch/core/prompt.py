@@ -52,6 +52,9 @@ class PromptLayout:
     order: list[int] = field(default_factory=list)  # chunk order used (identity unless reordered)
     pinned: int = 0  # leading chunks that must keep their place (a conversation's system segment)
     question: str | None = None  # the question text inside the suffix (methods that re-encode it: CacheClip)
+    # the first ``links`` suffix ids are a stitch adapter's link tokens (`with_links`): recomputed like the
+    # question, never part of a full prefill's prompt (`without_links`)
+    links: int = 0
 
     def __post_init__(self):
         if not self.order:
@@ -101,7 +104,18 @@ class PromptLayout:
         if list(order[:self.pinned]) != list(range(self.pinned)):
             raise ValueError(f"the first {self.pinned} chunk(s) are pinned: order {order} moves them")
         return PromptLayout(self.prefix_ids, [self.chunk_ids[i] for i in order], self.suffix_ids,
-                            [self.order[i] for i in order], self.pinned, self.question)
+                            [self.order[i] for i in order], self.pinned, self.question, self.links)
+
+    def with_links(self, link_ids: torch.Tensor) -> "PromptLayout":
+        """This layout with a stitch adapter's link tokens between the passages and the question."""
+        if self.links:
+            raise ValueError("the layout has link tokens already")
+        return replace(self, suffix_ids=torch.cat([link_ids.to(self.suffix_ids.dtype), self.suffix_ids]),
+                       links=link_ids.numel())
+
+    def without_links(self) -> "PromptLayout":
+        """The prompt as full prefill reads it: no link tokens."""
+        return replace(self, suffix_ids=self.suffix_ids[self.links:], links=0) if self.links else self
 
 
 def with_answer_prefix(layout: PromptLayout, tokenizer, answer_prefix: str | None) -> PromptLayout:

@@ -29,17 +29,12 @@ from typing import Callable
 import torch
 
 from kvstitch.core.errors import InputError, KVStitchError
+from kvstitch.core.extras import require
 from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS, chunk_directory
-
-INSTALL_HINT = "pip install 'kvstitch[ray]'  (or: pip install ray)"
 
 
 def require_ray():
-    try:
-        import ray
-    except ImportError:
-        raise InputError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from None
-    return ray
+    return require("ray", "ray", "precompute --ray")
 
 
 def _is_shared_store(store: str) -> bool:

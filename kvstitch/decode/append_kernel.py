@@ -9,9 +9,10 @@ import torch
 
 from kvstitch.core.errors import InputError
 
-from .kernel_common import addresses, f32_pointer, i64_pointer, numba
+from .kernel_common import addresses, numba
 
 if numba is not None:
+    from .kernel_common import f32_pointer, i64_pointer  # defined only with numba (the `fast` extra)
 
     @numba.njit(nogil=True, fastmath=False, cache=True)
     def _append_rows(keys, values, P, pools, pool_pages, positions, position_cap, digests, digest_cap, sums, counts,

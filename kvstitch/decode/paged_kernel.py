@@ -38,8 +38,8 @@ import torch
 from kvstitch.core.errors import InputError
 
 from . import kernel_common
-from .kernel_common import available, f32_pointer, int64_array, numba, prefetch, split_pairs  # noqa: F401 - available: the kernels' probe
-from .rank_kernel import REDUCES, rank_head
+from .kernel_common import available, int64_array, numba, split_pairs  # noqa: F401 - available: the kernels' probe
+from .rank_kernel import REDUCES
 
 
 def kernel_ok(dtype: torch.dtype, device) -> bool:
@@ -49,6 +49,9 @@ def kernel_ok(dtype: torch.dtype, device) -> bool:
 
 
 if numba is not None:
+    # numba-only names: without the `fast` extra this module still imports and `kernel_ok` says no
+    from .kernel_common import f32_pointer, prefetch
+    from .rank_kernel import rank_head
 
     @numba.njit(nogil=True, cache=True)
     def _prefetch_block(pool, slot, h):

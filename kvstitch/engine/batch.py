@@ -37,6 +37,7 @@ from kvstitch.core.errors import InputError
 from kvstitch.decode.batched import append_batch, attend_batch
 from kvstitch.decode.decoder import attend_rows
 from kvstitch.models import cache_kwargs
+from kvstitch.models.stitch_adapter import gate_for, gated
 
 
 @dataclass
@@ -120,8 +121,9 @@ def decode_batch(engine, steps: list[DecodeStep], batched_sparse: bool = True) -
     ids = torch.tensor([[s.token] for s in steps], device=dev)
     pos = torch.tensor([[s.cache.length] for s in steps], device=dev)
     batch = BatchCache([s.cache for s in steps], batched_sparse)
-    out = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, batch), use_cache=True, logits_to_keep=1,
-                       kvstitch_plan=ForwardPlan(batch=batch))
+    with gated(gate_for([s.cache.adapted for s in steps], device=dev)):
+        out = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, batch), use_cache=True,
+                           logits_to_keep=1, kvstitch_plan=ForwardPlan(batch=batch))
     logits = out.logits[:, -1:].float()
     return [logits[i] for i in range(len(steps))]
 
@@ -238,6 +240,7 @@ def recompute_batch(engine, steps: list[RecomputeStep]) -> list[torch.Tensor]:
         with ExitStack() as stack:
             for s, sl in zip(steps, slots):
                 stack.enter_context(s.cache.mode(slots=sl, write=True))
+            stack.enter_context(gated(gate_for([s.cache.adapted for s in steps], [sl.numel() for sl in slots], dev)))
             res = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, packed), use_cache=True,
                                logits_to_keep=last, kvstitch_plan=ForwardPlan(batch=packed))
         logits = res.logits[0].float()

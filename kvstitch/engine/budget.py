@@ -298,6 +298,7 @@ class ShortPrompt:
 
         self.engine, self.n_probe = engine, n_probe
         self.chunks = verification_chunks(engine, layout, m) if chunks is None else chunks
+        layout = layout.without_links()  # a full prefill: the prompt as the model reads it, no adapter
         self.layout = PromptLayout(layout.prefix_ids, [layout.chunk_ids[i] for i in self.chunks], layout.suffix_ids,
                                    [layout.order[i] for i in self.chunks], layout.pinned, layout.question)
         self.cache, logits = engine.full_prefill(self.layout, extra=n_probe)
@@ -405,6 +406,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     """Run the rounds (module doc) -> `RoundsResult`, or None when the engine must fall back to full prefill.
     ``selector``: ranks the context (`Selector.ranking`); ``extra``: decode room after the prompt."""
     from kvstitch.select import SelectionContext
+    from .stitch import stitch, with_adapter
 
     n = layout.n_context
     if selector.zero_budget:  # naive, APE: nothing to rank (checked first: an error whatever the length)
@@ -420,7 +422,8 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
         return None
     kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
-    cache = engine.stitch(layout, kvs, extra=extra + n_probe)
+    layout, adapted = with_adapter(engine, layout, "auto", stats)
+    cache = stitch(engine, layout, kvs, extra=extra + n_probe, adapted=adapted)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
                            precompute=engine.precompute_mode, chunks=kvs, score_hook=engine.hooks.score)
     ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on

@@ -30,7 +30,9 @@ from kvstitch.core.identity import register_model, tokenizer_fingerprint
 from kvstitch.core.prompt import PromptBuilder, PromptLayout
 from kvstitch.core.rope import inv_freq_table, self_check
 from kvstitch.models import adapter_for, cache_kwargs, load_model
+from kvstitch.models.loader import embedded_name
 from kvstitch.models.half_cpu import multiplies_natively
+from kvstitch.models.stitch_adapter import StitchAdapter, gated, resolve_adapter
 from kvstitch.decode.policies import DecodePolicy
 from kvstitch.select import Selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
@@ -78,7 +80,7 @@ def cpu_name() -> str:
 class Engine:
     def __init__(self, model, tokenizer, weights_id: str, store: ChunkStore | None = None,
                  check_rope: bool = True, precompute: str = "shared_prefix", cold_path: str = "auto",
-                 cold_threshold: float = DEFAULT_COLD_THRESHOLD):
+                 cold_threshold: float = DEFAULT_COLD_THRESHOLD, stitch_adapter: StitchAdapter | None = None):
         """``precompute``: how chunk caches are computed - "shared_prefix" (after the shared prefix, the one
         attention sink) or "isolated" (each chunk from position 0 on its own, as A3 / InfoFlow do); part of
         the chunk store key. ``cold_path`` / ``cold_threshold``: what a request whose chunks are missing from
@@ -106,16 +108,39 @@ class Engine:
         self._prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.eos_ids = self._eos_ids()
         self.rope_error = self_check(model, self.adapter, self._probe_ids()) if check_rope else None
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]  # link tokens' ids start here
+        self.stitch_adapter: StitchAdapter | None = None
+        if stitch_adapter is not None:
+            self.use_stitch_adapter(stitch_adapter)
+
+    def use_stitch_adapter(self, adapter: StitchAdapter | None) -> None:
+        """Read stitched caches through ``adapter`` from now on (None: detach the current one). Passage caches
+        are unaffected either way: the adapter works at query time only."""
+        if self.stitch_adapter is not None:
+            self.stitch_adapter.detach()
+            self.stitch_adapter = None
+        if adapter is not None:
+            adapter.check_model(self.weights_id, self.model_name)
+            adapter.attach(self.model)
+            self.stitch_adapter = adapter
+
+    @property
+    def model_name(self) -> str:
+        """The embedded model's name (``qwen2.5-0.5b``), else the weights' identity."""
+        return embedded_name(self.weights_id) or self.weights_id
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str | None = None, store=None, device: str | None = None,
-             dtype: str | torch.dtype | None = None, storage_dtype: str = "float16", **kwargs) -> "Engine":
+             dtype: str | torch.dtype | None = None, storage_dtype: str = "float16",
+             stitch_adapter: str | StitchAdapter | None = None, **kwargs) -> "Engine":
         """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", "qwen2.5-0.5b" (the reference model), "qwen2.5-1.5b", an HF
         directory or a .gguf file.
         ``store``: None (in-memory), a directory path, "redis://host:port/db" or "tiered:A,B"; chunk K/V
         are kept in ``storage_dtype`` (float16, bfloat16, float32 or int8).
-        ``dtype``: the model's; default float32 on CPU, bfloat16 on CUDA; "fast" = `fast_dtype` of the device."""
+        ``dtype``: the model's; default float32 on CPU, bfloat16 on CUDA; "fast" = `fast_dtype` of the device.
+        ``stitch_adapter``: None (no adapter), "default" (the one kvstitch ships for this embedded model), a
+        file path or a `StitchAdapter` (`kvstitch.models.stitch_adapter`)."""
         dev = torch.device(device) if device else default_device()
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -131,9 +156,10 @@ class Engine:
                      "float32 and round to %s, at about float32's speed", str(dtype).removeprefix("torch."),
                      cpu_name(), str(dtype).removeprefix("torch."))
         store_ = open_store(store, storage_dtype=storage_dtype, compute_dtype=dtype)  # fail fast: before the model
+        stitch = resolve_adapter(stitch_adapter, model)  # a bad adapter file, likewise
         check_precompute(kwargs.get("precompute", "shared_prefix"))
         model_, tok, weights_id = load_model(model, dev, dtype)
-        return cls(model_, tok, weights_id, store=store_, **kwargs)
+        return cls(model_, tok, weights_id, store=store_, stitch_adapter=stitch, **kwargs)
 
     def _fingerprint(self, weights_id: str) -> str:
         ad = self.adapter
@@ -167,7 +193,7 @@ class Engine:
         slots = slots.to(self.device)
         plan.q_slots = slots
         pos = slots if positions is None else positions.to(self.device)
-        with cache.mode(slots=slots, write=write):
+        with cache.mode(slots=slots, write=write), gated(True if cache.adapted else None):
             try:
                 ids = ids.view(1, -1) if ids.dim() == 1 else ids
                 out = self.model(input_ids=ids.to(self.device),

@@ -15,31 +15,15 @@ import torch
 
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.cache import StitchCache
-from kvstitch.core.chunk import ChunkKV
 from kvstitch.core.errors import InputError
 from kvstitch.core.prompt import PromptLayout
-from kvstitch.core.rope import rerotate
 from kvstitch.select import SelectionContext, make_selector
 from .batch import RecomputeStep, can_batch
 from .budget import AUTO, AutoBudget, adaptive_prefill
 from .cold import take_full_prefill
 from .decoding import sync
 from .request import Prefill
-
-
-def stitch(engine, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0) -> StitchCache:
-    """Prefix K/V + every chunk's K/V, keys re-rotated from precompute to global positions."""
-    pk, pv = engine.prefix_kv(layout.prefix_ids)
-    cache = StitchCache.from_stacked(pk, pv, capacity=layout.n_total + extra)
-    for start, kv in zip(layout.chunk_starts, chunks):
-        keys = rerotate(kv.keys, start - kv.start, engine.inv_freq)
-        n = kv.n_tokens
-        for i, layer in enumerate(cache.layers):
-            layer.keys[0, :, start:start + n] = keys[i]
-            layer.values[0, :, start:start + n] = kv.values[i]
-    for layer in cache.layers:
-        layer.length = layout.context_end
-    return cache
+from .stitch import stitch, with_adapter
 
 
 def recompute_step(cache: StitchCache, layout: PromptLayout, indices: torch.Tensor,
@@ -106,7 +90,8 @@ def stitched_steps(engine, layout: PromptLayout, selector, ratio: float, max_new
     """Stitch, select ``ratio`` of the context, recompute (module doc) -> `Prefill`."""
     kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
     t1 = time.perf_counter()
-    cache = engine.stitch(layout, kvs, extra=max_new_tokens)
+    layout, adapted = with_adapter(engine, layout, ratio, stats)
+    cache = stitch(engine, layout, kvs, extra=max_new_tokens, adapted=adapted)
     sync(engine.device)
     t2 = time.perf_counter()
     ctx = SelectionContext(engine, cache, layout, round(ratio * layout.n_context), stats,

@@ -44,6 +44,7 @@ class GenerationStats(MutableMapping):
     recomputed_tokens: int = 0  # context tokens recomputed (fewer than the budget for grouping methods)
     order: list[int] = field(default_factory=list)  # chunk order of the prompt (original chunk ids; InfoFlow reorders)
     recompute_batch: int | None = None  # requests packed into the recompute pass (the batching server)
+    stitch_adapter: str | None = None  # the stitch adapter the stitched cache was read through (its form)
     # ---- stage times (seconds) -----------------------------------------------------------------------
     tokenize_s: float = 0.0  # laying out the prompt and checking the request
     chunk_load_s: float | None = None  # store look-ups and precompute of the misses

@@ -64,7 +64,7 @@ def guarded(engine, req: GenerationRequest, pre: Prefill, t_start: float):
     tokens = list(engine.decode_tokens(pre, req.max_new_tokens, 0.0, 1.0, req.seed, req.decode, req.kv_budget,
                                        req.decode_options))
     t0 = time.perf_counter()
-    tokens, check = verify_against_full(engine, pre.layout, tokens, req.max_new_tokens)
+    tokens, check = verify_against_full(engine, pre.layout.without_links(), tokens, req.max_new_tokens)
     pre.stats.update(guard={**check, "check_s": time.perf_counter() - t0})
     pre.stats["ttft_s"] = time.perf_counter() - t_start
     for i, tok in enumerate(tokens):

@@ -30,6 +30,7 @@ from pathlib import Path
 from kvstitch.core.spec import parse_call
 from kvstitch.engine.budget import AUTO, AutoBudget
 from kvstitch.core.errors import InputError
+from kvstitch.core.extras import require
 
 WORDS = 12
 
@@ -234,8 +235,7 @@ def write_config(path: Path, settings: dict, record: dict) -> None:
 # ---- report ------------------------------------------------------------------------------------------------------
 def plot(table: list[dict], frontiers: dict[str, list[tuple[float, float]]], path: Path, chosen: str,
          xlabel: str = "TTFT speed-up vs full prefill") -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "the calibration plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -45,6 +45,8 @@ class EvalConfig:
     merge: int = 1  # join this many adjacent passages into one chunk
     retrieve: dict | None = None  # squad over retrieval: {context_tokens, chunk_tokens, block_chunks}
     auto_methods: list[str] = field(default_factory=list)  # also run these at the "auto" ratio (not every method)
+    stitch_adapter: dict | None = None  # the engine's stitch adapter ({form, sha256}); None: none
+    heldout: bool = False  # SQuAD: only questions of articles stitch adapters never train on
 
     def protocol(self) -> dict:
         """What must not change between a run and its resumption (rows would not be comparable)."""
@@ -74,6 +76,10 @@ class EvalConfig:
                 p["dataset"] = {"name": dataset_name(self.dataset), "instruction": SHORT_ANSWER}
                 if self.merge > 1:
                     p["dataset"]["merge"] = self.merge
+        if self.stitch_adapter is not None:  # (absent = none: logs written before adapters stay valid)
+            p["stitch_adapter"] = self.stitch_adapter
+        if self.heldout:
+            p["heldout"] = True
         if AUTO in self.ratios or self.auto_methods:
             from kvstitch.engine.budget import AutoBudget
 

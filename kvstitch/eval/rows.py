@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstitch.core.extras import require
+
 REFERENCE_METHODS = ("full", "naive")
 REFERENCES = REFERENCE_METHODS  # always run, once per sample (they have no ratio)
 ROW_KEY = ("task", "seed", "index", "length", "chunk_tokens", "method", "ratio")
@@ -151,6 +153,7 @@ def group_rows(rows: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
 
 
 def new_figure(width: float, height: float):
+    require("matplotlib", "plots", "plotting")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -247,8 +250,7 @@ def sample_key(r: dict) -> tuple:
 
 def colour_cycle() -> list:
     """20 distinguishable colours (tab10 then the light half of tab20): a dozen methods never share one."""
-    from matplotlib import colormaps
-
+    colormaps = require("matplotlib", "plots", "plotting").colormaps
     t20 = colormaps["tab20"].colors
     return [t20[2 * i] for i in range(10)] + [t20[2 * i + 1] for i in range(10)]
 

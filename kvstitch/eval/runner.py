@@ -136,6 +136,20 @@ def _model_desc(engine) -> dict:
     return json.loads(json.dumps(desc, default=str))
 
 
+def heldout_samples(cfg: EvalConfig, samples: list[Sample]) -> list[Sample]:
+    """``cfg.heldout``: a SQuAD run's samples less the questions of the articles stitch adapters train on."""
+    if not cfg.heldout:
+        return samples
+    from kvstitch.tasks.squad import FILES, read_squad
+
+    if cfg.dataset not in FILES:
+        raise InputError("--heldout keeps the SQuAD questions of articles stitch adapters never train on: it takes "
+                         "--dataset squad or squad2 (no other evaluation set is trained on)")
+    squad = read_squad(cfg.dataset)
+    trained = {q.qid for q in squad.questions if not squad.heldout(q)}
+    return [s for s in samples if s.meta.get("qid") not in trained]
+
+
 def run_samples(cfg: EvalConfig, tokenizer) -> list[Sample]:
     """The run's samples in visiting order. A dataset: its records ``cfg.samples`` in file order (the first
     k done are the file's first k). Generated tasks: length-major; within a length, tasks round-robin over
@@ -147,9 +161,10 @@ def run_samples(cfg: EvalConfig, tokenizer) -> list[Sample]:
         if cfg.retrieve is not None:
             from .squad_retrieval import load_squad_retrieved
 
-            return load_squad_retrieved(cfg.dataset, tokenizer, start=cfg.samples[0], stop=cfg.samples[1],
-                                        **cfg.retrieve)
-        return load_dataset(cfg.dataset, *cfg.samples, passages=cfg.passages, merge=cfg.merge, seed=cfg.seed)
+            return heldout_samples(cfg, load_squad_retrieved(cfg.dataset, tokenizer, start=cfg.samples[0],
+                                                             stop=cfg.samples[1], **cfg.retrieve))
+        samples = load_dataset(cfg.dataset, *cfg.samples, passages=cfg.passages, merge=cfg.merge, seed=cfg.seed)
+        return heldout_samples(cfg, samples)
     count = _token_counter(tokenizer)
     out = []
     for length in cfg.lengths:

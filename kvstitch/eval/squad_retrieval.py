@@ -21,7 +21,8 @@ import logging
 from functools import lru_cache
 
 import torch
-from tqdm import tqdm
+from rich.console import Console
+from rich.progress import track
 
 from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.tasks.grading import normalize_answer
@@ -29,6 +30,7 @@ from kvstitch.tasks.squad import ANSWER_TOKENS, INSTRUCTION, ABSTAIN_INSTRUCTION
 from kvstitch.tasks.tasks import Sample
 
 log = logging.getLogger("kvstitch.eval")
+_stderr = Console(stderr=True)  # its own: rich allows one live display per console, and an eval may show one
 
 
 def task_name(version: str, context_tokens: int, chunk_tokens: int, block_chunks: int = 1) -> str:
@@ -82,7 +84,8 @@ def _build_collection(version: str, tokenizer, chunk_tokens: int, block_chunks: 
 
     squad = read_squad(version)
     chunks = []
-    for a, paras in enumerate(tqdm(squad.articles, desc=f"chunking {version}'s articles (once)", leave=False)):
+    articles = track(squad.articles, f"chunking {version}'s articles (once)", transient=True, console=_stderr)
+    for a, paras in enumerate(articles):
         chunks += [Chunk(id=f"article{a}#{j}", doc=f"article{a}", text=t)
                    for j, t in enumerate(chunk_text("\n\n".join(paras), tokenizer, chunk_tokens))]
     blocks = group_blocks(chunks, block_chunks) if block_chunks > 1 else None
@@ -93,7 +96,8 @@ def _build_collection(version: str, tokenizer, chunk_tokens: int, block_chunks: 
     if embedder is None:
         return Collection(name, chunks, "bm25", blocks=blocks)
     emb = torch.cat([embedder.encode(chunks_text[i:i + 256]) for i in
-                     tqdm(range(0, len(chunks_text), 256), desc=f"embedding {len(chunks)} chunks", leave=False)])
+                     track(range(0, len(chunks_text), 256), f"embedding {len(chunks)} chunks", transient=True,
+                           console=_stderr)])
     return Collection(name, chunks, "embedding", embeddings=emb, blocks=blocks)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvstitch.core.errors import InputError
+from kvstitch.core.extras import require
 
 ANSWER_ROLES = ("needle", "fact", "chain")
 
@@ -240,6 +241,8 @@ def render_png(pic: Picture, path: str | os.PathLike) -> Path:
     score of the tokens left alone; green / orange ticks = answer-bearing / distractor tokens; dashed lines
     = chunk boundaries."""
     import numpy as np
+
+    require("matplotlib", "plots", "the viz PNG")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

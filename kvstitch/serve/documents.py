@@ -12,7 +12,7 @@ A document is one passage (one chunk of the prompt, as in ``"documents"``). Its 
 (``doc-`` + sha256 of the text), so posting the same text twice gives the same id and several servers on
 one store agree on ids. Records live in the store's metadata (`ChunkStore.meta_put`, namespace
 ``documents``): servers sharing a Redis or a directory share them. ``pin`` pins the document's chunk
-cache (`ChunkStore.pin`): `kvstitch store gc` and the memory tier's LRU eviction keep pinned entries;
+cache (`ChunkStore.pin`): `kvstitch store gc` and the memory tier's eviction keep pinned entries;
 unpinned ones are evicted least-recently-used under the store budget (``serve --max-bytes``).
 """
 

@@ -112,6 +112,10 @@ def create_app(engine, default_method: str = DEFAULT_METHOD, default_ratio: floa
     measured for /metrics. The routes' logic is `ChatService`'s."""
     from contextlib import asynccontextmanager
 
+    from kvstitch.core.extras import require
+
+    for module in ("fastapi", "prometheus_client"):
+        require(module, "serve", "the kvstitch server")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse
 

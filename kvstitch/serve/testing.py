@@ -14,7 +14,9 @@ class ServerThread:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
+        from kvstitch.core.extras import require
+
+        uvicorn = require("uvicorn", "serve", "the kvstitch server")
 
         self.host = host
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -1,6 +1,6 @@
 """Content-addressed chunk KV stores (memory, disk, Redis, tiered) behind one small interface.
 
-    open_store()                               # in-process LRU (memory)
+    open_store()                               # in-process memory (S3-FIFO eviction)
     open_store("~/.cache/kvstitch/kv")         # a directory (DiskStore)
     open_store("redis://127.0.0.1:6379/0")     # Redis (checked at open: StoreError if unreachable)
     open_store("tiered:/path,redis://h:6379/0")  # memory in front of disk in front of Redis
@@ -31,7 +31,7 @@ def open_store(spec=None, *, storage_dtype: str = "float16", compute_dtype: torc
 
     `storage_dtype`: float16 (default), bfloat16, float32 or int8 (KIVI). `max_bytes`: disk / Redis budget
     (least-recently-used unpinned entries are evicted above it).
-    `memory_bytes`: the memory tier's LRU budget. A tiered spec without "memory" gets a memory tier in front.
+    `memory_bytes`: the memory tier's budget (S3-FIFO eviction). A tiered spec without "memory" gets a memory tier in front.
     """
     if isinstance(spec, ChunkStore):
         return spec

@@ -178,7 +178,7 @@ class ChunkStore(ABC):
         return self.meta_list("models")
 
     def pin(self, key: str, **info) -> None:
-        """Keep `key` through `gc` and LRU eviction until `unpin`."""
+        """Keep `key` through `gc` and eviction until `unpin`."""
         self.meta_put("pins", check_key(key), {"pinned_at": time.time(), **info})
 
     def unpin(self, key: str) -> bool:

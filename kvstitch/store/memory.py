@@ -1,4 +1,7 @@
-"""In-process LRU store bounded by bytes (the front tier of a tiered store).
+"""In-process store bounded by bytes (the front tier of a tiered store).
+
+Which entries go when the budget is exceeded is the `policy`'s choice (`policy.py`): "s3fifo" (default)
+keeps a reused set through a stream of one-off chunks, which evicts it under "lru". Pinned entries stay.
 
 It keeps what a disk/Redis `get` would return for the same storage dtype (float16 cast, or int8
 quantize->dequantize), so a hit gives the same numbers whichever tier served it. Returned tensors are
@@ -7,29 +10,45 @@ shared with the store: callers must not modify them in place.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from kvstitch.core.chunk import ChunkKV
 from .base import ChunkStore, check_key, check_meta, group_by_model
 from .codec import check_storage_dtype, roundtrip, stored_nbytes
+from .policy import make_policy
 
 
 class MemoryStore(ChunkStore):
     def __init__(self, max_bytes: int = 4 << 30, storage_dtype: str = "float16",
-                 compute_dtype: torch.dtype | None = None, fingerprint: str | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, fingerprint: str | None = None,
+                 policy: str = "s3fifo") -> None:
         super().__init__()
-        self.max_bytes = max_bytes
         self.storage_dtype = check_storage_dtype(storage_dtype)
         self.compute_dtype = compute_dtype
         self.fingerprint = fingerprint
-        self._items: OrderedDict[str, ChunkKV] = OrderedDict()
-        self._bytes = 0
+        self._policy = make_policy(policy, max_bytes)
+        self._items: dict[str, ChunkKV] = {}
         self._meta: dict[str, dict[str, dict]] = {}
 
     def __repr__(self) -> str:
-        return f"MemoryStore(max_bytes={self.max_bytes}, storage_dtype={self.storage_dtype!r})"
+        return (f"MemoryStore(max_bytes={self.max_bytes}, storage_dtype={self.storage_dtype!r}, "
+                f"policy={self.policy!r})")
+
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    @property
+    def max_bytes(self) -> int:
+        return self._policy.capacity
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self._policy.capacity = value
+
+    @property
+    def _bytes(self) -> int:
+        return self._policy.bytes
 
     def get(self, key: str) -> ChunkKV | None:
         kv = self._items.get(check_key(key))
@@ -38,7 +57,7 @@ class MemoryStore(ChunkStore):
         if self.fingerprint is not None and kv.fingerprint != self.fingerprint:
             self._report(key, f"foreign model: entry fingerprint {kv.fingerprint[:24]!r}")
             return None
-        self._items.move_to_end(key)
+        self._policy.touch(key)
         return kv
 
     def put(self, key: str, kv: ChunkKV) -> None:
@@ -47,24 +66,18 @@ class MemoryStore(ChunkStore):
     def put_loaded(self, key: str, kv: ChunkKV) -> None:
         """Insert a chunk that is already in returned form (a lower tier's `get` result): no re-quantizing."""
         check_key(key)
-        self.delete(key)
         self._items[key] = kv
-        self._bytes += kv.nbytes
+        self._policy.admit(key, kv.nbytes)
         if self._bytes > self.max_bytes:
             self._evict(self.max_bytes, keep=key)
 
     def _evict(self, budget: int, keep: str | None = None) -> tuple[int, int]:
-        """Drop least-recently-used unpinned entries (never `keep`) until <= `budget` bytes remain."""
+        """Drop unpinned entries the policy chooses (never `keep`) until <= `budget` bytes remain."""
         pins = self._meta.get("pins", {})
         removed = freed = 0
-        for k in list(self._items):
-            if self._bytes <= budget:
-                break
-            if k == keep or k in pins:
-                continue
-            old = self._items.pop(k)
-            self._bytes -= old.nbytes
-            removed, freed = removed + 1, freed + old.nbytes
+        for k in self._policy.evict(budget, pins.__contains__, keep):
+            freed += self._items.pop(k).nbytes
+            removed += 1
         return removed, freed
 
     def add_anchors(self, key: str, scores: torch.Tensor, tag: str) -> bool:
@@ -73,7 +86,9 @@ class MemoryStore(ChunkStore):
             return False
         new = kv.with_anchors(scores, tag)  # the same K/V tensors
         self._items[key] = new
-        self._bytes += new.nbytes - kv.nbytes
+        self._policy.resize(key, new.nbytes)
+        if self._bytes > self.max_bytes:
+            self._evict(self.max_bytes, keep=key)
         return True
 
     def __contains__(self, key: str) -> bool:
@@ -83,10 +98,8 @@ class MemoryStore(ChunkStore):
         return len(self._items)
 
     def delete(self, key: str) -> bool:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self._bytes -= old.nbytes
-        return old is not None
+        self._policy.discard(key)
+        return self._items.pop(key, None) is not None
 
     def keys(self) -> list[str]:
         return list(self._items)
@@ -108,7 +121,7 @@ class MemoryStore(ChunkStore):
         by_model = group_by_model([(kv.fingerprint, stored_nbytes(kv, self.storage_dtype), kv.n_tokens)
                                    for kv in self._items.values()], self.models())
         return {**super().stats(), "entries": len(self._items), "bytes": self._bytes, "resident_bytes": self._bytes,
-                "max_bytes": self.max_bytes, "by_dtype": per, "by_model": by_model,
+                "max_bytes": self.max_bytes, **self._policy.describe(), "by_dtype": per, "by_model": by_model,
                 "pinned": len(self._meta.get("pins", {}))}
 
     def meta_put(self, ns: str, name: str, value: dict) -> None:

@@ -18,15 +18,15 @@ import torch
 
 from kvstitch.core.chunk import ChunkKV
 from kvstitch.core.errors import CorruptEntryError, StoreError
+from kvstitch.core.extras import require
 from .base import ChunkStore, check_key, check_meta, group_by_model
 from .codec import DEFAULT_CHECKSUM, check_storage_dtype, decode, encode, entry_info, splice_anchors
 
-try:
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-except ImportError:  # pragma: no cover - redis is a declared dependency
-    redis = None
+
+def _redis():
+    """redis-py, imported on first use: it is the optional `redis` extra."""
+    return require("redis", "redis", "a redis:// store")
+
 
 _HEADER_PEEK = 64 * 1024
 
@@ -38,8 +38,10 @@ class RedisStore(ChunkStore):
                  timeout: float = 5.0, check: bool = False, checksum_alg: str = DEFAULT_CHECKSUM,
                  max_bytes: int | None = None) -> None:
         super().__init__()
-        if redis is None:
-            raise StoreError("the redis package is not installed (pip install redis)")
+        redis = _redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         self.url = url
         self.storage_dtype = check_storage_dtype(storage_dtype)
         self.compute_dtype = compute_dtype
@@ -65,7 +67,7 @@ class RedisStore(ChunkStore):
     def _call(self, fn, *args):
         try:
             return fn(*args)
-        except (redis.RedisError, OSError) as e:
+        except (_redis().RedisError, OSError) as e:
             raise StoreError(f"Redis at {self.url} unavailable: {e}") from None
 
     def ping(self) -> None:

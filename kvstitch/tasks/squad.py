@@ -39,6 +39,11 @@ from .tasks import Sample
 FILES = {"squad": "squad-dev-v1.1.json.gz", "squad2": "squad-dev-v2.0.json.gz"}
 SPLIT_SEED = 2016  # the visiting order of the questions: fixed, so splits name the same questions everywhere
 TUNING_SPLIT = (0, 100)  # samples tuned on; results are reported on the rest (100:)
+# Stitch adapters train on these articles of the v1.1 dev set (`kvstitch.adapt`): the articles v2.0's dev set
+# does not hold, the eight with fewest questions among the tuning and report samples (v1.1 0:400, v2.0 0:250).
+# Their questions are never reported for an adapter (`heldout`); the last one gives the validation loss only.
+ADAPTER_ARTICLES = ("United_Methodist_Church", "Doctor_Who", "Genghis_Khan", "Newcastle_upon_Tyne", "Kenya",
+                    "Teacher", "Victoria_and_Albert_Museum", "Chloroplast")
 DEFAULT_PASSAGES = 10
 ANSWER_TOKENS = 24
 INSTRUCTION = ("Answer the question directly based on the given passages. Do NOT repeat the question. "
@@ -58,6 +63,15 @@ class SquadSet:
     version: str  # "squad" (v1.1) or "squad2" (v2.0)
     articles: tuple[tuple[str, ...], ...]  # per article, its paragraphs
     questions: tuple[Question, ...]  # in the visiting order
+    titles: tuple[str, ...] = ()  # per article
+
+    def adapter_articles(self) -> set[int]:
+        """The articles stitch adapters train on (`ADAPTER_ARTICLES`), by index."""
+        return {i for i, t in enumerate(self.titles) if t in ADAPTER_ARTICLES}
+
+    def heldout(self, q: Question) -> bool:
+        """True when a question may be reported for a stitch adapter: its article is not one it trained on."""
+        return q.article not in self.adapter_articles()
 
 
 def squad_path(version: str) -> Path:
@@ -79,7 +93,7 @@ def read_squad(version: str, path: str | None = None) -> SquadSet:
         raise InputError(f"cannot read SQuAD file {p}: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("data"), list) or not data["data"]:
         raise InputError(f"{p}: expected SQuAD's shape {{\"data\": [{{\"title\", \"paragraphs\"}}]}}")
-    articles, questions = [], []
+    articles, questions, titles = [], [], []
     for a, art in enumerate(data["data"]):
         where = f"{p}, article {a}"
         paras = art.get("paragraphs") if isinstance(art, dict) else None
@@ -94,10 +108,11 @@ def read_squad(version: str, path: str | None = None) -> SquadSet:
             for qa in para.get("qas") or []:
                 questions.append(_question(qa, f"{where}, paragraph {g}", a, g, version))
         articles.append(tuple(texts))
+        titles.append(str(art.get("title", a)))
     if not questions:
         raise InputError(f"{p} holds no questions")
     random.Random(SPLIT_SEED).shuffle(questions)
-    return SquadSet(version, tuple(articles), tuple(questions))
+    return SquadSet(version, tuple(articles), tuple(questions), tuple(titles))
 
 
 def _question(qa: object, where: str, article: int, paragraph: int, version: str) -> Question:

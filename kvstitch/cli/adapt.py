@@ -1,0 +1,81 @@
+"""`kvstitch adapt`: train a stitch adapter for a model (`kvstitch.adapt`)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvstitch.core.errors import InputError
+from .common import console, csv_list, load_engine, set_threads
+from .options import Dtype, Model, Threads
+
+
+def adapt_command(
+        out: Path = typer.Option(..., "--out", help="run directory: adapter, checkpoint, loss curve (resumes if it "
+                                                    "holds a run with the same settings)"),
+        corpus: str = typer.Option("squad", help="squad (the built-in training articles of SQuAD dev v1.1, split "
+                                                 "by article) or a folder of your documents (.txt/.md; the model "
+                                                 "writes a question about each sampled passage)"),
+        links: int = typer.Option(8, help="link tokens between the passages and the question (0: none)"),
+        rank: int = typer.Option(8, help="reader LoRA rank on the attention projections (0: none)"),
+        alpha: float = typer.Option(16.0, help="LoRA alpha (scale = alpha / rank)"),
+        steps: int = typer.Option(200, help="optimizer steps"),
+        batch: int = typer.Option(8, help="questions per step"),
+        lr: float = typer.Option(5e-4, help="peak learning rate (AdamW; warm-up, then linear decay to a tenth)"),
+        passages: int = typer.Option(10, help="passages per training context"),
+        questions: int = typer.Option(16, "--questions-per-context", help="questions asked over each context"),
+        ratios: str = typer.Option("0", help="recompute ratios the student trains at, comma-separated, cycled"),
+        method: str = typer.Option("deltaprop(base=infoflow)", help="picks the recomputed tokens at a ratio > 0"),
+        question_weight: float = typer.Option(0.5, help="weight of question positions in the loss (answers: 1)"),
+        seed: int = typer.Option(0, help="data order and passage grouping"),
+        model: Model = None, dtype: Dtype = None, threads: Threads = None,
+        store: Optional[str] = typer.Option(None, "--store", help="passage cache store (default: OUT/store)"),
+        teacher_dir: Optional[Path] = typer.Option(None, "--teacher-dir", help="the teacher's targets (default: "
+                                                   "OUT/teacher); runs of one model on one corpus may share it")) -> None:
+    """Learn a stitch adapter for MODEL by distillation from full prefill: the model's own full-prefill answers
+    are the teacher, the stitched cache read through the adapter the student. Runs on a CPU, checkpoints as it
+    goes and resumes when rerun with the same command."""
+    from kvstitch.adapt import AdaptConfig, Trainer, document_contexts, squad_contexts
+
+    set_threads(threads)
+    try:
+        ratio_list = tuple(float(x) for x in csv_list(ratios))
+    except ValueError:
+        raise InputError(f"--ratios takes comma-separated numbers, got {ratios!r}") from None
+    cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, steps=steps, batch=batch, lr=lr, passages=passages,
+                      per_context=questions, ratios=ratio_list or (0.0,), method=method,
+                      question_weight=question_weight, seed=seed, corpus=corpus)
+    docs = None
+    if corpus != "squad":
+        docs = Path(corpus).expanduser()
+        if not docs.is_dir():
+            raise InputError(f"--corpus must be 'squad' or a folder of documents; {corpus!r} is neither")
+    if method and any(r > 0 for r in cfg.ratios):
+        from kvstitch.select import check_method
+
+        check_method(method)
+    eng = load_engine(model, store or str(out / "store"), dtype)
+    if docs is None:
+        train, val = squad_contexts(passages, questions, seed), squad_contexts(passages, questions, seed,
+                                                                                validation=True)
+        note = "SQuAD dev v1.1, the adapter articles (kvstitch.tasks.squad.ADAPTER_ARTICLES), their questions"
+    else:
+        from kvstitch.engine.precompute import directory_chunks
+
+        chunks, _ = directory_chunks(eng, docs)
+        texts = [t for _, t in chunks]
+        contexts = document_contexts(eng, texts, passages, questions, seed)
+        n_val = max(1, len(contexts) // 10) if len(contexts) > 1 else 0
+        train, val = contexts[n_val:], contexts[:n_val]
+        note = f"{docs}: {len(texts)} passages, questions written by the model"
+    command = " ".join(["kvstitch"] + [shlex.quote(a) for a in sys.argv[1:]])
+    info = Trainer(eng, cfg, train, val, out, command=command, corpus_note=note, teacher_dir=teacher_dir).run()
+    size = (out / "adapter.safetensors").stat().st_size
+    console.print(f"stitch adapter {cfg.adapter.form}: {info['parameters']:,} parameters, {size / 1e6:.2f} MB, "
+                  f"{info['steps']} steps, {info['cpu_hours']:.2f} CPU-hours; loss {info['final_loss']:.4f}; "
+                  f"{out / 'adapter.safetensors'} (use it: --stitch-adapter {out / 'adapter.safetensors'})",
+                  highlight=False)

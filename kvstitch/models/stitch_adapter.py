@@ -1,0 +1,359 @@
+"""The stitch adapter: a small learned component, one per model, that makes a stitched cache read like full
+prefill. The base model's weights are never changed; the adapter attaches beside them.
+
+Two parts, either or both (`StitchAdapterConfig`):
+
+- **link tokens** (KVLink's idea, with the model frozen): ``links`` learned input embeddings that sit between
+  the passages and the question (`PromptLayout.links`) and are always recomputed. They attend to every stitched
+  passage, so their K/V carry cross-passage context the separately precomputed passages lack, and the question
+  and the answer attend to them. Their ids are ``vocab + j`` (`LinkEmbedding` maps them to the learned rows).
+- **a reader LoRA**: low-rank updates of the attention projections, applied only to the tokens of query-time
+  passes over a stitched cache (the recompute pass, the selection passes and decoding), never at precompute and
+  never in full prefill. Which tokens read through it is the *gate* (`gated`), set per forward from the caches.
+
+Both leave precompute untouched, so passage caches are shared with and without the adapter (the store key is
+unchanged). With the gate off and no link tokens in the prompt, the model computes exactly what it did before.
+
+Files are safetensors with a JSON header naming the model (`weights_id`) they were trained for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvstitch.core.errors import KVStitchError
+
+FORMAT = "kvstitch-stitch-adapter"
+VERSION = 1
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# None: no token reads through the reader LoRA; True: every token; a tensor broadcastable to the hidden
+# states ([B, T, 1]): per token (a batch of requests with and without the adapter)
+_GATE: contextvars.ContextVar = contextvars.ContextVar("kvstitch_stitch_gate", default=None)
+
+
+class StitchAdapterError(KVStitchError):
+    """An adapter file that is missing, unreadable, malformed or made for another model."""
+
+
+@dataclass(frozen=True)
+class StitchAdapterConfig:
+    links: int = 8  # link tokens between the passages and the question (0: none)
+    rank: int = 8  # reader LoRA rank (0: no LoRA)
+    alpha: float = 16.0  # LoRA scale = alpha / rank
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        for name in ("links", "rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"stitch adapter {name} must be an integer >= 0, got {v!r}")
+        if self.links == 0 and self.rank == 0:
+            raise ValueError("a stitch adapter needs link tokens (links > 0), a reader LoRA (rank > 0) or both")
+        bad = sorted(set(self.targets) - set(LORA_TARGETS))
+        if bad:
+            raise ValueError(f"unknown LoRA target {bad[0]!r}; known: {', '.join(LORA_TARGETS)}")
+
+    @property
+    def form(self) -> str:
+        parts = ([f"links={self.links}"] if self.links else []) + ([f"lora(r={self.rank})"] if self.rank else [])
+        return "+".join(parts)
+
+
+@contextlib.contextmanager
+def gated(gate):
+    """Tokens of the forwards in this block read through the reader LoRA where ``gate`` says (see `_GATE`)."""
+    token = _GATE.set(gate)
+    try:
+        yield
+    finally:
+        _GATE.reset(token)
+
+
+def gate_for(flags: list[bool], lengths: list[int] | None = None, device=None):
+    """The gate of a forward over several requests' caches: None (none adapted), True (all), else a per-row
+    ([B, 1, 1], ``lengths`` None) or per-segment ([1, Σ lengths, 1]) float mask."""
+    if not any(flags):
+        return None
+    if all(flags):
+        return True
+    if lengths is None:
+        return torch.tensor(flags, dtype=torch.float32, device=device).view(-1, 1, 1)
+    parts = [torch.full((n,), float(f)) for f, n in zip(flags, lengths)]
+    return torch.cat(parts).to(device).view(1, -1, 1)
+
+
+class GatedLoRA(nn.Module):
+    """``base(x) + gate · scale · B(A(x))``; exactly ``base(x)`` when the gate is off."""
+
+    def __init__(self, base: nn.Module, a: nn.Parameter, b: nn.Parameter, scale: float):
+        super().__init__()
+        self.base, self.lora_a, self.lora_b, self.scale = base, a, b, scale
+
+    @property
+    def weight(self):  # code that reads the projection's weight (dtype, device) sees the base's
+        return self.base.weight
+
+    def forward(self, x):
+        out = self.base(x)
+        gate = _GATE.get()
+        if gate is None:
+            return out
+        delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()
+        delta = delta * self.scale
+        if gate is not True:
+            delta = delta * gate.to(delta.dtype)
+        return out + delta.to(out.dtype)
+
+
+class LinkEmbedding(nn.Module):
+    """The model's input embedding, with ids ``>= vocab`` taken from the adapter's link rows."""
+
+    def __init__(self, base: nn.Module, links: nn.Parameter):
+        super().__init__()
+        self.base, self.links = base, links
+        self.vocab = base.weight.shape[0]
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    def forward(self, ids):
+        is_link = ids >= self.vocab
+        if not bool(is_link.any()):
+            return self.base(ids)
+        out = self.base(torch.where(is_link, torch.zeros_like(ids), ids))
+        rows = self.links[(ids[is_link] - self.vocab)].to(out.dtype)
+        return out.masked_scatter(is_link.unsqueeze(-1), rows)
+
+
+class StitchAdapter(nn.Module):
+    """The learned parameters (link embeddings, LoRA factors) and what they were trained for."""
+
+    def __init__(self, config: StitchAdapterConfig, hidden: int, shapes: dict[str, tuple[int, int]],
+                 weights_id: str, model_name: str | None = None, info: dict | None = None):
+        """``shapes``: ``"<layer>.<target>" -> (in_features, out_features)`` of every projection the LoRA adapts."""
+        super().__init__()
+        self.config, self.hidden, self.weights_id = config, hidden, weights_id
+        self.model_name = model_name or weights_id
+        self.info = dict(info or {})  # how it was made: command, data, steps, CPU-hours (saved in the file)
+        self.links = nn.Parameter(torch.zeros(config.links, hidden))
+        self.lora_a = nn.ParameterDict()
+        self.lora_b = nn.ParameterDict()
+        if config.rank:
+            for name, (n_in, n_out) in shapes.items():
+                key = name.replace(".", "_")
+                a = torch.empty(config.rank, n_in)
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # LoRA's init: A random, B zero (starts as identity)
+                self.lora_a[key] = nn.Parameter(a)
+                self.lora_b[key] = nn.Parameter(torch.zeros(n_out, config.rank))
+        self._attached: list[tuple[nn.Module, str, nn.Module]] = []
+
+    # ---- construction ----------------------------------------------------------------------------
+    @classmethod
+    def for_model(cls, model, weights_id: str, config: StitchAdapterConfig | None = None,
+                  model_name: str | None = None) -> "StitchAdapter":
+        """A fresh adapter for ``model``: link rows start at the mean input embedding (plus a little noise, so
+        the rows differ), the LoRA as an identity (B = 0)."""
+        config = config or StitchAdapterConfig()
+        shapes = {name: (m.in_features, m.out_features) for name, m in _targets(model, config.targets)}
+        emb = model.get_input_embeddings()
+        hidden = emb.weight.shape[1]
+        ad = cls(config, hidden, shapes, weights_id, model_name)
+        with torch.no_grad():
+            sample = emb(torch.arange(0, emb.weight.shape[0], max(1, emb.weight.shape[0] // 4096)))
+            mean, std = sample.float().mean(0), sample.float().std(0)
+            gen = torch.Generator().manual_seed(0)
+            ad.links.copy_(mean + 0.1 * std * torch.randn(config.links, hidden, generator=gen))
+        return ad
+
+    # ---- attach to a model -------------------------------------------------------------------------
+    def attach(self, model) -> None:
+        """Wrap ``model``'s input embedding (link rows) and adapted projections (gated LoRA), in place."""
+        if self._attached:
+            raise RuntimeError("this stitch adapter is attached already")
+        emb = model.get_input_embeddings()
+        if emb.weight.shape[1] != self.hidden:
+            raise StitchAdapterError(f"stitch adapter of hidden size {self.hidden} does not fit this model "
+                                     f"(hidden size {emb.weight.shape[1]})")
+        device, dtype = emb.weight.device, torch.float32
+        self.to(device=device, dtype=dtype)
+        if self.config.links:
+            wrapper = LinkEmbedding(emb, self.links)
+            model.set_input_embeddings(wrapper)
+            self._attached.append((model, "__input_embeddings__", emb))
+        if self.config.rank:
+            scale = self.config.alpha / self.config.rank
+            for name, module in _targets(model, self.config.targets):
+                key = name.replace(".", "_")
+                if key not in self.lora_a:
+                    raise StitchAdapterError(f"stitch adapter has no LoRA for {name}: made for another model")
+                parent, attr = _parent(model, module)
+                setattr(parent, attr, GatedLoRA(module, self.lora_a[key], self.lora_b[key], scale))
+                self._attached.append((parent, attr, module))
+
+    def detach(self) -> None:
+        """Put the model's own modules back."""
+        for parent, attr, module in reversed(self._attached):
+            if attr == "__input_embeddings__":
+                parent.set_input_embeddings(module)
+            else:
+                setattr(parent, attr, module)
+        self._attached = []
+
+    @property
+    def n_links(self) -> int:
+        return self.config.links
+
+    def link_ids(self, vocab: int) -> torch.Tensor:
+        return torch.arange(vocab, vocab + self.config.links, dtype=torch.long)
+
+    def digest(self) -> str:
+        """sha256 of the parameters (what an evaluation run records: two adapters' rows never mix)."""
+        import hashlib
+
+        h = hashlib.sha256(json.dumps(asdict(self.config), sort_keys=True).encode())
+        for k, v in sorted(self.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    @property
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- files -------------------------------------------------------------------------------------
+    def header(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "config": {**asdict(self.config),
+                                                                  "targets": list(self.config.targets)},
+                "hidden": self.hidden, "weights_id": self.weights_id, "model": self.model_name, "info": self.info}
+
+    def save(self, path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+        """Write the adapter (tensors in ``dtype``) through a temporary file and a rename."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"kvstitch": json.dumps(self.header())})
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StitchAdapter":
+        """Read an adapter file; anything but a well-formed kvstitch adapter is one `StitchAdapterError`."""
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise StitchAdapterError(f"no stitch adapter file at {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {}).get("kvstitch", "null"))
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError, json.JSONDecodeError) as e:
+            raise StitchAdapterError(f"{path} is not a readable stitch adapter file ({str(e)[:120]})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise StitchAdapterError(f"{path} is not a kvstitch stitch adapter (no '{FORMAT}' header)")
+        if meta.get("version") != VERSION:
+            raise StitchAdapterError(f"{path}: stitch adapter format version {meta.get('version')!r}, this "
+                                     f"kvstitch reads version {VERSION}")
+        try:
+            c = meta["config"]
+            config = StitchAdapterConfig(links=c["links"], rank=c["rank"], alpha=float(c["alpha"]),
+                                         targets=tuple(c["targets"]))
+            shapes = {}
+            for k, a in tensors.items():
+                if k.startswith("lora_a."):
+                    b = tensors["lora_b." + k.removeprefix("lora_a.")]
+                    layer, target = k.removeprefix("lora_a.").split("_", 1)
+                    shapes[f"{layer}.{target}"] = (a.shape[1], b.shape[0])
+            # the order `for_model` creates them in (layer, then target): an optimizer's state follows it
+            order = sorted(shapes, key=lambda n: (int(n.split(".")[0]), LORA_TARGETS.index(n.split(".")[1])))
+            shapes = {n: shapes[n] for n in order}
+            ad = cls(config, int(meta["hidden"]), shapes, str(meta["weights_id"]), meta.get("model"),
+                     meta.get("info"))
+            ad.load_state_dict(tensors, strict=True)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise StitchAdapterError(f"{path}: malformed stitch adapter ({str(e).splitlines()[0][:160]})") from None
+        return ad
+
+    def check_model(self, weights_id: str, model_name: str | None = None) -> None:
+        """Refuse to run on a model other than the one it was trained for."""
+        if weights_id != self.weights_id:
+            raise StitchAdapterError(f"stitch adapter was trained for {self.model_name} ({self.weights_id[:24]}), "
+                                     f"this engine runs {model_name or weights_id} ({weights_id[:24]})")
+
+
+def _targets(model, targets: tuple[str, ...]):
+    """``("<layer>.<target>", module)`` of every adapted projection, from the decoder layers' attention."""
+    layers = _decoder_layers(model)
+    out = []
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        for t in targets:
+            m = getattr(attn, t)
+            if isinstance(m, GatedLoRA):
+                m = m.base
+            out.append((f"{i}.{t}", m))
+    return out
+
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", model)
+    inner = getattr(inner, "language_model", inner)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise StitchAdapterError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def _parent(model, module):
+    for name, m in model.named_modules():
+        for attr, child in m.named_children():
+            if child is module:
+                return m, attr
+    raise RuntimeError("module not found in the model")
+
+
+# the adapters kvstitch ships, one per embedded model (with the command and data that made each: <name>.json)
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "adapters"
+OFF = ("none", "off")  # what a command line or config says for "no adapter"
+
+
+def shipped_adapters() -> list[str]:
+    """The embedded models kvstitch ships a stitch adapter for."""
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.safetensors"))
+
+
+def resolve_adapter(spec, model: str | None = None) -> "StitchAdapter | None":
+    """``spec``: None / "none" (no adapter), "default" (the shipped adapter of the embedded model ``model``;
+    None = the default model), a file path or a `StitchAdapter` -> the adapter (read, not yet checked against
+    the model: `StitchAdapter.check_model`)."""
+    from .loader import DEFAULT_MODEL
+
+    if spec is None or isinstance(spec, StitchAdapter):
+        return spec
+    if not isinstance(spec, (str, Path)):
+        raise StitchAdapterError(f"stitch_adapter must be None, 'default', a file path or a StitchAdapter, "
+                                 f"got {type(spec).__name__}")
+    if str(spec).lower() in OFF:
+        return None
+    if spec == "default":
+        name = model or DEFAULT_MODEL
+        path = SHIPPED_DIR / f"{name}.safetensors"
+        if not path.is_file():
+            ships = ", ".join(shipped_adapters()) or "none yet"
+            raise StitchAdapterError(f"kvstitch ships no stitch adapter for {name} (it ships: {ships}); train one "
+                                     f"with `kvstitch adapt --model {name}` and pass its file")
+        return StitchAdapter.load(path)
+    return StitchAdapter.load(Path(spec).expanduser())

@@ -1,0 +1,136 @@
+"""`kvstitch adapt`: the distillation loss, a run that resumes to the same state, and training data kept apart
+from every report split and evaluation set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvstitch.adapt import AdaptConfig, Context, Trainer, squad_contexts
+from kvstitch.adapt.train import STATE_FILE, sparse_kl
+from kvstitch.cli import app
+from kvstitch.eval.config import EvalConfig
+from kvstitch.eval.runner import heldout_samples
+from kvstitch.models.stitch_adapter import StitchAdapter
+from kvstitch.tasks.datasets import load_dataset
+from kvstitch.tasks.squad import read_squad
+
+from .conftest import SAMPLE_CHUNKS
+from .test_stitch_adapter import fresh_engine
+
+
+def test_sparse_kl_is_zero_for_the_teacher_itself_and_positive_otherwise():
+    torch.manual_seed(0)
+    teacher = torch.randn(5, 50)
+    logp = torch.log_softmax(teacher, -1)
+    top = logp.topk(8, dim=-1)
+    same = sparse_kl(teacher, top.indices.int(), top.values)
+    assert same.abs().max() < 1e-5
+    other = sparse_kl(torch.randn(5, 50), top.indices.int(), top.values)
+    assert (other > 1e-3).all()
+
+
+CONTEXTS = [Context("a", tuple(SAMPLE_CHUNKS[:2]), ("Where is Alice's house?", "Where does Bob live?")),
+            Context("b", tuple(SAMPLE_CHUNKS[2:]), ("What is Carol's number?", "What opened near the park?"))]
+
+
+def _cfg(**kw) -> AdaptConfig:
+    return AdaptConfig(**{"links": 2, "rank": 2, "steps": 4, "batch": 2, "max_answer": 3, "top_k": 8,
+                          "save_every": 2, "eval_every": 2, "val_questions": 2, "lr": 1e-2, "warmup": 1, **kw})
+
+
+def test_training_lowers_the_loss_and_resumes_to_the_same_state(tmp_path, smollm_tokenizer, monkeypatch):
+    straight = Trainer(fresh_engine(smollm_tokenizer), _cfg(), CONTEXTS, CONTEXTS[:1], tmp_path / "a")
+    info = straight.run(progress=False)
+    assert info["steps"] == 4 and info["parameters"] == straight.adapter.n_parameters
+    losses = [json.loads(line) for line in (tmp_path / "a" / "loss.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in losses] == [0, 1, 2, 3, 4]
+    assert (tmp_path / "a" / "loss.png").exists()
+
+    # a run stopped after its step-2 checkpoint, then rerun: the same adapter, bit for bit
+    eng = fresh_engine(smollm_tokenizer)
+    stopped = Trainer(eng, _cfg(), CONTEXTS, CONTEXTS[:1], tmp_path / "b")
+    real_step = Trainer.step
+
+    def step_then_stop(self):
+        if self.state.step == 3:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "step", step_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        stopped.run(progress=False)
+    assert torch.load(tmp_path / "b" / STATE_FILE, weights_only=False)["state"]["step"] == 2
+    monkeypatch.setattr(Trainer, "step", real_step)
+    eng.use_stitch_adapter(None)
+    resumed = Trainer(fresh_engine(smollm_tokenizer), _cfg(), CONTEXTS, CONTEXTS[:1], tmp_path / "b")
+    resumed.run(progress=False)
+    a, b = StitchAdapter.load(tmp_path / "a" / "adapter.safetensors"), StitchAdapter.load(tmp_path / "b" / "adapter.safetensors")
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    assert [r["step"] for r in resumed.state.losses] == [0, 1, 2, 3, 4]
+
+
+def test_a_step_lowers_the_loss_of_its_batch(tmp_path, smollm_tokenizer):
+    """The gradient reaches the adapter and points downhill: one small step lowers its own batch's loss."""
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(lr=1e-3), CONTEXTS, [], tmp_path)
+    tr.setup()
+    items = tr.batch_items(0)
+    for g in tr.opt.param_groups:
+        g["lr"] = 1e-3
+    tr.opt.zero_grad()
+    before = tr.loss_of(items, CONTEXTS, 0.0, grad=True)
+    grads = [p.grad for p in tr.adapter.parameters()]
+    assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
+    tr.opt.step()
+    assert tr.loss_of(items, CONTEXTS, 0.0, grad=False) < before
+
+
+def test_a_run_directory_with_other_settings_is_refused(tmp_path, smollm_tokenizer):
+    from kvstitch.core.errors import InputError
+
+    Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=1), CONTEXTS, [], tmp_path).run(progress=False)
+    with pytest.raises(InputError, match="other settings"):
+        Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=1, rank=3), CONTEXTS, [], tmp_path).run(progress=False)
+
+
+def test_training_data_is_disjoint_from_every_report_split_and_evaluation_set():
+    train = squad_contexts(10, 1000) + squad_contexts(10, 1000, validation=True)
+    passages = {p for c in train for p in c.passages}
+    questions = {q.split("\n")[0] for c in train for q in c.questions}
+    assert len(passages) > 300 and len(questions) > 1500
+    cfg = EvalConfig(tasks=[], lengths=[], methods=[], ratios=[], dataset="squad", heldout=True)
+    v1 = heldout_samples(cfg, load_dataset("squad", 0, 400, passages=40))
+    v2 = heldout_samples(EvalConfig(tasks=[], lengths=[], methods=[], ratios=[], dataset="squad2", heldout=True),
+                         load_dataset("squad2", 0, 250, passages=40))
+    assert 330 < len(v1) < 400 and len(v2) == 250  # v2.0 holds none of the training articles
+    for s in v1 + v2:
+        assert not passages & set(s.chunks)
+        assert s.meta["raw_question"] not in questions
+    musique = load_dataset("musique", 0, None)
+    assert not passages & {c for s in musique for c in s.chunks}
+    # the rule: a question is dropped exactly when its article is a training article
+    squad = read_squad("squad")
+    dropped = {q.qid for q in squad.questions[:400] if not squad.heldout(q)}
+    assert {s.meta["qid"] for s in load_dataset("squad", 0, 400)} - {s.meta["qid"] for s in v1} == dropped
+
+
+def test_training_and_validation_contexts_do_not_share_an_article():
+    train, val = squad_contexts(10, 4), squad_contexts(10, 4, validation=True)
+    assert train and val
+    assert not {c.key.split(":")[1] for c in train} & {c.key.split(":")[1] for c in val}
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--corpus", str(tmp_path / "nowhere")])
+    assert res.exit_code == 2 and "--corpus must be 'squad' or a folder" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--ratios", "0,1.5"])
+    assert res.exit_code == 2 and "ratios must be in [0, 1)" in res.output
+    bad = tmp_path / "bad.safetensors"
+    bad.write_text("nope")
+    res = runner.invoke(app, ["ask", "Who?", "--chunk", str(bad), "--stitch-adapter", str(bad)])
+    assert res.exit_code == 2 and "not a readable stitch adapter" in res.output

@@ -1,0 +1,173 @@
+"""The stitch adapter (`kvstitch.models.stitch_adapter`): attached to a tiny model it changes stitched reads only,
+leaves passage caches and full prefill alone, survives a file round trip and refuses files of other models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstitch import Engine
+from kvstitch.engine.batch import DecodeStep
+from kvstitch.engine.budget import AutoBudget
+from kvstitch.models.stitch_adapter import (StitchAdapter, StitchAdapterConfig, StitchAdapterError, gated,
+                                            resolve_adapter)
+
+from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, new_tiny_engine
+
+ATOL = 1e-3
+
+
+def fresh_engine(tokenizer, name: str = "llama") -> Engine:
+    """A tiny engine of its own (attaching an adapter wraps its model's modules)."""
+    return new_tiny_engine(name, tokenizer)
+
+
+def active_adapter(eng: Engine, links: int = 4, rank: int = 4, seed: int = 1) -> StitchAdapter:
+    """An adapter whose LoRA is not the identity (B random), so it really changes what it reads."""
+    ad = StitchAdapter.for_model(eng.model, eng.weights_id, StitchAdapterConfig(links=links, rank=rank))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in ad.lora_b.values():
+            b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    return ad
+
+
+@pytest.fixture(scope="module")
+def eng(smollm_tokenizer):
+    return fresh_engine(smollm_tokenizer)
+
+
+def gen(eng, method="random", ratio=0.0, **kw):
+    return eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=method, recompute_ratio=ratio,
+                        max_new_tokens=kw.pop("max_new_tokens", 6), **kw)
+
+
+def test_off_is_bit_for_bit_today_and_full_prefill_never_reads_through_it(eng):
+    runs = {"naive": 0.0, "random": 0.3, "full": 0.0}
+    before = {m: gen(eng, m, r) for m, r in runs.items()}
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        with_full = gen(eng, "full")
+        assert torch.equal(with_full.first_logits, before["full"].first_logits)
+        assert with_full.token_ids == before["full"].token_ids
+        adapted = gen(eng, "naive")
+        assert (adapted.first_logits - before["naive"].first_logits).abs().max() > 1e-3  # it acts
+        assert adapted.stats.to_dict().get("stitch_adapter") == "links=4+lora(r=4)"
+    finally:
+        eng.use_stitch_adapter(None)
+    for m, res in before.items():
+        again = gen(eng, m, runs[m])
+        assert torch.equal(again.first_logits, res.first_logits), m  # detached: exactly as before
+        assert again.token_ids == res.token_ids
+
+
+def test_full_recompute_with_adapter_is_full_prefill_and_guard_returns_full_prefills_answer(eng):
+    full = gen(eng, "full")
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        all_tokens = gen(eng, "random", 1.0)
+        assert (all_tokens.first_logits - full.first_logits).abs().max().item() <= ATOL
+        assert all_tokens.token_ids == full.token_ids
+        guarded = gen(eng, "random", 0.2, guard="full")
+        assert guarded.token_ids == full.token_ids
+    finally:
+        eng.use_stitch_adapter(None)
+
+
+def test_passage_caches_are_shared_with_and_without_the_adapter(eng):
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    keys = [eng.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids]
+    gen(eng, "naive")  # stores every passage
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        assert [eng.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids] == keys
+        res = gen(eng, "random", 0.2)
+        assert res.stats.store_hits == len(SAMPLE_CHUNKS) and res.stats.store_misses == 0
+    finally:
+        eng.use_stitch_adapter(None)
+
+
+def test_link_tokens_sit_between_passages_and_question_and_are_recomputed(eng):
+    eng.use_stitch_adapter(active_adapter(eng, links=3, rank=0))
+    try:
+        pre = eng.prefill(eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS), "random", 0.0, max_new_tokens=4)
+        lay = pre.layout
+        assert lay.links == 3 and lay.suffix_ids[:3].tolist() == list(range(eng.vocab_size, eng.vocab_size + 3))
+        assert torch.equal(lay.without_links().suffix_ids, eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).suffix_ids)
+        # their K/V were computed (the stitched cache had zeros there)
+        assert pre.cache.layers[0].keys[0, :, lay.context_end:lay.context_end + 3].abs().sum() > 0
+    finally:
+        eng.use_stitch_adapter(None)
+
+
+def test_composes_with_auto_sparse_decode_and_methods(eng):
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        for method in ("deltaprop(base=infoflow)", "prophet", "cacheblend"):
+            assert gen(eng, method, 0.2).token_ids
+        res = gen(eng, "prophet", AutoBudget(min_context=1, schedule=(0.1, 0.2)))
+        assert res.token_ids and res.stats.to_dict().get("stitch_adapter")
+        assert gen(eng, "prophet", 0.2, decode="prkv(kv_budget=64)").token_ids
+    finally:
+        eng.use_stitch_adapter(None)
+
+
+def test_batched_decode_gates_each_row_by_its_own_cache(eng):
+    """A batch of an adapted request and a plain one: each row as its own lone step computes it."""
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        a = eng.prefill(eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS), "random", 0.2, max_new_tokens=4)
+        b = eng.prefill(eng.layout("Who lives in Rome?", SAMPLE_CHUNKS), "full", 0.0, max_new_tokens=4)
+        assert a.cache.adapted and not b.cache.adapted
+        ta, tb = int(a.logits[-1].argmax()), int(b.logits[-1].argmax())
+        lone = [eng.decode_step(a.cache, ta), eng.decode_step(b.cache, tb)]
+        for p in (a, b):
+            p.cache.truncate(p.layout.n_total)
+        both = eng.decode_batch([DecodeStep(a.cache, ta), DecodeStep(b.cache, tb)])
+        for x, y in zip(lone, both):
+            assert (x - y).abs().max().item() < 1e-4
+        with gated(None):  # and the adapted row does differ from an ungated one
+            a.cache.truncate(a.layout.n_total)
+            a.cache.adapted = False
+            plain = eng.decode_step(a.cache, ta)
+        assert (plain - lone[0]).abs().max().item() > 1e-4
+    finally:
+        eng.use_stitch_adapter(None)
+
+
+def test_file_round_trip_is_bit_identical(eng, tmp_path):
+    ad = active_adapter(eng)
+    path = ad.save(tmp_path / "a.safetensors")
+    back = StitchAdapter.load(path)
+    assert back.config == ad.config and back.weights_id == eng.weights_id
+    assert list(back.state_dict()) == list(ad.state_dict())  # same order: an optimizer's state follows it
+    for k, v in ad.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    assert back.digest() == ad.digest()
+    assert resolve_adapter(str(path)).digest() == ad.digest()
+    assert resolve_adapter("none") is None and resolve_adapter(None) is None
+
+
+def test_bad_files_and_other_models_are_one_clear_error(eng, tmp_path, smollm_tokenizer):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(StitchAdapterError, match="not a readable stitch adapter"):
+        StitchAdapter.load(bad)
+    with pytest.raises(StitchAdapterError, match="no stitch adapter file"):
+        resolve_adapter(str(tmp_path / "missing.safetensors"))
+    other = fresh_engine(smollm_tokenizer, "qwen2")
+    path = active_adapter(other).save(tmp_path / "qwen.safetensors")
+    with pytest.raises(StitchAdapterError) as err:
+        eng.use_stitch_adapter(StitchAdapter.load(path))
+    assert "tiny-qwen2" in str(err.value) and "tiny-llama" in str(err.value)
+    assert eng.stitch_adapter is None
+    with pytest.raises(StitchAdapterError, match="ships no stitch adapter for gemma3"):
+        resolve_adapter("default", "gemma3")
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="needs link tokens"):
+        StitchAdapterConfig(links=0, rank=0)
+    with pytest.raises(ValueError, match="unknown LoRA target"):
+        StitchAdapterConfig(targets=("gate_proj",))
+    assert StitchAdapterConfig(links=8, rank=0).form == "links=8"
