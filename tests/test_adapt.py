@@ -34,7 +34,8 @@ def test_sparse_kl_is_zero_for_the_teacher_itself_and_positive_otherwise():
 
 
 CONTEXTS = [Context("a", tuple(SAMPLE_CHUNKS[:2]), ("Where is Alice's house?", "Where does Bob live?")),
-            Context("b", tuple(SAMPLE_CHUNKS[2:]), ("What is Carol's number?", "What opened near the park?"))]
+            Context("b", tuple(SAMPLE_CHUNKS[2:]),
+                    ("What is Carol's number?", "What opened near the central park last week, and what does it sell?"))]
 
 
 def _cfg(**kw) -> AdaptConfig:
@@ -89,6 +90,23 @@ def test_a_step_lowers_the_loss_of_its_batch(tmp_path, smollm_tokenizer):
     assert tr.loss_of(items, CONTEXTS, 0.0, grad=False) < before
 
 
+def test_the_questions_of_a_context_in_one_pass_are_each_one_alone(tmp_path, smollm_tokenizer):
+    """Right-padded rows over copies of one stitched context: the loss of each question as its own pass."""
+    from kvstitch.adapt.train import cached_targets, questions_loss
+
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(), CONTEXTS, [], tmp_path)
+    tr.setup()
+    ctx = CONTEXTS[1]
+    targets = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)
+    layout = tr.engine.layout(ctx.questions[0], list(ctx.passages))
+    cache, linked = tr._stitched(ctx, layout)
+    assert targets[0].suffix.numel() + targets[0].answer.numel() != targets[1].suffix.numel() + targets[1].answer.numel()
+    with torch.no_grad():
+        both = questions_loss(tr.engine, cache, linked, targets, 0.5)
+        alone = [questions_loss(tr.engine, cache, linked, [t], 0.5) for t in targets]
+    assert abs(float(both) - float(torch.stack(alone).mean())) < 1e-5 * max(1.0, float(both))
+
+
 def test_a_run_directory_with_other_settings_is_refused(tmp_path, smollm_tokenizer):
     from kvstitch.core.errors import InputError
 
@@ -134,3 +152,14 @@ def test_cli_errors_are_one_line(tmp_path):
     bad.write_text("nope")
     res = runner.invoke(app, ["ask", "Who?", "--chunk", str(bad), "--stitch-adapter", str(bad)])
     assert res.exit_code == 2 and "not a readable stitch adapter" in res.output
+
+
+def test_an_adapter_run_has_its_own_protocol_and_old_logs_stay_valid():
+    plain = EvalConfig(tasks=[], lengths=[], methods=[], ratios=[], dataset="squad")
+    assert "stitch_adapter" not in plain.protocol() and "heldout" not in plain.protocol()
+    adapted = EvalConfig(tasks=[], lengths=[], methods=[], ratios=[], dataset="squad", heldout=True,
+                         stitch_adapter={"form": "links=8", "sha256": "ab"})
+    p = adapted.protocol()
+    assert p["stitch_adapter"] == {"form": "links=8", "sha256": "ab"} and p["heldout"] is True
+    with pytest.raises(Exception, match="--heldout"):
+        heldout_samples(EvalConfig(tasks=[], lengths=[], methods=[], ratios=[], dataset="musique", heldout=True), [])

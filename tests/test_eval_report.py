@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 
 import pytest
 
-from kvstitch.eval.rows import append_jsonl, read_jsonl
+from kvstitch.eval.rows import append_jsonl, has_jsonl, read_jsonl
 from kvstitch.eval.report import (plot_accuracy_vs_ratio, plot_niah_heatmap,
                                   summary_table)
 
@@ -67,6 +68,19 @@ def test_ttft_cells_are_medians():
     assert _cells(table, "vt", "full", "–")[8] == "2.000"
 
 
+def test_ttft_speedup_is_the_median_of_per_sample_ratios():
+    """One paused sample (100x its others) must not move the speed-up, as it would a ratio of means."""
+    from kvstitch.eval.rows import ratio_of_means, ttft_speedup
+
+    rows = [{"ttft_full_s": 4.0, "ttft_s": 1.0}, {"ttft_full_s": 6.0, "ttft_s": 2.0},
+            {"ttft_full_s": 10.0, "ttft_s": 2.0}, {"ttft_full_s": 5.0, "ttft_s": None}]
+    assert ttft_speedup(rows) == 4.0  # samples 4x, 3x, 5x; the untimed one left out
+    rows[0]["ttft_s"] = 100.0
+    assert ttft_speedup(rows) == 3.0
+    assert ratio_of_means([r["ttft_full_s"] for r in rows[:3]], [r["ttft_s"] for r in rows[:3]]) < 0.2
+    assert math.isnan(ttft_speedup([{"ttft_full_s": 1.0}]))
+
+
 def test_summary_table_without_full_leaves_percent_empty():
     rows = [r for r in _rows() if r["method"] != "full"]
     assert _cells(summary_table(rows), "vt", "naive", "0.00")[5] == "–"
@@ -116,6 +130,51 @@ def test_jsonl_corruption_in_the_middle_raises(tmp_path):
     path.write_text('{"i": 0}\n{"i": \n{"i": 2}\n')
     with pytest.raises(ValueError, match=":2:"):
         read_jsonl(path)
+
+
+def test_jsonl_reads_a_compressed_log_and_rows_appended_beside_it_once(tmp_path):
+    """A published run is kept as results.jsonl.gz; a resumed run appends to results.jsonl beside it."""
+    path = tmp_path / "results.jsonl"
+    assert not has_jsonl(path)
+    rows = [{"i": 0, "kl": 0.5}, {"i": 1, "pred": "café"}]
+    for r in rows:
+        append_jsonl(path, r)
+    with open(path, "rb") as f, gzip.open(tmp_path / "results.jsonl.gz", "wb") as g:
+        g.write(f.read())
+    assert read_jsonl(path) == rows  # a copy left beside its .gz: each row once
+    path.unlink()
+    assert has_jsonl(path) and read_jsonl(path) == rows
+    assert read_jsonl(tmp_path / "results.jsonl.gz") == rows
+    append_jsonl(path, {"i": 2})
+    assert read_jsonl(path) == [*rows, {"i": 2}]
+
+
+def test_merge_into_a_compressed_run_keeps_it_compressed(tmp_path):
+    from kvstitch.eval.merge import write_run
+
+    with gzip.open(tmp_path / "results.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write('{"i": 0}\n')
+    (tmp_path / "results.jsonl").write_text('{"i": 1}\n')
+    write_run([{"i": 0}, {"i": 1}, {"i": 2}], {}, tmp_path)
+    assert not (tmp_path / "results.jsonl").exists()
+    assert read_jsonl(tmp_path / "results.jsonl") == [{"i": 0}, {"i": 1}, {"i": 2}]
+    first = (tmp_path / "results.jsonl.gz").read_bytes()
+    write_run([{"i": 0}, {"i": 1}, {"i": 2}], {}, tmp_path)
+    assert (tmp_path / "results.jsonl.gz").read_bytes() == first  # no timestamp in the archive
+
+
+def test_eval_report_reads_a_compressed_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstitch.cli import app
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with gzip.open(run / "results.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in _rows())
+    res = CliRunner().invoke(app, ["eval-report", str(run), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "prophet" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_bootstrap_intervals():

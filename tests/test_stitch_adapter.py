@@ -135,6 +135,30 @@ def test_batched_decode_gates_each_row_by_its_own_cache(eng):
         eng.use_stitch_adapter(None)
 
 
+def test_a_packed_recompute_pass_gates_each_segment_by_its_own_cache(eng):
+    """The batching server packs passes of requests with and without the adapter: each as alone."""
+    from kvstitch.engine.prefill import recompute_step
+    from kvstitch.engine.stitch import stitch, with_adapter
+
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        def step(question, adapted):
+            lay = eng.layout(question, SAMPLE_CHUNKS)
+            kvs = eng.chunk_kvs(lay)
+            lay, on = with_adapter(eng, lay, 0.2 if adapted else 1.0)
+            cache = stitch(eng, lay, kvs, extra=4, adapted=on)
+            return recompute_step(cache, lay, torch.arange(0, lay.n_context, 3))
+
+        lone = [eng.recompute_batch([step(SAMPLE_QUESTION, True)])[0],
+                eng.recompute_batch([step("Who lives in Rome?", False)])[0]]
+        packed = eng.recompute_batch([step(SAMPLE_QUESTION, True), step("Who lives in Rome?", False)])
+        for x, y in zip(lone, packed):
+            assert (x - y).abs().max().item() < 1e-4
+        assert (lone[0] - eng.recompute_batch([step(SAMPLE_QUESTION, False)])[0]).abs().max().item() > 1e-4
+    finally:
+        eng.use_stitch_adapter(None)
+
+
 def test_file_round_trip_is_bit_identical(eng, tmp_path):
     ad = active_adapter(eng)
     path = ad.save(tmp_path / "a.safetensors")

@@ -226,3 +226,32 @@ def bench_store_cmd(path: Path = typer.Option(Path("/tmp/kvstitch-bench-store"),
                       ["| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
                        for r in rows])
     write_results(rows, out, "bench_store", table)
+
+
+@bench_app.command("route")
+@friendly_errors
+def bench_route_cmd(replicas: str = typer.Option("8,64,256", help="comma-separated replica counts (2-256)"),
+                    tier_tokens: int = typer.Option(65_536, help="memory tier per replica, tokens"),
+                    requests_per_replica: int = typer.Option(400),
+                    lam: float = typer.Option(0.5, help="chunk affinity: a queued request's weight"),
+                    model: str = typer.Option("qwen2.5-0.5b", help="K/V size and costs: qwen2.5-0.5b or smollm2"),
+                    variations: bool = typer.Option(True, help="also vary one knob at a time"),
+                    results: Path = typer.Option(RESULTS_DIR, help="where bench_store.json and bench_ttft are"),
+                    out: ResultsDir = RESULTS_DIR / "routing") -> None:
+    """Simulated routing over N replicas: chunk affinity vs round-robin, power-of-two, prefix affinity and one
+    ideal shared memory (scripts/route_sim.py has every option)."""
+    import shlex
+    import sys
+
+    from kvstitch.core.errors import InputError
+    from kvstitch.route.costs import MODEL_SHAPES
+    from kvstitch.route.report import simulate_and_write, sweep_of
+
+    if model not in MODEL_SHAPES:
+        raise InputError(f"--model: one of {', '.join(sorted(MODEL_SHAPES))}, got {model!r}")
+    try:
+        sweep = sweep_of(csv_ints(replicas), tier_tokens, requests_per_replica=requests_per_replica, lam=lam,
+                         variations=variations)
+    except ValueError as e:
+        raise InputError(f"--replicas: {e}") from None
+    simulate_and_write(sweep, model, results, out, "kvstitch " + shlex.join(sys.argv[1:]), log=console.print)

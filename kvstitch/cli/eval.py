@@ -65,12 +65,12 @@ def report_command(
     e.g. runs of one task each made side by side; the commands of the runs are listed in it."""
     import json
 
-    from kvstitch.eval.rows import read_jsonl
+    from kvstitch.eval.rows import has_jsonl, read_jsonl
 
     rows, commands = [], []
     for run in runs:
         path = run / RESULTS if run.is_dir() else run
-        if not path.is_file():
+        if not has_jsonl(path):
             raise InputError(f"no {RESULTS} in {run}")
         rows += read_jsonl(path)
         meta = run / "run.json"
@@ -115,7 +115,7 @@ def overview_command(
     answers kept vs speed-up per dataset."""
     from kvstitch.core.spec import split_specs
     from kvstitch.eval.overview import write_overview
-    from kvstitch.eval.rows import read_jsonl
+    from kvstitch.eval.rows import has_jsonl, read_jsonl
 
     data = {}
     for item in runs:
@@ -124,7 +124,7 @@ def overview_command(
             raise InputError(f"each run is NAME=DIRECTORY (e.g. squad=docs/results/squad/qwen0.5b-p40), got {item!r}")
         run = Path(path)
         file = run / RESULTS if run.is_dir() else run
-        if not file.is_file():
+        if not has_jsonl(file):
             raise InputError(f"no {RESULTS} in {run}")
         if label in data:
             raise InputError(f"the name {label!r} is given twice")

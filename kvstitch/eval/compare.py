@@ -12,8 +12,8 @@ present in both runs count. Per (method, ratio):
 - ``same_answer``: share of samples whose greedy answer text is identical in both runs;
 - ``kept_*`` (QA rows, e.g. SQuAD): of the samples the run's *own* full prefill answers correctly, the share the
   method still answers correctly (``right_*``: how many those are; ``kept_*_ci`` its 95% bootstrap interval);
-  ``agree_*``: the share whose answer is full prefill's of the same run; ``speedup_*``: the run's mean full-prefill
-  TTFT over the method's mean TTFT on the same samples. Across two models on the same samples this is "does
+  ``agree_*``: the share whose answer is full prefill's of the same run; ``speedup_*``: the median over samples of the
+  run's full-prefill TTFT / the method's on the same sample. Across two models on the same samples this is "does
   stitching keep more answers as the model grows";
 - ``correct_*`` (QA rows): the share of *all* the samples the method answers correctly, and ``correct_diff`` other
   minus base paired over the same samples (``correct_diff_ci`` its 95% bootstrap interval): where the two runs
@@ -36,7 +36,7 @@ from pathlib import Path
 from kvstitch.core.errors import InputError
 from kvstitch.tasks.agreement import same_answer
 
-from .rows import bootstrap_mean_ci, fmt_ci, method_key, ratio_key, ratio_of_means, read_jsonl
+from .rows import bootstrap_mean_ci, fmt_ci, has_jsonl, method_key, ratio_key, read_jsonl, ttft_speedup
 
 SAMPLE_KEY = ("task", "seed", "index", "length", "chunk_tokens")
 IDENTICAL_TOL = 1e-5  # absolute, on the answer NLL and KL: two processes running the same float32 prefill
@@ -62,8 +62,9 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
     b = {(_sample(r), r.get("method"), _ratio(r)): r for r in other}
     naive, full = _references(a)
     groups: dict[tuple, list[tuple]] = defaultdict(list)
-    for key in a.keys() & b.keys():
-        groups[key[1:]].append(key)
+    for key in a:  # in the base run's row order, not a set's: the bootstrap resamples by position
+        if key in b:
+            groups[key[1:]].append(key)
 
     def recovery(rows: list[dict]) -> float:
         return _recovery(rows, naive, full)
@@ -102,8 +103,7 @@ def compare_runs(base: Sequence[dict], other: Sequence[dict]) -> list[dict]:
                 kept = [float(bool(r.get("correct"))) for r in right]
                 out[-1].update({f"right_{side}": len(right), f"kept_{side}": _mean(kept),
                                 f"kept_{side}_ci": bootstrap_mean_ci([kept]),
-                                f"speedup_{side}": ratio_of_means([r.get("ttft_full_s") for r in rows],
-                                                                  [r.get("ttft_s") for r in rows]),
+                                f"speedup_{side}": ttft_speedup(rows),
                                 f"nll_rec_own_{side}": _recovery(rows, *_references(a if side == "base" else b)),
                                 f"agree_{side}": _mean(float(same_answer(r.get("pred", ""), answers[_sample(r)][1]))
                                                        for r in rows if _sample(r) in answers)})
@@ -184,7 +184,7 @@ def _ratio_cell(ratio) -> str:
 def _results(path: str | os.PathLike) -> Path:
     p = Path(path)
     p = p / "results.jsonl" if p.is_dir() else p
-    if not p.is_file():
+    if not has_jsonl(p):
         raise InputError(f"{path}: no results.jsonl (pass a `kvstitch eval --out` directory or its results.jsonl)")
     return p
 

@@ -7,6 +7,7 @@ Runs of another protocol or another model are refused too: their rows would not 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstitch.core.errors import InputError
-from .rows import json_default, norm_ratio, sample_key, read_jsonl
+from .rows import GZ, has_jsonl, json_default, norm_ratio, sample_key, read_jsonl
 from .runner import RESULTS, combos, row_key
 
 NLL_TOL = 1e-4  # the same row computed twice (another machine, another thread count) may differ this much
@@ -23,7 +24,7 @@ NLL_TOL = 1e-4  # the same row computed twice (another machine, another thread c
 
 def _read_run(run: Path) -> tuple[list[dict], dict]:
     path = run / RESULTS if run.is_dir() else run
-    if not path.is_file():
+    if not has_jsonl(path):
         raise InputError(f"no {RESULTS} in {run}")
     meta_path = path.parent / "run.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
@@ -93,12 +94,18 @@ def merge_runs(runs: Sequence[Path]) -> tuple[list[dict], dict, int, dict[str, i
 
 def write_run(rows: Sequence[dict], meta: dict, out: Path) -> Path:
     """results.jsonl and run.json into `out`, each written whole to a temporary file and renamed, so a
-    failure leaves the old files (and `out` may be one of the merged runs)."""
+    failure leaves the old files (and `out` may be one of the merged runs). Where `out` holds a compressed
+    results.jsonl.gz, the rows replace it, compressed, and a plain results.jsonl beside it is removed."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in ((RESULTS, "".join(json.dumps(r, default=json_default, ensure_ascii=False) + "\n"
-                                         for r in rows)),
-                       ("run.json", json.dumps(meta, indent=2, default=str) + "\n")):
+    results = "".join(json.dumps(r, default=json_default, ensure_ascii=False) + "\n" for r in rows).encode()
+    gz = (out / (RESULTS + GZ)).exists()
+    if gz:  # mtime 0: the same rows give the same bytes
+        results = gzip.compress(results, compresslevel=9, mtime=0)
+    for name, data in ((RESULTS + GZ if gz else RESULTS, results),
+                       ("run.json", (json.dumps(meta, indent=2, default=str) + "\n").encode())):
         tmp = out / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
         os.replace(tmp, out / name)
+    if gz:
+        (out / RESULTS).unlink(missing_ok=True)
     return out / RESULTS

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .plots import draw_pareto
 from .rows import (REFERENCES, bootstrap_mean_ci, colour_cycle, fmt_ci, fmt_num, json_default, mean_of, method_key,
-                   new_figure, norm_ratio, ratio_cell, ratio_key, ratio_of_means, sample_key, save_png)
+                   new_figure, norm_ratio, ratio_cell, ratio_key, sample_key, save_png, ttft_speedup)
 
 MARGIN = 0.05
 SPEED_FLOOR = 0.95
@@ -51,8 +51,7 @@ class _Dataset:
         return {s: float(bool(r["correct"])) for s, r in self.groups[key].items() if self.full[s].get("correct")}
 
     def speedup(self, key: tuple, samples=None) -> float:
-        g = [r for s, r in self.groups[key].items() if samples is None or s in samples]
-        return ratio_of_means([r.get("ttft_full_s") for r in g], [r.get("ttft_s") for r in g])
+        return ttft_speedup(r for s, r in self.groups[key].items() if samples is None or s in samples)
 
     def stats(self, key: tuple) -> dict:
         g = list(self.groups[key].values())
@@ -151,8 +150,9 @@ def write_overview(runs: Mapping[str, Sequence[dict]], out: str | os.PathLike, o
         md += [f"Written by `{command}`.", ""]
     md += ["Answers kept: of the samples full prefill answers correctly, the share the method still answers "
            "correctly [95% bootstrap interval]. Score: the task's score (F1 for QA) as % of full prefill's on the "
-           "same samples. Agrees: the answer's first 12 words equal full prefill's, over all samples. Speed-up: mean "
-           "full-prefill TTFT / mean TTFT, within each run. Selection s: the method's own selection time.", "",
+           "same samples. Agrees: the answer's first 12 words equal full prefill's, over all samples. Speed-up: the "
+           "median over samples of full prefill's TTFT / the method's on the same sample, within each run. "
+           "Selection s: the method's own selection time.", "",
            "| dataset | method | ratio | n | full right | answers kept | score % of full | agrees with full | "
            "TTFT speed-up | selection s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name_, ds in data.items():

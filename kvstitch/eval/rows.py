@@ -3,6 +3,7 @@ appends to, and matplotlib plumbing (a Figure on an Agg canvas: no pyplot global
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -216,25 +217,50 @@ def append_jsonl(path: str | os.PathLike, row: dict) -> None:
         f.flush()
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """All rows of a JSON-lines file ([] if it does not exist). An unparsable *last* line is a write the
-    run did not finish and is skipped; an unparsable line elsewhere is corruption and raises."""
+GZ = ".gz"
+
+
+def jsonl_files(path: str | os.PathLike) -> list[Path]:
+    """The files holding the log `path`: itself if it names a .gz; else its compressed copy (``path.gz``: a
+    published log) then `path` (rows a resumed run appended since), those that exist."""
     path = Path(path)
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
+    if path.suffix == GZ:
+        return [path] if path.exists() else []
+    return [p for p in (path.with_name(path.name + GZ), path) if p.exists()]
+
+
+def has_jsonl(path: str | os.PathLike) -> bool:
+    """Whether the log `path` exists, plain or compressed."""
+    return bool(jsonl_files(path))
+
+
+def _jsonl_lines(path: Path) -> list[str]:
+    if path.suffix == GZ:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """All rows of a JSON-lines log ([] if it does not exist): ``path.gz`` then `path` when both exist, a line
+    in both read once (a copy left beside its compressed file). An unparsable *last* line of a file is a write
+    the run did not finish and is skipped; an unparsable line elsewhere is corruption and raises."""
     rows: list[dict] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: corrupt JSON line ({err.msg})") from err
+    before: set[str] = set()  # lines of the files already read
+    for file in jsonl_files(path):
+        lines = [line.strip() for line in _jsonl_lines(file)]
+        while lines and not lines[-1]:
+            lines.pop()
+        for i, line in enumerate(lines):
+            if not line or line in before:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                if i == len(lines) - 1:
+                    break
+                raise ValueError(f"{file}:{i + 1}: corrupt JSON line ({err.msg})") from err
+        before.update(lines)
     return rows
 
 
@@ -260,9 +286,21 @@ def ratio_of_means(num: Iterable[Any], den: Iterable[Any]) -> float:
     return n / d if d and not math.isnan(n) and not math.isnan(d) else math.nan
 
 
-def ttft_speedup(rows: Sequence[dict]) -> float:
-    """Mean TTFT speed-up over full prefill: mean full TTFT / mean method TTFT, both from the same rows."""
-    return ratio_of_means([x.get("ttft_full_s") for x in rows], [x.get("ttft_s") for x in rows])
+def sample_speedups(rows: Iterable[dict]) -> list[float]:
+    """Per row: its sample's full-prefill TTFT / the row's TTFT (rows lacking either time are left out)."""
+    out = []
+    for x in rows:
+        full, own = as_number(x.get("ttft_full_s")), as_number(x.get("ttft_s"))
+        if full is not None and own:
+            out.append(full / own)
+    return out
+
+
+def ttft_speedup(rows: Iterable[dict]) -> float:
+    """TTFT speed-up over full prefill: the median over samples of full prefill's TTFT / the method's on the same
+    sample. Paired and a median, so one sample slowed by a paused process does not move it (as it does a ratio of
+    means, which that sample's time dominates)."""
+    return median_of(sample_speedups(rows))
 
 
 def naive_nll_by_sample(rows: Sequence[dict]) -> dict[tuple, float]:

@@ -4,7 +4,8 @@ A run visits its samples in order (`run_samples`), each with all its (method, ra
 says how one sample is run and what its rows measure), appends every row to the log as it completes and
 skips, on a rerun, the rows already there. Its configuration and protocol are in `eval/config.py`.
 
-Output directory: ``results.jsonl`` (one row per (sample, method, ratio); a rerun skips rows already there),
+Output directory: ``results.jsonl`` (one row per (sample, method, ratio); a rerun skips rows already there, also
+those of a ``results.jsonl.gz``: a published run is kept compressed and still resumes),
 ``summary.md`` (tables per length), ``accuracy_vs_ratio_<L>.png`` (ProphetKV Fig. 8 style),
 ``fidelity_vs_ratio_<L>.png`` (KL and NLL-gap recovery vs ratio), ``niah_heatmap.png`` (depth x length),
 ``run.json`` (protocol, model, the commands that wrote the log).
@@ -32,7 +33,7 @@ from kvstitch.tasks.tasks import TASKS, Sample, generate
 from .config import EvalConfig, combos, row_key
 from .config import DEFAULT_TASKS, PROTOCOL_VERSION, ordered_methods  # noqa: F401  (API)
 from .report import write_reports
-from .rows import REFERENCES, append_jsonl, norm_ratio, read_jsonl, sample_key
+from .rows import REFERENCES, append_jsonl, has_jsonl, norm_ratio, read_jsonl, sample_key
 from .sample import eval_sample  # the run calls it through this module (tests replace it here)
 from .sample import MethodRun, SampleFullPrefill, answer_budget, run_method, sample_layout  # noqa: F401  (API)
 from .selection import to_original_order  # noqa: F401  (part of this module's API)
@@ -96,7 +97,7 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 
 def _check_protocol(out: Path, cfg: EvalConfig, model_desc: dict) -> None:
     meta_path = out / "run.json"
-    if not meta_path.exists() or not (out / RESULTS).exists():
+    if not meta_path.exists() or not has_jsonl(out / RESULTS):
         return
     old = json.loads(meta_path.read_text())
     was, now = old.get("protocol"), cfg.protocol()
