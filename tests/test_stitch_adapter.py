@@ -195,3 +195,18 @@ def test_config_checks():
     with pytest.raises(ValueError, match="unknown LoRA target"):
         StitchAdapterConfig(targets=("gate_proj",))
     assert StitchAdapterConfig(links=8, rank=0).form == "links=8"
+
+
+def test_shipped_adapters_name_their_model_and_how_they_were_made():
+    import json
+
+    from kvstitch.models.loader import _GGUF_SHA256
+    from kvstitch.models.stitch_adapter import SHIPPED_DIR, shipped_adapters
+
+    assert "smollm2" in shipped_adapters()
+    for name in shipped_adapters():
+        ad = resolve_adapter("default", name)
+        ad.check_model(f"gguf:{_GGUF_SHA256[name]}", name)  # trained for this embedded model's weights
+        made = json.loads((SHIPPED_DIR / f"{name}.json").read_text())
+        assert made["command"].startswith("kvstitch adapt") and made["steps"] >= 1 and made["cpu_hours"] > 0
+        assert ad.info["steps"] == made["steps"]

@@ -87,8 +87,3 @@ def anchor_scores(engine, prefix_ids: torch.Tensor, kv: ChunkKV, spec: AnchorSpe
 
     engine.forward(cache, prompt, torch.arange(p + n, p + n + m), ForwardPlan(attn_hook=hook, stop_after_layer=L - 1))
     return out
-
-
-def with_anchor_scores(engine, prefix_ids: torch.Tensor, kv: ChunkKV, spec: AnchorSpec, tag: str) -> ChunkKV:
-    """``kv`` carrying its anchor scores (computed unless it has those of ``tag`` already)."""
-    return kv if kv.has_anchors(tag) else kv.with_anchors(anchor_scores(engine, prefix_ids, kv, spec), tag)

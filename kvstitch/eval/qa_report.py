@@ -30,10 +30,6 @@ from .rows import (REFERENCES, new_figure, fmt_num, mean_of, colour_cycle, ratio
                      mean_ci_cell, method_key, norm_ratio, ratio_key, sample_key, ttft_speedup)
 
 
-def is_squad(rows: Sequence[dict]) -> bool:
-    return any("answerable" in r for r in rows)
-
-
 def _by_method(rows: Sequence[dict]) -> tuple[dict, dict[tuple, list[dict]]]:
     full = {sample_key(r): r for r in rows if r.get("method") == "full"}
     groups: dict[tuple, list[dict]] = defaultdict(list)

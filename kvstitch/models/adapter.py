@@ -84,13 +84,6 @@ class ModelAdapter:
             f = rot.inv_freq
         return f.detach().to(torch.float64)
 
-    def rotary_cos_sin(self, layer: int, x: torch.Tensor, position_ids: torch.Tensor):
-        """cos/sin exactly as the model computes them for this layer (used by the RoPE self-check)."""
-        rot = self.backbone.rotary_emb
-        if len({self.layer_type(i) for i in range(self.num_layers)}) > 1 or hasattr(rot, "layer_types"):
-            return rot(x, position_ids, self.layer_type(layer))
-        return rot(x, position_ids)
-
     def check_supported(self) -> None:
         for layer in range(self.num_layers):
             rt = self.rope_type(layer)

@@ -96,10 +96,6 @@ class SelectionContext:
         return self.score_hook(selector, self, selector.score)
 
     @property
-    def context_slots(self) -> torch.Tensor:
-        return torch.arange(self.layout.context_start, self.layout.context_end, device=self.device)
-
-    @property
     def suffix_slots(self) -> torch.Tensor:
         return torch.arange(self.layout.context_end, self.layout.n_total, device=self.device)
 

@@ -79,9 +79,6 @@ class InfoFlow(Selector):
             return sorted(set(self.absolute_layers)), "absolute"
         return band_layers(n_layers, self.band), "depth_scaled"
 
-    def scoring_layers(self, n_layers: int) -> list[int]:
-        return self.layer_choice(n_layers)[0]
-
     def token_scores(self, ctx: SelectionContext, cache=None, key_keep=None, report: bool = False) -> torch.Tensor:
         """Attention norms over ``cache`` (default: the stitched cache) at the chosen layers."""
         cache = ctx.cache if cache is None else cache

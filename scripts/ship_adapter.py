@@ -1,0 +1,38 @@
+"""Ship a trained stitch adapter as the default of an embedded model: kvstitch/data/adapters/NAME.safetensors (its
+tensors in float16: half the size, what `Engine.load(NAME, stitch_adapter="default")` reads) and NAME.json (the
+command, corpus, steps and CPU-hours that made it, from the adapter's own header).
+
+    python scripts/ship_adapter.py RUN_DIR NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from kvstitch.models.loader import embedded_name
+from kvstitch.models.stitch_adapter import SHIPPED_DIR, StitchAdapter
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path, help="a `kvstitch adapt --out` directory")
+    ap.add_argument("name", help="the embedded model (smollm2, qwen2.5-0.5b, ...)")
+    args = ap.parse_args(argv)
+    ad = StitchAdapter.load(args.run_dir / "adapter.safetensors")
+    if embedded_name(ad.weights_id) not in (None, args.name):
+        raise SystemExit(f"{args.run_dir} holds an adapter for {embedded_name(ad.weights_id)}, not {args.name}")
+    path = ad.save(SHIPPED_DIR / f"{args.name}.safetensors", dtype=torch.float16)
+    made = {k: ad.info.get(k) for k in ("command", "corpus", "steps", "cpu_hours", "wall_hours", "parameters",
+                                        "final_loss", "config")}
+    made.update(form=ad.config.form, bytes=path.stat().st_size, model=args.name)
+    (SHIPPED_DIR / f"{args.name}.json").write_text(json.dumps(made, indent=1) + "\n", encoding="utf-8")
+    print(f"{path} ({path.stat().st_size / 1e6:.2f} MB): {ad.config.form}, {made['steps']} steps, "
+          f"{made['cpu_hours']} CPU-hours")
+
+
+if __name__ == "__main__":
+    main()
