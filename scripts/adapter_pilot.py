@@ -3,7 +3,9 @@ without an adapter, at every (method, ratio) the evaluation ran, with what train
 
     python scripts/adapter_pilot.py --eval none=EVAL_DIR --eval links=EVAL_DIR:ADAPT_DIR ... --out DIR
 
-Each ``--eval LABEL=EVAL_DIR[:ADAPT_DIR]`` is a `kvstitch eval --out` directory (the adapter's run directory after
+"answer NLL − full's": the mean NLL per token of full prefill's answer under the method, less full prefill's own
+(the eval's NLL-gap recovery is measured against naive reuse, which an adapter changes too). Each
+``--eval LABEL=EVAL_DIR[:ADAPT_DIR]`` is a `kvstitch eval --out` directory (the adapter's run directory after
 the colon: its steps, CPU-hours, size and validation curve). Rows are paired on the samples every evaluation has.
 Writes DIR/pilot.md (the command above the tables) and DIR/pilot.json.
 """
@@ -29,19 +31,21 @@ def parse_eval(text: str) -> tuple[str, Path, Path | None]:
 
 
 def training(adapt: Path | None) -> dict:
-    """Steps, CPU-hours, parameters, file size and the validation KL at the first and last evaluation."""
+    """The adapter's card (`kvstitch adapt` writes adapter.json beside the adapter) and the validation KL at its
+    first and last evaluation (loss.jsonl)."""
     if adapt is None:
         return {}
-    from kvstitch.models.stitch_adapter import StitchAdapter
+    card_path = adapt / "adapter.json"
+    if card_path.exists():
+        card = json.loads(card_path.read_text())
+    else:
+        from kvstitch.adapt.train import adapter_card
 
-    path = adapt / "adapter.safetensors"
-    ad = StitchAdapter.load(path)
+        card = adapter_card(adapt / "adapter.safetensors")
     rows = [json.loads(line) for line in (adapt / "loss.jsonl").read_text().splitlines() if line.strip()]
     val = [r for r in rows if r.get("val") is not None]
-    return {"form": ad.config.form, "steps": ad.info.get("steps"), "cpu_hours": ad.info.get("cpu_hours"),
-            "parameters": ad.n_parameters, "mb": round(path.stat().st_size / 1e6, 2),
-            "val_first": val[0]["val"] if val else None, "val_last": val[-1]["val"] if val else None,
-            "val_last_step": val[-1]["step"] if val else None}
+    return {**card, "mb": round(card["bytes"] / 1e6, 2), "val_first": val[0]["val"] if val else None,
+            "val_last": val[-1]["val"] if val else None, "val_last_step": val[-1]["step"] if val else None}
 
 
 def rows_of(run: Path) -> dict[tuple, dict]:
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                     key=lambda mr: (mr[0] != "naive", mr[0], mr[1] or 0))
     right = sorted(q for q in qids if full[q]["correct"])
     table = ["| adapter | method | ratio | n | KL to full | same answer as full | answers kept (of "
-             f"{len(right)}) | NLL-gap recovery | TTFT speed-up (median) |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{len(right)}) | answer NLL − full's | TTFT speed-up (median) |", "|---|---|---|---|---|---|---|---|---|"]
     out = {"n": len(qids), "full_right": len(right), "rows": [], "training": {}}
     for label, _, adapt in evals:
         out["training"][label] = training(adapt)
@@ -73,14 +77,14 @@ def main(argv: list[str] | None = None) -> None:
             kl = statistics.fmean(g["kl"] for g in got)
             same = [float(bool(g["agree_words"])) for g in got]
             kept = [float(bool(runs[label][(q, m, r)]["correct"])) for q in right]
-            rec = statistics.median(g["nll_recovery"] for g in got)
+            gap = statistics.fmean(g["nll"] - g["nll_full"] for g in got)
             speed = statistics.median(full[g["qid"]]["ttft_s"] / g["ttft_s"] for g in got)
             ratio = "–" if r is None else f"{r:.2f}"
             table.append(f"| {label} | {m} | {ratio} | {len(got)} | {kl:.3f} | {mean_ci_cell(same, 2)} | "
-                         f"{mean_ci_cell(kept, 2)} | {rec:.2f} | {speed:.2f} |")
+                         f"{mean_ci_cell(kept, 2) if kept else '–'} | {gap:.3f} | {speed:.2f} |")
             out["rows"].append({"adapter": label, "method": m, "ratio": r, "n": len(got), "kl": kl,
                                 "same": statistics.fmean(same), "kept": statistics.fmean(kept) if kept else None,
-                                "nll_recovery_median": rec, "speedup_median": speed})
+                                "nll_gap": gap, "speedup_median": speed})
     cost = ["| adapter | form | steps | CPU-hours | parameters | file MB | validation KL (step 0 → last) |",
             "|---|---|---|---|---|---|---|"]
     for label, t in out["training"].items():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kvstitch.adapt.train import adapter_card
 from kvstitch.models.loader import embedded_name
 from kvstitch.models.stitch_adapter import SHIPPED_DIR, StitchAdapter
 
@@ -26,9 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     if embedded_name(ad.weights_id) not in (None, args.name):
         raise SystemExit(f"{args.run_dir} holds an adapter for {embedded_name(ad.weights_id)}, not {args.name}")
     path = ad.save(SHIPPED_DIR / f"{args.name}.safetensors", dtype=torch.float16)
-    made = {k: ad.info.get(k) for k in ("command", "corpus", "steps", "cpu_hours", "wall_hours", "parameters",
-                                        "final_loss", "config")}
-    made.update(form=ad.config.form, bytes=path.stat().st_size, model=args.name)
+    made = adapter_card(path)
     (SHIPPED_DIR / f"{args.name}.json").write_text(json.dumps(made, indent=1) + "\n", encoding="utf-8")
     print(f"{path} ({path.stat().st_size / 1e6:.2f} MB): {ad.config.form}, {made['steps']} steps, "
           f"{made['cpu_hours']} CPU-hours")

@@ -72,6 +72,7 @@ def test_ask_unreadable_model_path(chunk_files, tmp_path):
     assert r.exit_code == 2 and "does not exist" in r.output
 
 
+@pytest.mark.long
 def test_demo_answers_bundled_questions_with_full_and_stitched():
     """The README's first command, here on SmolLM2 (its default model is Qwen2.5 0.5B, too slow for this suite):
     every bundled question, full prefill and the default stitched setting (deltaprop, auto verified by a short

@@ -83,6 +83,7 @@ def test_qwen_full_recompute_equals_full_prefill_and_rope_is_exact(qwen):
     assert (full.first_logits - naive.first_logits).abs().max().item() > 0.05
 
 
+@pytest.mark.long
 def test_conversion_parses_the_gguf_once_and_writes_the_same_model(tmp_path, monkeypatch):
     """transformers reads a GGUF's metadata for config, model and tokenizer; the conversion shares one parse
     (it was ~20 s of Qwen's first load) and its output equals the cached conversion's, byte for byte."""

@@ -71,6 +71,7 @@ def _entries(url: str) -> dict[str, bytes]:
     return {k.decode()[len(PREFIX):]: r.get(k) for k in r.scan_iter(match=PREFIX + "*")}
 
 
+@pytest.mark.long
 def test_two_ray_workers_match_a_single_process_precompute(ray_cluster, redis_url, tiny_dir, docs):  # noqa: F811
     single, dist = _db(redis_url, 4), _db(redis_url, 5)
     threads = torch.get_num_threads()
@@ -125,6 +126,7 @@ class SetCounter:
         self.ps.close()
 
 
+@pytest.mark.long
 def test_a_killed_worker_loses_only_its_batch_and_the_job_completes(ray_cluster, redis_url, tiny_dir,  # noqa: F811
                                                                       docs, smollm_tokenizer):
     url = _db(redis_url, 6)
@@ -174,6 +176,7 @@ def test_ray_flag_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
     assert out.exit_code == 2 and "shared --store" in out.output
 
 
+@pytest.mark.long
 def test_bench_precompute_single_vs_ray(ray_cluster, tiny_dir, tmp_path):
     import json
 
@@ -194,6 +197,7 @@ def test_bench_precompute_single_vs_ray(ray_cluster, tiny_dir, tmp_path):
     assert "| Ray, 1 worker |" in (tmp_path / "bench_precompute.md").read_text()
 
 
+@pytest.mark.long
 def test_store_lost_mid_run_fails_the_job_with_a_clear_message(ray_cluster, tiny_dir, docs):
     import shutil
     import subprocess

@@ -40,6 +40,17 @@ from kvstitch.models.stitch_adapter import StitchAdapter, StitchAdapterConfig, g
 from .data import Context
 
 ADAPTER_FILE, STATE_FILE, RUN_FILE, LOSS_FILE = "adapter.safetensors", "state.pt", "run.json", "loss.jsonl"
+CARD_FILE = "adapter.json"  # what made the adapter, readable without torch (beside it, and in shipped adapters)
+
+
+def adapter_card(path: Path) -> dict:
+    """The adapter file's header as a card: form, model, the command and corpus that made it, steps, CPU-hours,
+    parameters, bytes."""
+    ad = StitchAdapter.load(path)
+    return {"form": ad.config.form, "model": ad.model_name, "weights_id": ad.weights_id,
+            "parameters": ad.n_parameters, "bytes": Path(path).stat().st_size,
+            **{k: ad.info.get(k) for k in ("command", "corpus", "steps", "cpu_hours", "wall_hours", "final_loss",
+                                           "config")}}
 
 
 @dataclass(frozen=True)
@@ -344,6 +355,7 @@ class Trainer:
         """Adapter, then the checkpoint that names its step (each through a temporary file and a rename)."""
         self.adapter.info = self.info()
         self.adapter.save(self.run_dir / ADAPTER_FILE)
+        (self.run_dir / CARD_FILE).write_text(json.dumps(adapter_card(self.run_dir / ADAPTER_FILE), indent=1) + "\n")
         tmp = self.run_dir / (STATE_FILE + ".tmp")
         torch.save({"optimizer": self.opt.state_dict(), "state": asdict(self.state)}, tmp)
         tmp.replace(self.run_dir / STATE_FILE)

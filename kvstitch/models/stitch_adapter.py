@@ -245,6 +245,7 @@ class StitchAdapter(nn.Module):
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"kvstitch": json.dumps(self.header())})
+        tmp.chmod(0o644)  # safetensors writes owner-only files; an adapter is meant to be shared
         tmp.replace(path)
         return path
 
