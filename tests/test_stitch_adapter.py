@@ -210,3 +210,21 @@ def test_shipped_adapters_name_their_model_and_how_they_were_made():
         made = json.loads((SHIPPED_DIR / f"{name}.json").read_text())
         assert made["command"].startswith("kvstitch adapt") and made["steps"] >= 1 and made["cpu_hours"] > 0
         assert ad.info["steps"] == made["steps"]
+
+
+def test_every_generating_command_and_the_server_config_take_a_stitch_adapter(tmp_path):
+    import typer
+
+    from kvstitch.cli.main import app
+    from kvstitch.serve.config import read_config
+
+    root = typer.main.get_command(app)
+    names = {"ask": root.commands["ask"], "demo": root.commands["demo"], "eval": root.commands["eval"],
+             "serve": root.commands["serve"], "calibrate": root.commands["calibrate"],
+             **{f"bench {k}": v for k, v in root.commands["bench"].commands.items() if k in ("ttft", "serve", "decode")}}
+    for name, cmd in names.items():
+        assert "stitch_adapter" in {p.name for p in cmd.params}, name
+    cfg = tmp_path / "kvstitch.toml"
+    cfg.write_text('stitch_adapter = "default"\n')
+    known = {p.name for p in root.commands["serve"].params if p.name != "config"}
+    assert read_config(cfg, known)["stitch_adapter"] == "default"
