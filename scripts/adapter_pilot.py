@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             same = [float(bool(g["agree_words"])) for g in got]
             kept = [float(bool(runs[label][(q, m, r)]["correct"])) for q in right]
             gap = statistics.fmean(g["nll"] - g["nll_full"] for g in got)
-            speed = statistics.median(full[g["qid"]]["ttft_s"] / g["ttft_s"] for g in got)
+            own_full = runs[label]  # TTFT ratios within one run (one process, one load on the machine)
+            speed = statistics.median(own_full[(g["qid"], "full", None)]["ttft_s"] / g["ttft_s"] for g in got)
             ratio = "–" if r is None else f"{r:.2f}"
             table.append(f"| {label} | {m} | {ratio} | {len(got)} | {kl:.3f} | {mean_ci_cell(same, 2)} | "
                          f"{mean_ci_cell(kept, 2) if kept else '–'} | {gap:.3f} | {speed:.2f} |")

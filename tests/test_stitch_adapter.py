@@ -112,6 +112,25 @@ def test_composes_with_auto_sparse_decode_and_methods(eng):
         eng.use_stitch_adapter(None)
 
 
+def test_recomputed_passage_tokens_do_not_read_through_the_adapter(eng):
+    """Recompute gives the selected passage tokens fresh K/V; the adapter is for the tokens after the passages."""
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    plain = eng.prefill(layout, "random", 0.4, max_new_tokens=2)
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        adapted = eng.prefill(layout, "random", 0.4, max_new_tokens=2)
+    finally:
+        eng.use_stitch_adapter(None)
+    assert torch.equal(plain.indices, adapted.indices)
+    slots = plain.indices + layout.context_start
+    for lp, la in zip(plain.cache.layers, adapted.cache.layers):
+        assert (lp.keys[0, :, slots] - la.keys[0, :, slots]).abs().max().item() < 1e-5
+        assert (lp.values[0, :, slots] - la.values[0, :, slots]).abs().max().item() < 1e-5
+    end = layout.context_end  # the question does read through it
+    q = adapted.cache.layers[-1].values[0, :, end + adapted.layout.links:end + adapted.layout.links + 3]
+    assert (plain.cache.layers[-1].values[0, :, end:end + 3] - q).abs().max().item() > 1e-4
+
+
 def test_batched_decode_gates_each_row_by_its_own_cache(eng):
     """A batch of an adapted request and a plain one: each row as its own lone step computes it."""
     eng.use_stitch_adapter(active_adapter(eng))

@@ -36,7 +36,7 @@ from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import InputError
 from kvstitch.models import cache_kwargs
-from kvstitch.models.stitch_adapter import StitchAdapter, StitchAdapterConfig, gated
+from kvstitch.models.stitch_adapter import StitchAdapter, StitchAdapterConfig, gate_of, gated
 from .data import Context
 
 ADAPTER_FILE, STATE_FILE, RUN_FILE, LOSS_FILE = "adapter.safetensors", "state.pt", "run.json", "loss.jsonl"
@@ -191,7 +191,7 @@ def student_logits(engine, cache: StitchCache, layout, tails: list[torch.Tensor]
                                          capacity=n_ctx + width, batch=len(rows))
     keep = width - layout.links  # the link tokens predict nothing
     slots = slots.to(engine.device)
-    with cache.mode(slots=slots, write=False), gated(True):
+    with cache.mode(slots=slots, write=False), gated(gate_of(slots >= n_ctx)):  # not recomputed passage tokens
         out = engine.model(input_ids=ids.to(engine.device), position_ids=slots.view(1, -1).expand(len(rows), -1),
                            **cache_kwargs(engine.model, cache), use_cache=True, logits_to_keep=keep,
                            kvstitch_plan=ForwardPlan(q_slots=slots))

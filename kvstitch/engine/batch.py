@@ -37,7 +37,7 @@ from kvstitch.core.errors import InputError
 from kvstitch.decode.batched import append_batch, attend_batch
 from kvstitch.decode.decoder import attend_rows
 from kvstitch.models import cache_kwargs
-from kvstitch.models.stitch_adapter import gate_for, gated
+from kvstitch.models.stitch_adapter import gate_of, gated
 
 
 @dataclass
@@ -121,7 +121,9 @@ def decode_batch(engine, steps: list[DecodeStep], batched_sparse: bool = True) -
     ids = torch.tensor([[s.token] for s in steps], device=dev)
     pos = torch.tensor([[s.cache.length] for s in steps], device=dev)
     batch = BatchCache([s.cache for s in steps], batched_sparse)
-    with gated(gate_for([s.cache.adapted for s in steps], device=dev)):
+    # a decoded token comes after the passages: its row reads through the adapter when its cache has one
+    gate = gate_of(torch.tensor([[s.cache.adapted] for s in steps])) if any(s.cache.adapted for s in steps) else None
+    with gated(gate.to(dev) if isinstance(gate, torch.Tensor) else gate):
         out = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, batch), use_cache=True,
                            logits_to_keep=1, kvstitch_plan=ForwardPlan(batch=batch))
     logits = out.logits[:, -1:].float()
@@ -240,7 +242,8 @@ def recompute_batch(engine, steps: list[RecomputeStep]) -> list[torch.Tensor]:
         with ExitStack() as stack:
             for s, sl in zip(steps, slots):
                 stack.enter_context(s.cache.mode(slots=sl, write=True))
-            stack.enter_context(gated(gate_for([s.cache.adapted for s in steps], [sl.numel() for sl in slots], dev)))
+            if any(s.cache.adapted for s in steps):
+                stack.enter_context(gated(gate_of(torch.cat([s.cache.reader_mask(sl) for s, sl in zip(steps, slots)]))))
             res = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, packed), use_cache=True,
                                logits_to_keep=last, kvstitch_plan=ForwardPlan(batch=packed))
         logits = res.logits[0].float()

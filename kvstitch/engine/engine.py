@@ -32,7 +32,7 @@ from kvstitch.core.rope import inv_freq_table, self_check
 from kvstitch.models import adapter_for, cache_kwargs, load_model
 from kvstitch.models.loader import embedded_name
 from kvstitch.models.half_cpu import multiplies_natively
-from kvstitch.models.stitch_adapter import StitchAdapter, gated, resolve_adapter
+from kvstitch.models.stitch_adapter import StitchAdapter, gate_of, gated, resolve_adapter
 from kvstitch.decode.policies import DecodePolicy
 from kvstitch.select import Selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
@@ -193,7 +193,8 @@ class Engine:
         slots = slots.to(self.device)
         plan.q_slots = slots
         pos = slots if positions is None else positions.to(self.device)
-        with cache.mode(slots=slots, write=write), gated(True if cache.adapted else None):
+        gate = gate_of(cache.reader_mask(slots)) if cache.adapted else None  # (no device sync without an adapter)
+        with cache.mode(slots=slots, write=write), gated(gate):
             try:
                 ids = ids.view(1, -1) if ids.dim() == 1 else ids
                 out = self.model(input_ids=ids.to(self.device),

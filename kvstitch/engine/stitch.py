@@ -31,6 +31,7 @@ def stitch(engine, layout: PromptLayout, chunks: list[ChunkKV], extra: int = 0,
     pk, pv = engine.prefix_kv(layout.prefix_ids)
     cache = StitchCache.from_stacked(pk, pv, capacity=layout.n_total + extra)
     cache.adapted = engine.stitch_adapter is not None and (bool(layout.links) if adapted is None else adapted)
+    cache.adapt_from = layout.context_end  # the link tokens, the question, the answer
     for start, kv in zip(layout.chunk_starts, chunks):
         keys = rerotate(kv.keys, start - kv.start, engine.inv_freq)
         n = kv.n_tokens

@@ -7,9 +7,10 @@ Two parts, either or both (`StitchAdapterConfig`):
   the passages and the question (`PromptLayout.links`) and are always recomputed. They attend to every stitched
   passage, so their K/V carry cross-passage context the separately precomputed passages lack, and the question
   and the answer attend to them. Their ids are ``vocab + j`` (`LinkEmbedding` maps them to the learned rows).
-- **a reader LoRA**: low-rank updates of the attention projections, applied only to the tokens of query-time
-  passes over a stitched cache (the recompute pass, the selection passes and decoding), never at precompute and
-  never in full prefill. Which tokens read through it is the *gate* (`gated`), set per forward from the caches.
+- **a reader LoRA**: low-rank updates of the attention projections, applied only to the query-time tokens after the
+  passages (link tokens, question, answer; in the recompute pass, the selection passes and decoding), never to
+  recomputed passage tokens, at precompute or in full prefill. Which tokens read through it is the *gate*
+  (`gated`), set per forward from the caches (`StitchCache.reader_mask`).
 
 Both leave precompute untouched, so passage caches are shared with and without the adapter (the store key is
 unchanged). With the gate off and no link tokens in the prompt, the model computes exactly what it did before.
@@ -78,17 +79,15 @@ def gated(gate):
         _GATE.reset(token)
 
 
-def gate_for(flags: list[bool], lengths: list[int] | None = None, device=None):
-    """The gate of a forward over several requests' caches: None (none adapted), True (all), else a per-row
-    ([B, 1, 1], ``lengths`` None) or per-segment ([1, Σ lengths, 1]) float mask."""
-    if not any(flags):
+def gate_of(mask: torch.Tensor):
+    """The gate of a forward from a bool mask of its tokens ([T] of one sequence, [B, 1] of a batched decode step,
+    [Σ T_i] of a packed pass): None (no token reads through the LoRA), True (all), else a float mask broadcastable
+    to the hidden states."""
+    if not bool(mask.any()):
         return None
-    if all(flags):
+    if bool(mask.all()):
         return True
-    if lengths is None:
-        return torch.tensor(flags, dtype=torch.float32, device=device).view(-1, 1, 1)
-    parts = [torch.full((n,), float(f)) for f, n in zip(flags, lengths)]
-    return torch.cat(parts).to(device).view(1, -1, 1)
+    return mask.float().view(-1, 1, 1) if mask.dim() == 2 else mask.float().view(1, -1, 1)
 
 
 class GatedLoRA(nn.Module):
