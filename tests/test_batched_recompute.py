@@ -186,7 +186,7 @@ def test_worker_packs_admitted_jobs_and_survives_a_cancel(smollm_tokenizer):
     refs = [eng.generate(**r) for r in reqs]
     loop = asyncio.new_event_loop()
     try:
-        jobs = [Job(kwargs=r, loop=loop) for r in reqs]
+        jobs = [Job(GenerationRequest(**r), loop=loop) for r in reqs]
         proxy = _CancellingEngine(eng, jobs, victim=2, at=4)
         metrics = Metrics()
         worker = EngineWorker(proxy, max_queue=16, metrics=metrics, max_batch=8)
@@ -213,7 +213,7 @@ def test_worker_packs_admitted_jobs_and_survives_a_cancel(smollm_tokenizer):
 async def _send_gated(url, app, bodies):
     """Hold the engine worker (a blocking job) until every body is queued, so one round admits them all."""
     gate = threading.Event()
-    app.state.worker.submit(Job(kwargs={}, loop=asyncio.get_running_loop(), fn=lambda e: gate.wait(30)))
+    app.state.worker.submit(Job(None, loop=asyncio.get_running_loop(), fn=lambda e: gate.wait(30)))
     task = asyncio.ensure_future(_send_all(url, bodies))
     deadline = time.monotonic() + 30
     while app.state.worker.waiting < len(bodies):

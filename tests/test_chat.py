@@ -13,7 +13,8 @@ import torch
 from kvstitch.engine import STOP
 from kvstitch.core.errors import InputError
 from kvstitch.core.prompt import DOCS_HEADER, PromptBuilder
-from kvstitch.serve.schema import DEFAULT_MAX_TOKENS, decode_policies, parse_chat_request
+from kvstitch.serve.defaults import ChatDefaults, decode_policies
+from kvstitch.serve.schema import parse_chat_body
 from kvstitch.serve.stops import TextStream
 
 from .conftest import SAMPLE_CHUNKS, TINY, make_tiny_engine
@@ -194,7 +195,7 @@ def _body(**kw):
 
 def test_server_prompt_ids_are_the_chat_template_and_usage_counts_every_message(server, engine):  # noqa: F811
     body = _body()
-    req = parse_chat_request(body, "random", 0.2, "full", DEFAULT_MAX_TOKENS, decode_policies())
+    req = parse_chat_body(body, ChatDefaults.of("random", 0.2, "full", policies=decode_policies()))
     assert req.question == HISTORY[-1]["content"] and req.stop == []
     ids = engine.layout(None, req.documents, req.messages).ids.tolist()  # what the worker hands the engine
     assert ids == template_ids(engine.tokenizer, [with_passages(SYSTEM, SAMPLE_CHUNKS)] + HISTORY[1:])

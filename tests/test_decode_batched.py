@@ -6,7 +6,7 @@ import torch
 
 from kvstitch.decode import DECODE_POLICIES, append_kernel, kernel_common, make_decoder, paged_kernel, rank_kernel
 from kvstitch.decode.batched import attend_batch
-from kvstitch.decode.policies import GROUP_REDUCES, get_policy
+from kvstitch.decode.policies import GROUP_REDUCES, make_policy
 from kvstitch.decode.recall import attention_recall
 from kvstitch.decode.page_scores import bound_scores
 
@@ -213,8 +213,8 @@ def test_rank_pages_equals_box_scores_row_by_row():
     g = torch.Generator().manual_seed(4)
     q = torch.randn(3, HKV, HQ // HKV, D, generator=g)
     boxes = [torch.randn(HKV, c, 2 * D, generator=g).abs() for c in (5, 9, 7)]
-    policies = [get_policy(p) for p in PAGED if p != "dense"] + [get_policy("quest", group_reduce=r) for r in GROUP_REDUCES]
-    policies += [get_policy("arkvale", kv_head_groups=2)] + [get_policy(p, digest="moments", group_reduce=r)
+    policies = [make_policy(p) for p in PAGED if p != "dense"] + [make_policy("quest", group_reduce=r) for r in GROUP_REDUCES]
+    policies += [make_policy("arkvale", kv_head_groups=2)] + [make_policy(p, digest="moments", group_reduce=r)
                                                                 for p in ("quest", "prkv") for r in GROUP_REDUCES]
     for pol in policies:
         got = pol.rank_pages(q, boxes, [1, 2, 3], SCALE)
@@ -236,13 +236,13 @@ def test_numba_ranking_picks_what_box_scores_and_topk_pick():
         bounds.rebuild(torch.randn(HKV, 23 * P + 2, D, generator=g) * 2)  # 24 pages, the last partial
         q = torch.randn(HKV, HQ // HKV, D, generator=g)
         for reduce in GROUP_REDUCES:
-            pol = get_policy("quest", group_reduce=reduce, digest=digest)
+            pol = make_policy("quest", group_reduce=reduce, digest=digest)
             assert rank_kernel.rank_ok(pol, "cpu")
             want = pol.box_scores(q, bounds.digests(3, 21), 3, SCALE).topk(7, dim=1).indices + 3
             got = rank_kernel.top_pages(pol, q, bounds, 3, 21, 7, SCALE)
             assert torch.equal(got, want), (digest, reduce)
-    assert not rank_kernel.rank_ok(get_policy("arkvale"), "cpu")  # its shared groups rank with torch
-    assert not rank_kernel.rank_ok(get_policy("snapkv"), "cpu")  # recency: nothing to score
+    assert not rank_kernel.rank_ok(make_policy("arkvale"), "cpu")  # its shared groups rank with torch
+    assert not rank_kernel.rank_ok(make_policy("snapkv"), "cpu")  # recency: nothing to score
 
 
 # ---- GQA: one page choice per KV head for the query heads that share it ----------------------------------
@@ -260,7 +260,7 @@ def _choice_recall(group_reduce: str, pages: int = 2) -> float:
     scale = 2 ** -0.5
     paged = keys.view(1, -1, page, 2)
     box = torch.cat([paged.amax(2), -paged.amin(2)], dim=-1)  # PageBounds' (kmax | -kmin)
-    scores = get_policy("quest", group_reduce=group_reduce).box_scores(q, box, 0, scale)  # [1, C]
+    scores = make_policy("quest", group_reduce=group_reduce).box_scores(q, box, 0, scale)  # [1, C]
     chosen = scores.topk(pages, dim=-1).indices  # [1, pages]
     tokens = (chosen.unsqueeze(-1) * page + torch.arange(page)).flatten(1)
     probs = (q @ keys.transpose(1, 2) * scale).softmax(-1)  # [1, G, n]: each query head's attention
@@ -293,7 +293,7 @@ def test_group_reduce_is_checked():
     from kvstitch.core.errors import BadDecodeOption
 
     with pytest.raises(BadDecodeOption, match="softmax"):
-        get_policy("prkv", group_reduce="median")
+        make_policy("prkv", group_reduce="median")
 
 
 @pytest.mark.skipif(not paged_kernel.available(), reason="numba (the kvstitch[fast] extra) not installed")

@@ -17,14 +17,15 @@ import kvstitch
 from kvstitch.cli.main import app
 from kvstitch.core.errors import BadAutoOption, BadDecodeOption, BadRatio, InputError, UnknownDecodePolicy
 from kvstitch.core.spec import format_value
-from kvstitch.decode import (DECODE_POLICIES, PRKV, ArkVale, Dense, FullPolicy, PRKVPolicy, Quest,
-                             ShadowKV, SnapKV, is_dense, make_decoder, make_policy, policy_budget)
+from kvstitch.decode import (DECODE_POLICIES, PRKV, ArkVale, Dense, Quest, ShadowKV, SnapKV, is_dense, make_decoder,
+                             make_policy, policy_budget)
 from kvstitch.decode.policies import DIGESTS, GROUP_REDUCES
 from kvstitch.engine.budget import AUTO, AutoBudget, parse_ratio, ratio_value, split_ratio
 from kvstitch.eval.calibrate import parse_auto
 from kvstitch.eval.config import parse_ratios
 from kvstitch.serve.config import read_answer_settings, read_config
-from kvstitch.serve.schema import DEFAULT_MAX_TOKENS, parse_chat_request
+from kvstitch.serve.defaults import ChatDefaults
+from kvstitch.serve.schema import parse_chat_body
 from kvstitch.serve.server import create_app
 from kvstitch.serve.testing import ServerThread
 
@@ -82,7 +83,7 @@ def test_every_policy_has_a_short_class_exported_and_its_old_name_kept():
     assert {n: DECODE_POLICIES[n] for n in POLICIES} == {n: SHORT_NAMES[n] for n in POLICIES}
     for cls in SHORT_NAMES.values():
         assert getattr(kvstitch, cls.__name__) is cls  # top level
-    assert FullPolicy is Dense and PRKVPolicy is PRKV and kvstitch.AutoBudget is AutoBudget
+    assert kvstitch.AutoBudget is AutoBudget
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -243,10 +244,12 @@ def test_auto_budget_object_spec_and_options_run_alike(engine):
 def test_server_request_takes_decode_and_auto_specs(engine):
     body = {"model": "tiny", "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "documents": CHUNKS,
             "max_tokens": 5}
-    req = parse_chat_request({**body, "decode": "prkv:kv_budget=64", "ratio": "auto(tol=0.05)"}, "random", 0.2,
-                             "full", DEFAULT_MAX_TOKENS)
-    assert (req.decode, req.ratio, req.auto) == ("prkv(kv_budget=64)", "auto", AutoBudget(tol=0.05))
-    assert parse_chat_request(body, "random", 0.2, "full", DEFAULT_MAX_TOKENS).decode == "dense"
+    defaults = ChatDefaults.of("random", 0.2, "full")
+    req = parse_chat_body({**body, "decode": "prkv:kv_budget=64", "ratio": "auto(tol=0.05)"}, defaults)
+    assert (req.decode, req.ratio, req.auto) == (PRKV(kv_budget=64), "auto", AutoBudget(tol=0.05))
+    assert parse_chat_body(body, defaults).decode.spec == "dense"
+    run = req.generation(CHUNKS)  # the engine's request: the objects themselves, nothing to parse again
+    assert (run.decode, run.recompute_ratio, run.auto, run.checked) == (req.decode, "auto", req.auto, True)
     app_ = create_app(engine, default_method="random", default_ratio=0.3, model_name="tiny", default_decode="full")
     with ServerThread(app_) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
         ok = c.post("/v1/chat/completions", json={**body, "decode": "quest(kv_budget=128)"})

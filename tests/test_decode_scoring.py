@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstitch.decode.policies import ArkValePolicy, QuestPolicy
+from kvstitch.decode.policies import ArkVale, Quest
 from kvstitch.decode.page_scores import bound_scores, observation_probs, observation_scores
 from kvstitch.decode.static import online_static_ratio, pool_in_token_order, static_permutation
 
@@ -94,8 +94,8 @@ def test_group_reduction_of_page_scores():
     q, kmin = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
     kmax = kmin + torch.rand(2, 5, 8)
     per_head = bound_scores(q, kmin, kmax)
-    assert torch.allclose(QuestPolicy().page_scores(q, kmin, kmax, 0), per_head.amax(1))
-    shared = ArkValePolicy().page_scores(q, kmin, kmax, 0)  # one choice for all KV heads
+    assert torch.allclose(Quest().page_scores(q, kmin, kmax, 0), per_head.amax(1))
+    shared = ArkVale().page_scores(q, kmin, kmax, 0)  # one choice for all KV heads
     assert torch.allclose(shared[0], per_head.sum((0, 1))) and torch.equal(shared[0], shared[1])
 
 
@@ -116,13 +116,13 @@ def test_moments_rank_a_page_of_high_keys_above_a_wide_box():
     """Page 0 holds four keys each large in one dimension (q·k = 4, but its box spans 4 in every dimension:
     bound 16); page 1 holds four keys of q·k = 10. Page 1 has nearly all the attention: the box bound ranks page
     0 first, the moments estimate page 1."""
-    from kvstitch.decode.policies import get_policy
+    from kvstitch.decode.policies import make_policy
 
     q = torch.ones(1, 1, 4)
     keys = torch.cat([4 * torch.eye(4), torch.full((4, 4), 2.5)]).unsqueeze(0)
     box, moments = _digests(keys, 4)
-    by_box = get_policy("quest").box_scores(q, box, 0, 0.5)
-    by_moments = get_policy("quest", digest="moments").box_scores(q, moments, 0, 0.5)
+    by_box = make_policy("quest").box_scores(q, box, 0, 0.5)
+    by_moments = make_policy("quest", digest="moments").box_scores(q, moments, 0, 0.5)
     mass = (q @ keys.transpose(1, 2) * 0.5).softmax(-1).view(2, 4).sum(-1)
     assert mass[1] > 0.9
     assert by_box[0, 0] > by_box[0, 1] and by_moments[0, 1] > by_moments[0, 0]
@@ -133,7 +133,7 @@ def test_moments_rank_a_page_of_high_keys_above_a_wide_box():
 def test_moments_score_is_the_page_log_mass_to_second_order(seed, scale):
     """Keys close to their mean (spread eps): q·μ + s/2·q²·σ² equals (1/s)·log mean_j exp(s·q·k_j) up to
     O(eps^3), while the box bound is off by O(eps)."""
-    from kvstitch.decode.policies import get_policy
+    from kvstitch.decode.policies import make_policy
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 1, 8, generator=g, dtype=torch.float64).float()
@@ -141,8 +141,8 @@ def test_moments_score_is_the_page_log_mass_to_second_order(seed, scale):
     keys = (torch.randn(1, 8, generator=g) + eps * torch.randn(8, 8, generator=g)).unsqueeze(0)
     box, moments = _digests(keys, 8)
     exact = (torch.logsumexp(scale * (q @ keys.transpose(1, 2)), -1) - math.log(8)) / scale
-    est = get_policy("quest", digest="moments").box_scores(q, moments, 0, scale)
-    bound = get_policy("quest").box_scores(q, box, 0, scale)
+    est = make_policy("quest", digest="moments").box_scores(q, moments, 0, scale)
+    bound = make_policy("quest").box_scores(q, box, 0, scale)
     spread = (q.abs() @ (keys.amax(1) - keys.amin(1)).T).item()  # how loose the box can be
     assert abs(est.item() - exact.item()) < 0.02 * spread + 1e-4
     assert bound.item() >= exact.item() - 1e-5

@@ -122,7 +122,7 @@ def test_generate_and_stream_list_the_request_fields():
 
     from kvstitch.engine import GenerationRequest
 
-    fields = {f.name: f.default for f in dataclasses.fields(GenerationRequest)}
+    fields = {f.name: f.default for f in dataclasses.fields(GenerationRequest) if not f.metadata.get("internal")}
     for fn in (Engine.generate, Engine.stream):
         params = dict(inspect.signature(fn).parameters)
         params.pop("self")

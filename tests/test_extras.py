@@ -31,7 +31,8 @@ def test_require_names_the_extra(monkeypatch):
 
 
 def test_features_without_their_extra(monkeypatch):
-    from kvstitch.eval.rows import colour_cycle, new_figure
+    from kvstitch.core.figures import new_figure
+    from kvstitch.eval.rows import colour_cycle
     from kvstitch.store import open_store
 
     monkeypatch.setitem(sys.modules, "redis", None)
@@ -77,7 +78,7 @@ def test_import_and_help_without_any_extra():
     """``import kvstitch`` and ``kvstitch --help`` (every command's module) load no optional package."""
     done = _run(f"import sys\nfor m in {OPTIONAL!r}: sys.modules[m] = None\n"
                 "import kvstitch, kvstitch.store, kvstitch.serve.server, kvstitch.eval.report\n"
-                "import kvstitch.corpus.ray_precompute, kvstitch.bench.serve\n"
+                "import kvstitch.corpus.ray_precompute, kvstitch.bench.serve, kvstitch.serve.replicas\n"
                 "from kvstitch.cli import app\n"
                 "sys.argv = ['kvstitch', '--help']\n"
                 "app()\n")

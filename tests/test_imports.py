@@ -50,6 +50,8 @@ SIBLING_DEPENDENCIES: dict[tuple[str, str], str] = {
     ("kvstitch.tasks", "kvstitch.core"): "datasets raise InputError",
     ("kvstitch.text", "kvstitch.core"): "chunking raises InputError",
     ("kvstitch.serve", "kvstitch.corpus"): "the server retrieves from indexed collections",
+    ("kvstitch.serve", "kvstitch.route"): "serve --replicas routes with the simulator's chunk affinity",
+    ("kvstitch.bench", "kvstitch.route"): "bench replicas replays the routing simulator's trace over real passages",
     ("kvstitch.eval", "kvstitch.serve"): "calibrate updates the server's TOML config (load_toml)",
     ("kvstitch.bench", "kvstitch.serve"): "the load test runs a real server",
     ("kvstitch.bench", "kvstitch.corpus"): "the precompute bench times the Ray path",

@@ -18,7 +18,7 @@ from kvstitch.select import (A3, ALIASES, SELECTORS, CacheClip, DeltaProp, Group
                              Random, SelectionContext, Selector, check_method, format_spec, from_mapping, make_selector,
                              methods, resolve_methods, split_specs)
 from kvstitch.select.method import WRAPPED_FLAGS, WRAPPED_HOOKS, field_default, spec_fields, type_hints
-from kvstitch.select.spec import format_value
+from kvstitch.core.spec import format_value
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 

@@ -12,31 +12,15 @@ from kvstitch.core.chunk import ChunkKV
 from kvstitch.serve.server import create_app
 from kvstitch.serve.testing import ServerThread
 from kvstitch.serve.security import SecurityConfig, api_keys_from, check_bind
-from kvstitch.store import DiskStore, MemoryStore, chunk_key
+from kvstitch.store import MemoryStore, chunk_key
 
-from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
+from .conftest import SAMPLE_CHUNKS, chat_body
 
 KEYS = ("first-secret-key", "second-secret-key")
 
 
-@pytest.fixture(scope="module")
-def tiny(smollm_tokenizer):
-    return make_tiny_engine("llama", smollm_tokenizer)
-
-
-@pytest.fixture
-def disk_engine(tiny, tmp_path):
-    """The tiny model over its own directory store (what `kvstitch store gc` operates on)."""
-    return Engine(tiny.model, tiny.tokenizer, "tiny-llama", store=DiskStore(tmp_path / "kv", storage_dtype="float32"),
-                  check_rope=False, cold_path="stitched")
-
-
 def chat(docs=None, **extra):
-    body = {"messages": [{"role": "user", "content": SAMPLE_QUESTION}], "method": "random", "ratio": 0.2,
-            "max_tokens": 3, **extra}
-    if docs is not None:
-        body["documents"] = docs
-    return body
+    return chat_body(docs, 3, **extra)
 
 
 # ---- security ---------------------------------------------------------------------------------------

@@ -247,3 +247,122 @@ def test_every_generating_command_and_the_server_config_take_a_stitch_adapter(tm
     cfg.write_text('stitch_adapter = "default"\n')
     known = {p.name for p in root.commands["serve"].params if p.name != "config"}
     assert read_config(cfg, known)["stitch_adapter"] == "default"
+
+
+def test_the_strength_schedule_interpolates_and_enters_the_digest(eng):
+    ad = active_adapter(eng)
+    plain = ad.digest()
+    assert ad.strength_at(0.0) == 1.0 and ad.strength_at(0.7) == 1.0  # no schedule: full strength
+    ad.info["strength"] = [[0.0, 1.0], [0.1, 0.5], [0.2, 0.0]]
+    assert [ad.strength_at(r) for r in (0.0, 0.05, 0.1, 0.15, 0.2, 0.9)] == pytest.approx([1, 0.75, 0.5, 0.25, 0, 0])
+    assert ad.digest() != plain
+
+
+def test_strength_scales_the_lora_and_zero_is_the_plain_stitched_cache(eng):
+    """At a ratio its schedule turns off, the adapter is not there at all (bit for bit); in between, the LoRA's
+    change to the question's values is scaled by the strength (linear in the gate, to first order exactly)."""
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    plain = eng.prefill(layout, "naive", 0.0, max_new_tokens=2)
+    ad = active_adapter(eng, links=0)
+    eng.use_stitch_adapter(ad)
+    try:
+        ad.info["strength"] = [[0.0, 0.0]]
+        off = eng.prefill(layout, "naive", 0.0, max_new_tokens=2)
+        assert torch.equal(off.logits, plain.logits) and off.cache.adapted == 0 and not off.layout.links
+        assert off.stats.get("stitch_adapter") is None
+        deltas = {}
+        for s in (0.5, 1.0):
+            ad.info["strength"] = [[0.0, s]]
+            pre = eng.prefill(layout, "naive", 0.0, max_new_tokens=2)
+            assert pre.cache.adapted == s
+            end = layout.context_end  # the first layer's values of the question: v_proj(x) + s * LoRA(x)
+            deltas[s] = pre.cache.layers[0].values[0, :, end:end + 3] - plain.cache.layers[0].values[0, :, end:end + 3]
+        assert deltas[1.0].abs().max() > 1e-4
+        assert (deltas[0.5] * 2 - deltas[1.0]).abs().max() < 1e-5
+    finally:
+        eng.use_stitch_adapter(None)
+
+
+def writer_adapter(eng: Engine, seed: int = 2, links: int = 0, rank: int = 0) -> StitchAdapter:
+    """An adapter whose writer LoRA is not the identity."""
+    ad = StitchAdapter.for_model(eng.model, eng.weights_id, StitchAdapterConfig(links=links, rank=rank, writer=4))
+    gen_ = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in ad.writer_b.values():
+            b.copy_(0.05 * torch.randn(b.shape, generator=gen_))
+    return ad
+
+
+def test_an_adapter_that_changes_precompute_enters_the_store_key(eng):
+    """A writer's caches get a key of their own (its weights' digest), so they never mix with plain ones or with
+    another writer's; the reader and link tokens stay out of the key (passage caches are shared)."""
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    plain = [eng.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids]
+    gen(eng, "naive")  # plain caches stored
+    ad = writer_adapter(eng)
+    eng.use_stitch_adapter(ad)
+    try:
+        written = [eng.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids]
+        assert not set(written) & set(plain)
+        res = gen(eng, "naive")
+        assert res.stats.store_misses == len(SAMPLE_CHUNKS)  # never a plain cache
+        assert gen(eng, "naive").stats.store_hits == len(SAMPLE_CHUNKS)  # its own, once written
+        with torch.no_grad():
+            next(iter(ad.lora_a.values()), torch.zeros(1)).add_(0)  # (no reader here: nothing to change)
+            next(iter(ad.writer_b.values())).add_(0.01)
+        assert [eng.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids] != written  # other weights
+    finally:
+        eng.use_stitch_adapter(None)
+    assert [eng.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids] == plain
+
+
+def test_the_writer_acts_at_precompute_only(eng):
+    """Passages written through it differ from plain ones; full prefill and the question's own pass do not
+    read through it."""
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    full = gen(eng, "full")
+    plain = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids)
+    eng.use_stitch_adapter(writer_adapter(eng))
+    try:
+        assert torch.equal(gen(eng, "full").first_logits, full.first_logits)
+        written = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids)
+        assert (written[0].values - plain[0].values).abs().max() > 1e-4
+        # the training path writes the same K/V (with gradients)
+        from kvstitch.adapt.distill import written_chunks
+
+        with torch.no_grad():
+            trained = written_chunks(eng, layout)
+        for a, b in zip(trained, written):
+            assert (a.keys - b.keys).abs().max() < 1e-4 and (a.values - b.values).abs().max() < 1e-4
+    finally:
+        eng.use_stitch_adapter(None)
+
+
+def test_a_writer_adapter_survives_a_file_round_trip(eng, tmp_path):
+    ad = writer_adapter(eng, links=2, rank=2)
+    back = StitchAdapter.load(ad.save(tmp_path / "w.safetensors"))
+    assert back.config == ad.config and back.config.form == "links=2+lora(r=2)+writer(r=4)"
+    assert back.precompute_tag() == ad.precompute_tag() and back.digest() == ad.digest()
+    plain = active_adapter(eng)
+    assert plain.precompute_tag() == "" and "writer" not in plain.config.identity()
+
+
+# cacheclip needs its auxiliary model; full never reads through the adapter (tested above)
+ADAPTED_METHODS = ["naive", "random", "cacheblend", "epic", "kvshare", "a3", "ape", "grouped", "infoflow", "prophet",
+                   "qcfuse", "oracle", "deltaprop(base=infoflow)", "deltaprop(base=prophet)"]
+
+
+@pytest.mark.parametrize("method", ADAPTED_METHODS)
+def test_every_method_reads_through_the_adapter_at_its_ratio_strength(eng, method):
+    """Whatever cache a method ends with (reordered, wrapped), the question and the answer still read through the
+    adapter, at the strength its schedule gives the ratio (naive and APE: ratio 0's)."""
+    ad = active_adapter(eng)
+    ad.info["strength"] = [[0.0, 1.0], [0.2, 0.5]]
+    eng.use_stitch_adapter(ad)
+    try:
+        pre = eng.prefill(eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS), method, 0.1, max_new_tokens=2)
+        zero = pre.selector.zero_budget if hasattr(pre.selector, "zero_budget") else method in ("naive", "ape")
+        assert pre.cache.adapted == pytest.approx(1.0 if zero else 0.75), method
+        assert pre.cache.adapt_from == pre.layout.context_end and pre.layout.links == 4
+    finally:
+        eng.use_stitch_adapter(None)

@@ -1,17 +1,10 @@
-"""`kvstitch adapt`: learn a stitch adapter by self-distillation from full prefill, on a CPU.
+"""`kvstitch adapt`: learn a stitch adapter by self-distillation from full prefill, on a CPU (the teacher, the
+student and the loss: `kvstitch.adapt.distill`).
 
-For each context (passages + questions, `kvstitch.adapt.data`):
-
-- **teacher** (once, kept on disk): full prefill of the passages, then per question the suffix (question, end
-  of turn, assistant header) and the teacher's own greedy answer. What is kept is the teacher's top-k
-  log-probabilities at every position that predicts a question or answer token (`Targets`).
-- **student**: the passages' caches from the store (each passage's forward runs once, ever), stitched as a
-  request stitches them, then one forward with gradients of the adapter's link tokens + the question + the
-  teacher's answer (teacher-forced) over the stitched cache, out of place. At a ratio > 0 the engine's method
-  picks context tokens first, and they join the pass. Gradients reach only the adapter: the cached K/V are
-  constants and the base weights are frozen.
-- **loss**: KL(teacher || student) over the top-k tokens plus the tail's mass, per position; answer positions
-  weigh 1, question positions ``question_weight``.
+The passages' caches come from the store (each passage's forward runs once, ever), stitched as a request stitches
+them; at a ratio > 0 the engine's method picks context tokens first, and they join the student's pass. Gradients
+reach only the adapter: the cached K/V are constants and the base weights are frozen. An adapter with a writer
+LoRA instead writes its passages' K/V in the student's graph (`written_chunks`), so it trains at ratio 0.
 
 The run directory holds the adapter (``adapter.safetensors``), the checkpoint (``state.pt``: optimizer, step,
 losses), the loss log and curve (``loss.jsonl``, ``loss.png``), the teacher's targets (``teacher/``) and the
@@ -21,10 +14,8 @@ the same (``run.json``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from kvstitch.core.attention import ForwardPlan
-from kvstitch.core.cache import StitchCache
+from kvstitch.core.figures import save_png
 from kvstitch.core.errors import InputError
-from kvstitch.models import cache_kwargs
-from kvstitch.models.stitch_adapter import StitchAdapter, StitchAdapterConfig, gate_of, gated
+from kvstitch.models.stitch_adapter import StitchAdapter, StitchAdapterConfig
 from .data import Context
+from .distill import cached_targets, questions_loss, written_chunks
 
 ADAPTER_FILE, STATE_FILE, RUN_FILE, LOSS_FILE = "adapter.safetensors", "state.pt", "run.json", "loss.jsonl"
 CARD_FILE = "adapter.json"  # what made the adapter, readable without torch (beside it, and in shipped adapters)
@@ -50,7 +40,7 @@ def adapter_card(path: Path) -> dict:
     return {"form": ad.config.form, "model": ad.model_name, "weights_id": ad.weights_id,
             "parameters": ad.n_parameters, "bytes": Path(path).stat().st_size,
             **{k: ad.info.get(k) for k in ("command", "corpus", "steps", "cpu_hours", "wall_hours", "final_loss",
-                                           "config")}}
+                                           "config", "strength")}}
 
 
 @dataclass(frozen=True)
@@ -60,6 +50,7 @@ class AdaptConfig:
     links: int = 8
     rank: int = 8
     alpha: float = 16.0
+    writer: int = 0  # writer LoRA rank (changes precompute; trains at ratio 0)
     steps: int = 200
     batch: int = 8  # questions per optimizer step
     lr: float = 5e-4
@@ -87,128 +78,24 @@ class AdaptConfig:
         for r in self.ratios:
             if not 0 <= r < 1:
                 raise InputError(f"adapt ratios must be in [0, 1), got {r}")
-        StitchAdapterConfig(self.links, self.rank, self.alpha)  # its own checks
+        if self.writer and any(r > 0 for r in self.ratios):
+            raise InputError("an adapter with a writer LoRA trains at ratio 0 (its passages are written in the "
+                             "student's pass; a method's selection would read stale caches)")
+        try:
+            self.adapter
+        except ValueError as e:
+            raise InputError(str(e)) from None
 
     @property
     def adapter(self) -> StitchAdapterConfig:
-        return StitchAdapterConfig(self.links, self.rank, self.alpha)
+        return StitchAdapterConfig(self.links, self.rank, self.alpha, writer=self.writer)
 
-
-@dataclass
-class Targets:
-    """The teacher's view of one question over one context."""
-
-    suffix: torch.Tensor  # [n_s] ids: question, end of turn, assistant header
-    answer: torch.Tensor  # [n_a] the teacher's greedy answer (EOS included when it stopped)
-    top_ids: torch.Tensor  # [n_s + n_a - 1, k] int32: the teacher's top-k next tokens at every position
-    top_logp: torch.Tensor  # [n_s + n_a - 1, k] float32: their log-probabilities
-
-
-# ---- teacher --------------------------------------------------------------------------------------------
-@torch.no_grad()
-def teacher_targets(engine, ctx: Context, max_answer: int, top_k: int) -> list[Targets]:
-    """Full prefill of ``ctx``'s passages once, then every question over a copy of its cache, and the greedy
-    answers of all questions decoded together (one batched step per token)."""
-    from kvstitch.engine.batch import DecodeStep
-
-    layouts = [engine.layout(q, list(ctx.passages)) for q in ctx.questions]
-    n_ctx = layouts[0].context_end
-    cache = StitchCache.empty(engine.adapter, n_ctx, engine.device, engine.dtype)
-    engine.forward(cache, layouts[0].ids[:n_ctx], torch.arange(n_ctx))
-    keys, values = cache.stacked_keys(), cache.stacked_values()
-    caches, rows, answers = [], [], []
-    for lay in layouts:
-        c = StitchCache.from_stacked(keys, values, capacity=n_ctx + lay.n_suffix + max_answer)
-        n_s = lay.n_suffix
-        rows.append([engine.forward(c, lay.suffix_ids, torch.arange(n_ctx, n_ctx + n_s), logits_to_keep=n_s)])
-        answers.append([int(rows[-1][0][-1].argmax())])
-        caches.append(c)
-
-    def done(ans: list[int]) -> bool:  # the first line is the answer (what evaluation scores)
-        return engine.finished(ans) or "\n" in engine.answer_text(ans[-1:], strip=False) or len(ans) >= max_answer
-
-    live = [i for i, a in enumerate(answers) if not done(a)]
-    while live:
-        logits = engine.decode_batch([DecodeStep(caches[i], answers[i][-1]) for i in live])
-        for i, lg in zip(live, logits):
-            rows[i].append(lg)
-            answers[i].append(int(lg[-1].argmax()))
-        live = [i for i in live if not done(answers[i])]
-    out = []
-    for lay, r, answer in zip(layouts, rows, answers):
-        logp = torch.log_softmax(torch.cat(r).float(), -1)
-        top = logp.topk(top_k, dim=-1)
-        out.append(Targets(lay.suffix_ids.clone(), torch.tensor(answer), top.indices.to(torch.int32).cpu(),
-                           top.values.cpu()))
-    return out
-
-
-def cached_targets(engine, folder: Path, ctx: Context, cfg: AdaptConfig) -> list[Targets]:
-    """`teacher_targets`, computed once per context and kept in ``folder`` (runs of one model may share it)."""
-    key = hashlib.sha256(json.dumps([ctx.key, ctx.passages, ctx.questions, cfg.max_answer, cfg.top_k,
-                                     engine.fingerprint]).encode()).hexdigest()[:24]
-    path = Path(folder) / f"{key}.pt"
-    if path.exists():
-        return [Targets(**t) for t in torch.load(path, weights_only=True)]
-    got = teacher_targets(engine, ctx, cfg.max_answer, cfg.top_k)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # runs may share a teacher folder
-    torch.save([asdict(t) for t in got], tmp)
-    tmp.replace(path)
-    return got
-
-
-# ---- student --------------------------------------------------------------------------------------------
-def sparse_kl(student_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
-    """Per position KL(teacher || student) over the teacher's top-k tokens plus one bucket for the rest."""
-    logq = torch.log_softmax(student_logits.float(), -1)
-    q_top = logq.gather(-1, top_ids.long())
-    p_top = top_logp.exp()
-    p_rest = (1 - p_top.sum(-1)).clamp_min(1e-8)
-    q_rest = (1 - q_top.exp().sum(-1)).clamp_min(1e-8)
-    return (p_top * (top_logp - q_top)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
-
-
-def student_logits(engine, cache: StitchCache, layout, tails: list[torch.Tensor],
-                   recompute: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Logits, with gradients to the adapter, at every position of each question's ``tail`` (its suffix and its
-    answer but the last token), one row per question: one pass of the recomputed context tokens (``recompute``:
-    context indices), the link tokens (``layout``'s) and the tail over ``cache`` (the questions' shared context),
-    out of place. Rows are right-padded: a token never sees the padding after it."""
-    n_ctx, links = layout.context_end, layout.suffix_ids[:layout.links]
-    rows = [torch.cat([links, t]) for t in tails]
-    width = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), width), int(rows[0][-1]), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :r.numel()] = r
-    slots = torch.arange(n_ctx, n_ctx + width)
-    if recompute is not None and recompute.numel():
-        ctx_slots = recompute.sort().values + layout.context_start
-        slots = torch.cat([ctx_slots, slots])
-        ids = torch.cat([layout.ids[ctx_slots].expand(len(rows), -1), ids], dim=1)
-    if len(rows) > 1:  # one copy of the stitched context per question (read only: the pass is out of place)
-        cache = StitchCache.from_stacked(cache.stacked_keys(0, n_ctx), cache.stacked_values(0, n_ctx),
-                                         capacity=n_ctx + width, batch=len(rows))
-    keep = width - layout.links  # the link tokens predict nothing
-    slots = slots.to(engine.device)
-    with cache.mode(slots=slots, write=False), gated(gate_of(slots >= n_ctx)):  # not recomputed passage tokens
-        out = engine.model(input_ids=ids.to(engine.device), position_ids=slots.view(1, -1).expand(len(rows), -1),
-                           **cache_kwargs(engine.model, cache), use_cache=True, logits_to_keep=keep,
-                           kvstitch_plan=ForwardPlan(q_slots=slots))
-    return [out.logits[i, :r.numel() - layout.links] for i, r in enumerate(rows)]
-
-
-def questions_loss(engine, cache: StitchCache, layout, targets: list[Targets], question_weight: float,
-                   recompute: torch.Tensor | None = None) -> torch.Tensor:
-    """The mean over ``targets`` (questions over one context) of each one's weighted KL, in one pass."""
-    tails = [torch.cat([t.suffix, t.answer[:-1]]) for t in targets]
-    losses = []
-    for logits, t in zip(student_logits(engine, cache, layout, tails, recompute), targets):
-        kl = sparse_kl(logits, t.top_ids.to(logits.device), t.top_logp.to(logits.device))
-        w = torch.ones_like(kl)
-        w[:t.suffix.numel() - 1] = question_weight  # positions that predict the question's own next token
-        losses.append((kl * w).sum() / w.sum())
-    return torch.stack(losses).mean()
+    def identity(self) -> dict:
+        """The settings a run directory records (a writer-less run reads as it did before writers existed)."""
+        d = json.loads(json.dumps(asdict(self)))
+        if not self.writer:
+            d.pop("writer")
+        return d
 
 
 # ---- the run --------------------------------------------------------------------------------------------
@@ -236,14 +123,15 @@ class Trainer:
         self.adapter: StitchAdapter | None = None
         self.opt = None
         self.state = TrainState()
+        self.schedule: list | None = None  # the reader LoRA's strength by ratio, once tuned (`kvstitch.adapt.strength`)
 
     # ---- setup / resume ----
     def _check_run(self) -> None:
         path = self.run_dir / RUN_FILE
-        desc = {"config": asdict(self.cfg), "model": self.engine.weights_id}
+        desc = {"config": self.cfg.identity(), "model": self.engine.weights_id}
         if path.exists():
             old = json.loads(path.read_text())
-            if old.get("config") != json.loads(json.dumps(desc["config"])) or old.get("model") != desc["model"]:
+            if old.get("config") != desc["config"] or old.get("model") != desc["model"]:
                 raise InputError(f"{self.run_dir} holds a run with other settings or another model; pass a new --out "
                                  f"or the same settings to resume it")
         else:
@@ -261,6 +149,7 @@ class Trainer:
         else:
             eng.use_stitch_adapter(None)
             self.adapter = StitchAdapter.for_model(eng.model, eng.weights_id, cfg.adapter, eng.model_name)
+        self.adapter.info.pop("strength", None)  # training reads through it at full strength
         eng.use_stitch_adapter(self.adapter)
         self.opt = torch.optim.AdamW(self.adapter.parameters(), lr=cfg.lr, weight_decay=0.0)
         if ckpt.exists():
@@ -295,13 +184,18 @@ class Trainer:
         return self._order[1]
 
     # ---- one step ----
-    def _stitched(self, ctx: Context, layout):
-        eng = self.engine
-        kvs = eng.chunk_kvs(layout)
-        from kvstitch.engine.stitch import stitch, with_adapter
+    def _linked(self, layout, strength: float):
+        """``layout`` with the adapter's link tokens (none when it is off)."""
+        if self.adapter.n_links and strength > 0 and not layout.links:
+            return layout.with_links(self.adapter.link_ids(self.engine.vocab_size))
+        return layout
 
-        linked, _ = with_adapter(eng, layout, 0.0)
-        return stitch(eng, linked, kvs, extra=self.cfg.max_answer, adapted=True), linked
+    def _stitched(self, ctx: Context, layout, strength: float = 1.0):
+        from kvstitch.engine.stitch import stitch
+
+        eng = self.engine
+        kvs = written_chunks(eng, layout) if self.adapter.writes else eng.chunk_kvs(layout)
+        return stitch(eng, self._linked(layout, strength), kvs, extra=self.cfg.max_answer, adapted=strength)
 
     def _recompute(self, layout, ratio: float) -> tuple[torch.Tensor | None, object]:
         """At a ratio > 0: the engine's method picks the tokens (its own prefill, no gradients); the layout
@@ -311,32 +205,40 @@ class Trainer:
         pre = self.engine.prefill(layout, self.cfg.method, ratio, max_new_tokens=1)
         return pre.indices.cpu(), pre.layout.without_links()
 
-    def loss_of(self, items: list[tuple[int, int]], contexts: list[Context], ratio: float, grad: bool) -> float:
-        """The mean loss of ``items`` (backpropagated when ``grad``), one pass a question: packing a context's
-        questions as rows of one pass measured no faster on a CPU (SmolLM2, 8 questions: 42 s vs 31 s), since each
-        row needs its own copy of the stitched context."""
+    def loss_of(self, items: list[tuple[int, int]], contexts: list[Context], ratio: float, grad: bool,
+                strength: float = 1.0) -> float:
+        """The mean loss of ``items`` (backpropagated when ``grad``) read through the adapter at ``strength`` (0:
+        without it), one pass a question: packing a context's questions as rows of one pass measured no faster on
+        a CPU (SmolLM2, 8 questions: 42 s vs 31 s), since each row needs its own copy of the stitched context. A
+        writer's graph runs through its context's passages: one backward of that context's questions together."""
         eng, cfg = self.engine, self.cfg
-        total, current = 0.0, None
+        total, current, pending = 0.0, None, []
         for c, q in items:
             ctx = contexts[c]
             targets = cached_targets(eng, self.teacher_dir, ctx, cfg)
             layout = eng.layout(ctx.questions[q], list(ctx.passages))
             recompute, used = self._recompute(layout, ratio)
             if current is None or current[0] != (c, tuple(used.order)):
-                current = ((c, tuple(used.order)), self._stitched(ctx, used)[0])
-            linked = used.with_links(self.adapter.link_ids(eng.vocab_size)) if self.adapter.n_links else used
+                _backward(pending)
+                with torch.set_grad_enabled(grad and self.adapter.writes):
+                    current = ((c, tuple(used.order)), self._stitched(ctx, used, strength))
             with torch.set_grad_enabled(grad):
-                loss = questions_loss(eng, current[1], linked, [targets[q]], cfg.question_weight, recompute)
+                loss = questions_loss(eng, current[1], self._linked(used, strength), [targets[q]],
+                                      cfg.question_weight, recompute, strength)
                 if grad:
-                    (loss / len(items)).backward()
+                    pending.append(loss / len(items))
+                    if not self.adapter.writes:
+                        _backward(pending)
             total += float(loss.detach()) / len(items)
+        _backward(pending)
         return total
 
+    def val_items(self) -> list[tuple[int, int]]:
+        return [(c, q) for c, ctx in enumerate(self.val) for q in range(len(ctx.questions))][:self.cfg.val_questions]
+
     def validate(self) -> float | None:
-        items = [(c, q) for c, ctx in enumerate(self.val) for q in range(len(ctx.questions))][:self.cfg.val_questions]
-        if not items:
-            return None
-        return self.loss_of(items, self.val, 0.0, grad=False)
+        items = self.val_items()
+        return self.loss_of(items, self.val, 0.0, grad=False) if items else None
 
     def step(self) -> float:
         st, cfg = self.state, self.cfg
@@ -365,9 +267,10 @@ class Trainer:
     def info(self) -> dict:
         st = self.state
         return {"command": self.command, "corpus": self.corpus_note, "steps": st.step,
-                "config": json.loads(json.dumps(asdict(self.cfg))), "cpu_hours": round(st.cpu_seconds / 3600, 3),
+                "config": self.cfg.identity(), "cpu_hours": round(st.cpu_seconds / 3600, 3),
                 "wall_hours": round(st.seconds / 3600, 3), "parameters": self.adapter.n_parameters,
-                "final_loss": st.losses[-1]["loss"] if st.losses else None}
+                "final_loss": st.losses[-1]["loss"] if st.losses else None,
+                **({"strength": self.schedule} if self.schedule else {})}
 
     def log(self, row: dict) -> None:
         self.state.losses.append(row)
@@ -399,7 +302,7 @@ class Trainer:
         ax.set_title(f"stitch adapter {self.cfg.adapter.form}, {self.engine.model_name}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(self.run_dir / "loss.png", dpi=110)
+        save_png(fig, self.run_dir / "loss.png", dpi=110)
         plt.close(fig)
 
     # ---- the loop ----
@@ -439,3 +342,10 @@ class Trainer:
     def _account(self, dt: float, threads: int) -> None:
         self.state.seconds += dt
         self.state.cpu_seconds += dt * threads
+
+
+def _backward(losses: list[torch.Tensor]) -> None:
+    """Backpropagate the sum of ``losses`` (if any) and forget them."""
+    if losses:
+        torch.stack(losses).sum().backward()
+        losses.clear()

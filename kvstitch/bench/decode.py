@@ -39,8 +39,7 @@ import torch
 from rich.progress import Progress
 
 from kvstitch.core.cache import StitchCache
-from kvstitch.core.errors import InputError
-from kvstitch.decode.policies import is_dense, make_policy
+from .decode_setup import check_inputs, decoder_options, positive_int, probe_decoder
 
 DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale", "shadowkv")
 DEFAULT_BUDGETS = (256, 512, 1024)
@@ -52,64 +51,6 @@ DENSE = "dense"           # the reference row: dense decode over the contiguous 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _positive_int(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task, policy_options,
-                  page_size) -> tuple[list[int], list[str]]:
-    from kvstitch.tasks.tasks import TASKS
-    from kvstitch.select import check_method, make_selector
-
-    _positive_int("context", context)
-    _positive_int("new_tokens", new_tokens)
-    _positive_int("n_niah", n_niah, 0)
-    budgets = list(dict.fromkeys(budgets))
-    if not budgets:
-        raise InputError("give at least one kv budget")
-    for b in budgets:
-        _positive_int("every kv budget", b)
-    # labels: canonical specs; dense is always the reference
-    policies = [p for p in dict.fromkeys(make_policy(p).spec for p in policies) if not is_dense(p)]
-    if not policies:
-        raise InputError("give at least one sparse decode policy (dense, the reference, always runs)")
-    budgeted = [p for p in policies if make_policy(p).kv_budget is not None]
-    if budgeted:
-        raise InputError(f"{budgeted[0]!r} sets kv_budget: the bench sweeps the budgets (--budget), not the policy")
-    extra = set(policy_options or {}) - {make_policy(p).name for p in policies}
-    if extra:
-        raise InputError(f"policy options for {sorted(extra)}, which are not benchmarked")
-    if task not in TASKS:
-        raise InputError(f"unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
-    check_method(method)
-    if make_selector(method).adjusts_decode():
-        raise InputError(f"method {method!r} changes decode attention; sparse decoders cannot run after it")
-    for p in policies:
-        for b in budgets:  # bad policy options or a budget below the sink + window pages: fail before any work
-            _probe(engine, p, b, _options(p, policy_options, page_size))
-    return budgets, policies
-
-
-def _probe(engine, policy: str, budget: int, options: dict):
-    """An empty decoder sized for the engine's model (checks the options and budget; tells the window)."""
-    from kvstitch.decode import make_decoder
-
-    ad = engine.adapter
-    return make_decoder(policy, budget, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
-                        num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device,
-                        dtype=engine.dtype, **options)
-
-
-def _options(policy: str, policy_options: dict | None, page_size: int | None) -> dict:
-    """The decoder options of ``policy`` (a spec): the fields ``policy_options`` sets for its policy name."""
-    opts = dict((policy_options or {}).get(make_policy(policy).name, {}))
-    if page_size is not None:
-        opts["page_size"] = page_size
-    return opts
 
 
 def _selecting_recall(dec) -> dict:
@@ -220,8 +161,8 @@ def _plan(engine, context: int, budgets: list[int], policies: list[str], n_niah:
 
     samples = generate(task, max(1, n_niah), length, chunk_tokens, seed, count)
     caps = [max(8, count(", ".join(smp.answers)) + 8) for smp in samples]  # eval's answer budget
-    opts = {p: _options(p, policy_options, page_size) for p in policies}
-    probe = {p: _probe(engine, p, budgets[0], opts[p]) for p in policies}
+    opts = {p: decoder_options(p, policy_options, page_size) for p in policies}
+    probe = {p: probe_decoder(engine, p, budgets[0], opts[p]) for p in policies}
     return _Plan(samples=samples, caps=caps, main=len(samples) // 2, length=length, opts=opts,
                  obs_window=max([OBS_WINDOW] + [d.window for d in probe.values()]),
                  budget_counts={p: d.budget_counts() for p, d in probe.items()},
@@ -405,7 +346,7 @@ def _add_bounds(engine, rows: list[dict], plan: _Plan, context: int, batch: int 
         if r["policy"] == "floor":
             cap = r["mean_selected_tokens"]
         else:
-            cap = _probe(engine, r["policy"], r["budget"], plan.opts[r["policy"]]).cap
+            cap = probe_decoder(engine, r["policy"], r["budget"], plan.opts[r["policy"]]).cap
         r.update(bytes_bound(m, context, batch, cap, plan.opts.get(r["policy"], {}).get("page_size", 32)))
 
 
@@ -431,10 +372,10 @@ def bench_decode_model(engine, context: int = 8192, budgets: Sequence[int] = DEF
     Returns (rows, meta): a `dense` row (budget None) then one row per (budget, policy); what was not
     measured (TPOT / NIAH of a dense budget, NIAH with ``n_niah=0``) is None.
     """
-    budgets, policies = _check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task,
+    budgets, policies = check_inputs(engine, context, budgets, policies, n_niah, new_tokens, method, task,
                                       policy_options, page_size)
     warmup = max(0, min(warmup, new_tokens - 1))
-    batch = _positive_int("batch", batch)
+    batch = positive_int("batch", batch)
     plan = _plan(engine, context, budgets, policies, n_niah, task, chunk_tokens, seed, page_size, policy_options)
     samples, caps, main = plan.samples, plan.caps, plan.main
 

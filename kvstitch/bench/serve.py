@@ -250,16 +250,11 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
                 recall_sample: float = 0.05) -> list[dict]:
     """Rows per decode policy and concurrency (batched server) + the serial server at the highest concurrency
     (dense decode only; see the module doc)."""
-    from kvstitch.core.errors import InputError
     from kvstitch.serve.server import create_app
     from kvstitch.serve.testing import ServerThread
 
     log = log or (lambda msg: None)
-    if not concurrency or min(concurrency) < 1:
-        raise InputError(f"concurrency levels must be positive, got {concurrency}")
-    if not decode:
-        raise InputError("name at least one decode policy (dense, or a sparse one such as prkv)")
-    decode = tuple(dict.fromkeys(make_policy(p).spec for p in decode))  # rows are labelled by canonical spec
+    decode = _check_levels(concurrency, decode)
     if context is not None:
         bodies = long_context_mix(engine, n_requests, context, doc_tokens, max_tokens, methods, ratio)
     else:
@@ -293,13 +288,7 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
         todo = [b if is_dense(policy) else {**b, "decode": policy, **({"kv_budget": kv_budget} if kv_budget else {})}
                 for b in bodies]
         with server(max_batch) as srv:
-            alone = None
-            if 1 not in concurrency:  # the reference: each request alone, with this policy
-                ref, wall = asyncio.run(run_load(srv.url, todo, 1))
-                if any(r["status"] != 200 for r in ref):
-                    raise RuntimeError(f"a reference request failed: {[r for r in ref if r['status'] != 200][:1]}")
-                alone = [r["text"] for r in ref]
-                log(f"{policy} decode, reference (each request alone): {wall:.1f} s")
+            alone = _alone(srv, todo, policy, log) if 1 not in concurrency else None
             for c in sorted(concurrency):
                 row, texts = measure(srv, f"batched (max_batch={max_batch})", policy, c, todo, alone)
                 if c == 1:
@@ -309,18 +298,49 @@ def bench_serve(engine, concurrency: list[int], n_requests: int = 32, docs: int 
         if serial and max_batch > 1 and is_dense(policy):
             with server(1) as srv:
                 rows.append(measure(srv, "serial (max_batch=1)", policy, max(concurrency), todo, alone)[0])
-            base = rows[-1]["completion_tokens_per_s"]
-            for r in rows[:-1]:
-                if r["decode"] == policy and r["concurrency"] == max(concurrency) and base > 0:
-                    r["speedup_vs_serial"] = r["completion_tokens_per_s"] / base
+            _speedup_vs_serial(rows, policy, max(concurrency))
     _add_bounds(engine, rows, context or docs_per_request * doc_tokens, max_tokens, kv_budget)
+    _vs_dense(rows)
+    return rows
+
+
+def _check_levels(concurrency: list[int], decode: tuple[str, ...]) -> tuple[str, ...]:
+    """Checks the concurrency levels and decode policies -> the policies as canonical specs (the rows' labels)."""
+    from kvstitch.core.errors import InputError
+
+    if not concurrency or min(concurrency) < 1:
+        raise InputError(f"concurrency levels must be positive, got {concurrency}")
+    if not decode:
+        raise InputError("name at least one decode policy (dense, or a sparse one such as prkv)")
+    return tuple(dict.fromkeys(make_policy(p).spec for p in decode))
+
+
+def _alone(srv, todo: list[dict], policy: str, log) -> list[str]:
+    """The reference answers: each request alone, with this policy."""
+    ref, wall = asyncio.run(run_load(srv.url, todo, 1))
+    if any(r["status"] != 200 for r in ref):
+        raise RuntimeError(f"a reference request failed: {[r for r in ref if r['status'] != 200][:1]}")
+    log(f"{policy} decode, reference (each request alone): {wall:.1f} s")
+    return [r["text"] for r in ref]
+
+
+def _speedup_vs_serial(rows: list[dict], policy: str, concurrency: int) -> None:
+    """The batched rows of ``policy`` at ``concurrency`` against the serial row just measured (the last one)."""
+    base = rows[-1]["completion_tokens_per_s"]
+    for r in rows[:-1]:
+        if r["decode"] == policy and r["concurrency"] == concurrency and base > 0:
+            r["speedup_vs_serial"] = r["completion_tokens_per_s"] / base
+
+
+def _vs_dense(rows: list[dict]) -> None:
+    """Each row against the batched dense row at its concurrency: end to end (completion tokens/s) and decode
+    alone (the decode passes' throughput)."""
     dense = {r["concurrency"]: r for r in rows if is_dense(r["decode"]) and r["server"].startswith("batched")}
     for r in rows:
         d = dense.get(r["concurrency"])
-        if d is not None:  # end to end (completion tokens/s) and decode alone (the decode passes' throughput)
+        if d is not None:
             r["vs_dense"] = r["completion_tokens_per_s"] / d["completion_tokens_per_s"]
             r["decode_vs_dense"] = r["decode_tok_per_s"] / d["decode_tok_per_s"]
-    return rows
 
 
 def _add_bounds(engine, rows: list[dict], context: int, max_tokens: int, kv_budget: int | None) -> None:

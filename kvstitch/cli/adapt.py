@@ -23,6 +23,8 @@ def adapt_command(
         links: int = typer.Option(8, help="link tokens between the passages and the question (0: none)"),
         rank: int = typer.Option(8, help="reader LoRA rank on the attention projections (0: none)"),
         alpha: float = typer.Option(16.0, help="LoRA alpha (scale = alpha / rank)"),
+        writer: int = typer.Option(0, help="writer LoRA rank, applied when passages are precomputed (0: none; its "
+                                           "caches get their own store key; trains at ratio 0)"),
         steps: int = typer.Option(200, help="optimizer steps"),
         batch: int = typer.Option(8, help="questions per step"),
         lr: float = typer.Option(5e-4, help="peak learning rate (AdamW; warm-up, then linear decay to a tenth)"),
@@ -35,18 +37,26 @@ def adapt_command(
         model: Model = None, dtype: Dtype = None, threads: Threads = None,
         store: Optional[str] = typer.Option(None, "--store", help="passage cache store (default: OUT/store)"),
         teacher_dir: Optional[Path] = typer.Option(None, "--teacher-dir", help="the teacher's targets (default: "
-                                                   "OUT/teacher); runs of one model on one corpus may share it")) -> None:
+                                                   "OUT/teacher); runs of one model on one corpus may share it"),
+        strengths: str = typer.Option("0,0.25,0.5,0.75,1", help="after training, the reader LoRA strengths tried at "
+                                      "each --tune-ratios ratio on the validation questions; the best is kept in the "
+                                      "adapter (0: off there; '' skips the sweep, full strength everywhere)"),
+        tune_ratios: str = typer.Option("0,0.1,0.2", "--tune-ratios", help="recompute ratios the strength is "
+                                        "tuned at (between them it is interpolated)")) -> None:
     """Learn a stitch adapter for MODEL by distillation from full prefill: the model's own full-prefill answers
     are the teacher, the stitched cache read through the adapter the student. Runs on a CPU, checkpoints as it
     goes and resumes when rerun with the same command."""
     from kvstitch.adapt import AdaptConfig, Trainer, document_contexts, squad_contexts
 
     set_threads(threads)
-    try:
-        ratio_list = tuple(float(x) for x in csv_list(ratios))
-    except ValueError:
-        raise InputError(f"--ratios takes comma-separated numbers, got {ratios!r}") from None
-    cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, steps=steps, batch=batch, lr=lr, passages=passages,
+    ratio_list, strength_list, tune_list = (_numbers(v, flag) for v, flag in
+                                            ((ratios, "--ratios"), (strengths, "--strengths"),
+                                             (tune_ratios, "--tune-ratios")))
+    if strength_list:
+        from kvstitch.adapt.strength import check_sweep
+
+        check_sweep(tune_list, strength_list)  # before hours of training, not after
+    cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, steps=steps, batch=batch, lr=lr, passages=passages,
                       per_context=questions, ratios=ratio_list or (0.0,), method=method,
                       question_weight=question_weight, seed=seed, corpus=corpus)
     docs = None
@@ -73,9 +83,24 @@ def adapt_command(
         train, val = contexts[n_val:], contexts[:n_val]
         note = f"{docs}: {len(texts)} passages, questions written by the model"
     command = " ".join(["kvstitch"] + [shlex.quote(a) for a in sys.argv[1:]])
-    info = Trainer(eng, cfg, train, val, out, command=command, corpus_note=note, teacher_dir=teacher_dir).run()
+    trainer = Trainer(eng, cfg, train, val, out, command=command, corpus_note=note, teacher_dir=teacher_dir)
+    info = trainer.run()
+    if strength_list and (cfg.links or cfg.rank):  # (a writer alone reads nothing through a strength)
+        from kvstitch.adapt.strength import tune_strength
+
+        tuned = tune_strength(trainer, tune_list, strength_list)
+        trainer.save()
+        console.print("reader LoRA strength by ratio (validation KL, n = {}): {}".format(
+            tuned["questions"], ", ".join(f"{r:g}: {s:g}" for r, s in tuned["schedule"])), highlight=False)
     size = (out / "adapter.safetensors").stat().st_size
     console.print(f"stitch adapter {cfg.adapter.form}: {info['parameters']:,} parameters, {size / 1e6:.2f} MB, "
                   f"{info['steps']} steps, {info['cpu_hours']:.2f} CPU-hours; loss {info['final_loss']:.4f}; "
                   f"{out / 'adapter.safetensors'} (use it: --stitch-adapter {out / 'adapter.safetensors'})",
                   highlight=False)
+
+
+def _numbers(value: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in csv_list(value))
+    except ValueError:
+        raise InputError(f"{flag} takes comma-separated numbers, got {value!r}") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -255,3 +257,62 @@ def bench_route_cmd(replicas: str = typer.Option("8,64,256", help="comma-separat
     except ValueError as e:
         raise InputError(f"--replicas: {e}") from None
     simulate_and_write(sweep, model, results, out, "kvstitch " + shlex.join(sys.argv[1:]), log=console.print)
+
+
+@bench_app.command("replicas")
+@friendly_errors
+def bench_replicas_cmd(requests: int = typer.Option(80, help="requests in the trace"),
+                       docs: int = typer.Option(16, help="documents (SQuAD articles) in the pool, Zipf-popular"),
+                       passages_per_request: int = typer.Option(3, help="passages per request"),
+                       passages_per_doc: int = typer.Option(6, help="passages (~100-200 tokens) per document"),
+                       zipf: float = typer.Option(1.0, help="Zipf exponent of the documents' popularity"),
+                       mix: float = typer.Option(0.2, help="share of a request's passages drawn from other documents"),
+                       seed: int = typer.Option(0),
+                       replicas: int = typer.Option(2, help="model replicas"),
+                       max_tokens: int = typer.Option(16, help="max_tokens of every request"),
+                       concurrency: int = typer.Option(1, help="clients sending the trace at once"),
+                       interval: float = typer.Option(0.0, help="seconds a client waits between its requests"),
+                       deadline: float = typer.Option(1800.0, help="seconds per router: requests not started by then "
+                                                                   "are left out (and reported)"),
+                       threads: int = typer.Option(1, "--threads", help="torch threads per replica"),
+                       dtype: Dtype = None, out: ResultsDir = RESULTS_DIR / "replicas", model: Model = None,
+                       ideal_only: bool = typer.Option(False, "--ideal-only", help="add the ideal's hit rate (one "
+                                                       "shared memory) to a finished run in --out, run nothing "
+                                                       "on Ray")) -> None:
+    """Live routing on a local Ray Serve: chunk affinity vs Serve's default router over replicas whose memory
+    tiers each hold a third of the trace's working set (local hit rate, TTFT, load spread, answers vs one server),
+    beside one shared memory of the same total size (the ideal, replayed without a model)."""
+    from kvstitch.bench.replica_trace import replicas_table
+    from kvstitch.bench.replicas import bench_replicas
+    from kvstitch.bench.ttft import write_results
+    from kvstitch.core.errors import InputError
+    from kvstitch.serve.replicas import check_replicas, require_serve
+
+    if threads < 1 or requests < 1 or concurrency < 1:
+        raise InputError("--threads, --requests and --concurrency must be >= 1")
+    if not 0.0 <= mix <= 1.0:
+        raise InputError(f"--mix must be in [0, 1], got {mix}")
+    if ideal_only:
+        from kvstitch.bench.replicas import add_ideal
+
+        name = f"bench_replicas_{(model or 'smollm2').replace('/', '_')}"
+        path = out / (name + ".json")
+        if not path.is_file():
+            raise InputError(f"--ideal-only: no finished run at {path}")
+        got = add_ideal(path)
+        got["meta"]["ideal_command"] = "kvstitch " + " ".join(sys.argv[1:])  # the run's own command stays
+        table = replicas_table(got["rows"], got["meta"])
+        path.write_text(json.dumps(got, indent=1))
+        path.with_suffix(".md").write_text(table + "\n")
+        console.print(table, highlight=False, soft_wrap=True)
+        return
+    check_replicas(replicas)
+    require_serve()  # before the (slow) model load
+    rows, meta = bench_replicas(model, dtype, requests, docs, passages_per_request, zipf, seed, threads, replicas,
+                                passages_per_doc, max_tokens, concurrency, interval, deadline, mix=mix,
+                                log=console.print)
+    name = f"bench_replicas_{meta['model'].replace('/', '_')}"
+    table = replicas_table(rows, meta)
+    write_results(rows, out, name, table, meta)
+    console.print(table, highlight=False, soft_wrap=True)
+    console.print(f"written: {out / (name + '.json')}, {out / (name + '.md')}")

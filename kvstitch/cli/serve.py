@@ -6,18 +6,17 @@ read by `kvstitch.serve.config`). Mounted by `kvstitch.cli.main` with ``auto_env
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from kvstitch.serve import server
-from kvstitch.decode import make_policy
-from kvstitch.engine.budget import split_ratio
 from kvstitch.core.errors import InputError
 from kvstitch.corpus.retrieval import collections_root
-from kvstitch.select import check_method
 from kvstitch.serve.config import SECRET, read_config
+from kvstitch.serve.defaults import ChatDefaults
 from kvstitch.serve.security import SecurityConfig
 from kvstitch.engine.request import DEFAULT_METHOD
 
@@ -45,6 +44,8 @@ def describe(ctx: typer.Context) -> list[tuple[str, str, str]]:
         if p.name in ("install_completion", "show_completion", "help") or getattr(p, "hidden", False):
             continue
         v = ctx.params.get(p.name)
+        if p.name == "tenants" and v and str(v).lstrip().startswith("{"):
+            v = "<table>"  # it names API keys
         if p.name in SECRET and v:
             n = sum(len([k for k in str(x).split(",") if k.strip()]) for x in v)
             v = f"<{n} key{'s' if n != 1 else ''}>"
@@ -94,6 +95,10 @@ def serve_command(
         None, "--api-key", help="require 'Authorization: Bearer KEY' (repeatable; default: $KVSTITCH_API_KEY, "
                                 "comma-separated)"),
     insecure: bool = typer.Option(False, "--insecure", help="allow a non-loopback --host without an API key"),
+    tenants: Optional[str] = typer.Option(None, "--tenants",
+                                          help="partition the store by API key: 'per-key', or a TOML file of "
+                                               "[tenants.NAME] tables (keys, shared), or JSON; a config's "
+                                               "[tenants] tables (see docs/usage.md)"),
     cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin",
                                                     help="allow browser requests from this origin (repeatable; "
                                                          "CORS is off by default)"),
@@ -106,6 +111,12 @@ def serve_command(
                                                  "memory tier: S3-FIFO, a reused set survives a scan of one-off "
                                                  "chunks; directory and Redis stores: least recently used)"),
     stitch_adapter: StitchAdapterOpt = None,
+    replicas: Optional[int] = typer.Option(None, "--replicas", help="run N model replicas on Ray Serve behind one "
+                                                                   "endpoint, routed by chunk affinity (needs the "
+                                                                   "'ray' extra; default: one process)"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="with --replicas: the Ray cluster to join "
+                                                                          "('auto', host:port; default: a new local "
+                                                                          "Ray unless $RAY_ADDRESS)"),
     config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=config_callback,
                                           help="a TOML file of serve options (flags > KVSTITCH_* env > file)"),
 ) -> None:
@@ -124,17 +135,26 @@ def serve_command(
 
     console = Console(stderr=True)
     print_config(ctx, console)  # the effective configuration, once
-    check_method(method)  # before the (slow) model load
+    # the request defaults, checked before the (slow) model load; an auto spec ratio carries its options
+    defaults = ChatDefaults.of(method, ratio, decode, max_tokens, auto=parse_auto_option(auto))
+    method, ratio, decode, auto_options = defaults.method, defaults.ratio, defaults.decode, defaults.auto
     check_cold_path(cold_path, DEFAULT_COLD_THRESHOLD)
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
-    ratio, auto_options = split_ratio(ratio, parse_auto_option(auto))  # an auto spec carries its options
-    decode = make_policy(decode).spec
-    security = _security(host, api_key, insecure, max_body, max_documents, max_request_tokens, cors_origin)
+    security = _security(host, api_key, insecure, max_body, max_documents, max_request_tokens, cors_origin,
+                         tenants)
     pool_bytes = parse_size(kv_pool_bytes) if kv_pool_bytes is not None else None
     if not 0.0 <= recall_sample <= 1.0:
         raise InputError(f"--recall-sample must be in [0, 1], got {recall_sample}")
     adapter = resolve_adapter(stitch_adapter, model)  # a bad file fails before the model loads
+    if replicas is not None:  # N replicas on Ray Serve behind one endpoint (kvstitch/serve/replicas.py)
+        opts = dict(default_method=method, default_ratio=ratio, max_queue=max_queue, default_decode=decode,
+                    max_tokens=max_tokens, model_name=_model_id(model), warmup=True, guard_rate=guard_rate,
+                    max_body_bytes=security.max_body_bytes, security=security, max_batch=max_batch,
+                    kv_pool_bytes=pool_bytes, recall_sample=recall_sample,
+                    collections_dir=collections_root(store, collections_dir))
+        return _serve_replicas(console, replicas, ray_address, host, port, opts, model, store, max_bytes, cold_path,
+                               dtype, auto_options, adapter)
     with console.status(f"loading {model or 'the embedded model (SmolLM2-135M-Instruct)'} ..."):
         eng = _load_engine(model, store, max_bytes, cold_path, dtype, auto_options, adapter)
     root = collections_root(store if store is not None else eng.store, collections_dir)
@@ -150,8 +170,24 @@ def serve_command(
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
+def _serve_replicas(console, replicas: int, ray_address: Optional[str], host: str, port: int, opts: dict,
+                    model, store, *engine_args) -> None:
+    """``--replicas``: checked (and the ray extra required) before anything starts; each replica loads its own
+    engine (`_load_engine`) over the shared store behind a memory tier of its own."""
+    from kvstitch.serve import replicas as ray_replicas
+    from kvstitch.serve.replica import replica_store
+
+    ray_replicas.check_replicas(replicas)
+    ray_replicas.require_serve()
+    load = functools.partial(_load_engine, model, replica_store(store), *engine_args)
+    console.print(f"kvstitch serving {_model_id(model)} on http://{host}:{port} with {replicas} replicas on Ray Serve "
+                  f"(chunk-affinity routing, store {store or 'memory, one per replica'})", highlight=False)
+    ray_replicas.serve_replicas(load, opts, replicas, host=host, port=port, ray_address=ray_address)
+
+
 def _security(host: str, api_key: Optional[list[str]], insecure: bool, max_body: str, max_documents: int,
-              max_request_tokens: Optional[int], cors_origin: Optional[list[str]]) -> SecurityConfig:
+              max_request_tokens: Optional[int], cors_origin: Optional[list[str]],
+              tenants: Optional[str] = None) -> SecurityConfig:
     """The request limits and API keys, refused before the (slow) model load when ``--host`` would expose the
     server without a key."""
     from kvstitch.serve.security import api_keys_from, check_bind
@@ -159,7 +195,7 @@ def _security(host: str, api_key: Optional[list[str]], insecure: bool, max_body:
 
     security = SecurityConfig(api_keys=api_keys_from(api_key), insecure=insecure, max_body_bytes=parse_size(max_body),
                               max_documents=max_documents, max_request_tokens=max_request_tokens,
-                              cors_origins=tuple(cors_origin or ()))
+                              cors_origins=tuple(cors_origin or ()), tenants=tenants)
     check_bind(host, security)
     return security
 

@@ -76,9 +76,26 @@ def stats(path: str = typer.Argument(..., help="store directory or redis://host:
         for fp, d in sorted(s["by_model"].items(), key=lambda kv: -kv[1]["bytes"]):
             t.add_row(d["name"], fp[:16], str(d["entries"]), str(d["tokens"]), human(d["bytes"]))
         console.print(t)
+    _tenants_table(store)
     if s.get("pinned"):
         console.print(f"{s['pinned']} pinned entries (kept by gc)")
     store.close()
+
+
+def _tenants_table(store: ChunkStore) -> None:
+    """Entries by tenant, when a server with tenants used the store ("default": entries of no tenant)."""
+    from kvstitch.store.tenants import group_by_tenant
+
+    try:
+        by = group_by_tenant(store)
+    except StoreError as e:
+        _die(e)
+    if not by:
+        return
+    t = Table("tenant", "entries", "bytes", title="by tenant")
+    for name, d in sorted(by.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):
+        t.add_row(name + (" (shared)" if d["shared"] else ""), str(d["entries"]), human(d["bytes"]))
+    console.print(t)
 
 
 @store_app.command()

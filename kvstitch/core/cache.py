@@ -65,21 +65,19 @@ class StitchCache(Cache):
     def __init__(self, layers: list[StitchLayer]):
         super().__init__(layers=layers)
         self.slots: torch.Tensor | None = None
-        # query-time tokens at slots >= ``adapt_from`` read through the stitch adapter's reader LoRA (a stitched
-        # cache of an engine that has one; `kvstitch.models.stitch_adapter`). Recomputed context tokens, below
-        # it, do not: their fresh K/V are what recompute is for.
-        self.adapted = False
+        # query-time tokens at slots >= ``adapt_from`` read through the stitch adapter's reader LoRA at strength
+        # ``adapted`` (0: not at all; a stitched cache of an engine that has one: `kvstitch.models.stitch_adapter`).
+        # Recomputed context tokens, below it, do not: their fresh K/V are what recompute is for.
+        self.adapted = 0.0
         self.adapt_from = 0
         self.write = True
         self.capture: set[int] = set()
         self.captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decoder = None
 
-    def reader_mask(self, slots: torch.Tensor) -> torch.Tensor:
-        """bool [len(slots)]: which of these slots' tokens read through the stitch adapter."""
-        if not self.adapted:
-            return torch.zeros(slots.shape, dtype=torch.bool, device=slots.device)
-        return slots >= self.adapt_from
+    def reader_gate(self, slots: torch.Tensor) -> torch.Tensor:
+        """float [len(slots)]: how strongly each of these slots' tokens reads through the stitch adapter (0: not)."""
+        return (slots >= self.adapt_from).float() * float(self.adapted)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

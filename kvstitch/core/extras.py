@@ -5,7 +5,7 @@ extra is missing fails with one line naming it.
     serve   the HTTP server (`kvstitch serve`, `kvstitch bench serve`): fastapi, uvicorn, prometheus-client, httpx
     redis   redis:// stores: redis
     plots   PNG plots (eval reports, calibrate, viz): matplotlib
-    ray     ``precompute --ray``: ray
+    ray     ``precompute --ray``, ``serve --replicas``: ray[serve]
     fast    numba CPU decode kernels (without it the torch path runs: nothing fails)
 """
 

@@ -1,2 +1,2 @@
-"""Applications over a document collection: indexing and retrieval (`retrieval`), distributed precompute
-with Ray (`ray_precompute`)."""
+"""Applications over a document collection: indexing and retrieval (`retrieval`, its embedder `embedding`),
+distributed precompute with Ray (`ray_precompute`)."""

@@ -90,6 +90,14 @@ class RayReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def _record(rep: RayReport, res: dict) -> None:
+    """A finished batch's counts, in total and for its worker."""
+    rep.computed += res["computed"]
+    rep.tokens += res["tokens"]
+    w = rep.per_worker.setdefault(res["pid"], {"batches": 0, "chunks": 0, "tokens": 0})
+    w["batches"], w["chunks"], w["tokens"] = w["batches"] + 1, w["chunks"] + res["computed"], w["tokens"] + res["tokens"]
+
+
 class RayPrecompute:
     """A distributed precompute job. ``RayPrecompute(...).run()`` -> `RayReport`.
 
@@ -158,9 +166,7 @@ class RayPrecompute:
 
     # -- the job -------------------------------------------------------------------------------
     def run(self, progress: bool = True, on_result: Callable[["RayPrecompute", dict], None] | None = None) -> RayReport:
-        from kvstitch.core.errors import StoreError
         from kvstitch.engine.precompute import progress_bar
-        from kvstitch.store import open_store
 
         ray = self.ray
         t0 = time.perf_counter()
@@ -168,24 +174,7 @@ class RayPrecompute:
         if not self.actors:
             self.start()
         rep = RayReport(chunks=len(chunks), workers=len(self.actors))
-        try:
-            keys = ray.get(self.actors[0].keys.remote(chunks)) if chunks else []
-        except ray.exceptions.RayError as e:
-            raise KVStitchError(f"the Ray workers could not load the model: {e}") from None
-        first: dict[tuple, int] = {}  # a chunk's keys (one per canonical prefix) -> its first occurrence
-        for i, k in enumerate(keys):
-            first.setdefault(tuple(k), i)
-        rep.distinct = sum(len(k) for k in first)
-        try:
-            with open_store(self.store, storage_dtype=self.storage_dtype) as store:
-                missing = {k: [x for x in k if x not in store] for k in first}
-        except StoreError as e:
-            raise KVStitchError(f"cannot reach the store {self.store}: {e}") from None
-        todo = [k for k in first if missing[k]]  # whole chunks: a worker fills every missing prefix of it
-        rep.skipped = rep.distinct - sum(len(m) for m in missing.values())
-        batches = deque((b, [chunks[first[k]] for k in todo[i:i + self.batch_size]], 0)
-                        for b, i in enumerate(range(0, len(todo), self.batch_size)))
-        rep.batches = len(batches)
+        batches, n_todo = self._plan(chunks, rep)
         rep.setup_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         alive = list(self.actors)
@@ -193,7 +182,7 @@ class RayPrecompute:
         self.inflight = inflight
         done_chunks = 0
         with progress_bar(progress) as bar:
-            task = bar.add_task(f"precompute on {len(alive)} Ray workers", total=len(todo), tps=0.0, cps=0.0)
+            task = bar.add_task(f"precompute on {len(alive)} Ray workers", total=n_todo, tps=0.0, cps=0.0)
             while batches or inflight:
                 for actor in list(alive):  # two batches queued per actor: no idle gap between batches
                     while batches and sum(1 for a, *_ in inflight.values() if a is actor) < 2:
@@ -202,30 +191,13 @@ class RayPrecompute:
                 if not inflight:
                     raise KVStitchError(f"every Ray worker failed; {len(batches)} batches not computed")
                 ready, _ = ray.wait(list(inflight), num_returns=1)
-                ref = ready[0]
-                actor, b, part, attempt = inflight.pop(ref)
+                actor, b, part, attempt = inflight.pop(ready[0])
                 try:
-                    res = ray.get(ref)
+                    res = ray.get(ready[0])
                 except ray.exceptions.RayError as e:
-                    if attempt + 1 >= self.max_attempts:
-                        cause = getattr(e, "cause", None) or e
-                        raise KVStitchError(f"precompute failed: batch {b} failed {attempt + 1} times (with backoff); "
-                                            f"last error: {type(cause).__name__}: {cause}") from None
-                    rep.retried_batches += 1
-                    batches.appendleft((b, part, attempt + 1))
-                    if not isinstance(e, ray.exceptions.RayActorError):  # e.g. the store is down: back off
-                        time.sleep(min(0.5 * 2 ** attempt, 8.0))
-                    if isinstance(e, ray.exceptions.RayActorError):
-                        try:
-                            ray.get(actor.info.remote(), timeout=120)  # restarted? else stop using it
-                        except ray.exceptions.RayError:
-                            alive = [a for a in alive if a is not actor]
+                    alive = self._failed(e, actor, (b, part, attempt), batches, alive, rep)
                     continue
-                rep.computed += res["computed"]
-                rep.tokens += res["tokens"]
-                w = rep.per_worker.setdefault(res["pid"], {"batches": 0, "chunks": 0, "tokens": 0})
-                w["batches"], w["chunks"], w["tokens"] = w["batches"] + 1, w["chunks"] + res["computed"], \
-                    w["tokens"] + res["tokens"]
+                _record(rep, res)
                 done_chunks += len(part)
                 dt = time.perf_counter() - t1
                 bar.update(task, completed=done_chunks, tps=rep.tokens / dt if dt else 0.0,
@@ -234,6 +206,53 @@ class RayPrecompute:
                     on_result(self, res)
         rep.seconds = time.perf_counter() - t1
         return rep
+
+    def _plan(self, chunks: list[list[int]], rep: RayReport) -> tuple[deque, int]:
+        """(the batches to compute, how many chunks they hold): each distinct chunk (by its keys, one per canonical
+        prefix) once, when the store lacks any of its keys; a worker fills every missing prefix of it."""
+        from kvstitch.core.errors import StoreError
+        from kvstitch.store import open_store
+
+        ray = self.ray
+        try:
+            keys = ray.get(self.actors[0].keys.remote(chunks)) if chunks else []
+        except ray.exceptions.RayError as e:
+            raise KVStitchError(f"the Ray workers could not load the model: {e}") from None
+        first: dict[tuple, int] = {}  # a chunk's keys -> its first occurrence
+        for i, k in enumerate(keys):
+            first.setdefault(tuple(k), i)
+        rep.distinct = sum(len(k) for k in first)
+        try:
+            with open_store(self.store, storage_dtype=self.storage_dtype) as store:
+                missing = {k: [x for x in k if x not in store] for k in first}
+        except StoreError as e:
+            raise KVStitchError(f"cannot reach the store {self.store}: {e}") from None
+        todo = [k for k in first if missing[k]]
+        rep.skipped = rep.distinct - sum(len(m) for m in missing.values())
+        batches = deque((b, [chunks[first[k]] for k in todo[i:i + self.batch_size]], 0)
+                        for b, i in enumerate(range(0, len(todo), self.batch_size)))
+        rep.batches = len(batches)
+        return batches, len(todo)
+
+    def _failed(self, e, actor, batch: tuple, batches: deque, alive: list, rep: RayReport) -> list:
+        """A failed batch goes back to the queue (with backoff unless its worker died), or ends the job after
+        ``max_attempts``; a dead worker that does not come back is dropped -> the workers still alive."""
+        ray = self.ray
+        b, part, attempt = batch
+        if attempt + 1 >= self.max_attempts:
+            cause = getattr(e, "cause", None) or e
+            raise KVStitchError(f"precompute failed: batch {b} failed {attempt + 1} times (with backoff); "
+                                f"last error: {type(cause).__name__}: {cause}") from None
+        rep.retried_batches += 1
+        batches.appendleft((b, part, attempt + 1))
+        if not isinstance(e, ray.exceptions.RayActorError):  # e.g. the store is down: back off
+            time.sleep(min(0.5 * 2 ** attempt, 8.0))
+            return alive
+        try:
+            ray.get(actor.info.remote(), timeout=120)  # restarted? else stop using it
+        except ray.exceptions.RayError:
+            return [a for a in alive if a is not actor]
+        return alive
 
     def shutdown(self) -> None:
         for a in self.actors:

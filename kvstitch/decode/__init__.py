@@ -12,35 +12,26 @@ dec.stats()
 """
 
 from .decoder import SparseDecoder, make_decoder
-from .policies import (DECODE_ALIASES, DECODE_POLICIES, DEFAULT_KV_BUDGET, PRKV, ArkVale, ArkValePolicy,
-                       DecodePolicy, Dense, DensePolicy, FullPolicy, PRKVPolicy, Quest, QuestPolicy, SnapKV,
-                       SnapKVPolicy, get_policy, is_dense, make_policy, policies, policy_budget)
+from .policies import (DECODE_ALIASES, DECODE_POLICIES, DEFAULT_KV_BUDGET, PRKV, ArkVale, DecodePolicy, Dense, Quest,
+                       SnapKV, is_dense, make_policy, policies, policy_budget)
 from .recall import attention_recall, decode_step_attention_recall, recall_summary
-from .shadowkv import ShadowKV, ShadowKVDecoder, ShadowKVPolicy  # registers "shadowkv"
+from .shadowkv import ShadowKV, ShadowKVDecoder  # registers "shadowkv"
 
 __all__ = [
     "ArkVale",
-    "ArkValePolicy",
     "DECODE_ALIASES",
     "DECODE_POLICIES",
     "DEFAULT_KV_BUDGET",
     "DecodePolicy",
     "Dense",
-    "DensePolicy",
-    "FullPolicy",
     "PRKV",
-    "PRKVPolicy",
     "Quest",
-    "QuestPolicy",
     "ShadowKV",
     "ShadowKVDecoder",
-    "ShadowKVPolicy",
     "SnapKV",
-    "SnapKVPolicy",
     "SparseDecoder",
     "attention_recall",
     "decode_step_attention_recall",
-    "get_policy",
     "is_dense",
     "make_decoder",
     "make_policy",

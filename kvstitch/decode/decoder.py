@@ -19,7 +19,8 @@ to copy), so each sparse step has one device -> host sync per layer, as in ArkVa
 
 Layers with a ``sliding_window`` (Gemma 3 local layers) attend densely over exactly their window: it is
 smaller than any useful budget, so there is nothing to select (their host pool still keeps every token).
-One sequence per decoder (batch size 1).
+One sequence per decoder (batch size 1). What a decoder reports is in `decoder_report`; the sparse rows of a
+batched step run on threads in `row_threads.attend_rows`.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import torch
 from kvstitch.core.errors import InputError
 from . import paged_kernel, rank_kernel
 from .attention import biased_attention, grouped_attention
+from .decoder_report import DecoderReport
 from .plan import PagePlan, attended_cap, check_budget, front_pages, pages_for, plan_step
 from .policies import DecodePolicy, make_policy, policy_budget
 from .pool import K, V, DevicePool, HostPool, PageBounds, WorkingSet
 from .recall import RecallMeter, attention_recall, oracle_recall
 from .page_scores import group_mean, observation_probs
 from .static import online_static_ratio, pool_in_token_order, static_permutation
-from .row_threads import row_pool
+from .row_threads import attend_rows  # noqa: F401  (re-exported: the engine's batch imports it here)
 from .transfer import BatchedTransfer
 
 
@@ -58,7 +60,7 @@ class _LayerState:
     ws: WorkingSet | None = None  # direct mode: the attended pages as contiguous buffers
 
 
-class SparseDecoder:
+class SparseDecoder(DecoderReport):
     """See the module docstring; build one with `make_decoder`."""
 
     def __init__(self, policy: DecodePolicy, kv_budget: int, num_layers: int, num_q_heads: int,
@@ -401,106 +403,6 @@ class SparseDecoder:
     def end_step(self) -> None:
         """Once per generated token, after every layer attended: advances the refresh counter."""
         self.step += 1
-
-    # ----------------------------------------------------------------------------------- report
-    def budget_counts(self) -> str:
-        """What ``kv_budget`` (k) counts, in words (benches print it)."""
-        if self.policy.select_all():
-            return "everything (dense)"
-        if self.window_in_budget:
-            return "sinks and the local window inside k"
-        return f"sinks inside k, the {self.window}-token local window on top"
-
-    def selection_totals(self) -> tuple[int, int]:
-        """(tokens attended, tokens a dense step would have attended), summed over every attend so far."""
-        return self._selected_tokens, self._context_tokens
-
-    def kv_bytes(self) -> dict:
-        """Bytes this decoder holds: ``host`` (every K/V, the offload tier: pinned host memory with an
-        accelerator, the one memory on a CPU) and ``device`` (page bounds, device pool / working set)."""
-        host = device = 0
-        for st in self.layers:
-            if st is None:
-                continue
-            for t in self._host_tensors(st):
-                host += t.numel() * t.element_size()
-            for t in self._device_tensors(st):
-                device += t.numel() * t.element_size()
-        return {"host": host, "device": device}
-
-    def _host_tensors(self, st) -> list[torch.Tensor]:
-        return [st.host.data, st.host.token_pos]
-
-    def _device_tensors(self, st) -> list[torch.Tensor]:
-        out = [st.bounds.data] + ([st.obs_q] if st.obs_q is not None else [])
-        if st.device is not None:
-            out.append(st.device.data)
-        if st.ws is not None:
-            out += [st.ws.keys, st.ws.values]
-        return out
-
-    def static_ratios(self) -> list[float | None]:
-        return [st.static_ratio if st else None for st in self.layers]
-
-    def stats(self) -> dict:
-        """Transfers, selection size, static-set refreshes and (diagnostic mode) recall."""
-        out = {
-            "policy": self.policy.name,
-            "kv_budget": self.kv_budget,
-            "budget_counts": self.budget_counts(),
-            "page_size": self.page_size,
-            "local_window": self.window,
-            "steps": self.step,
-            "offload": self.offload,
-            "pages_read": self._pages_read,       # (page, KV head) blocks attended over
-            # (page, KV head) blocks host -> device pool, or (direct) into the working sets
-            "pages_copied": self.transfer.pages + sum(st.ws.copied for st in self.layers if st and st.ws),
-            "bytes_copied": self.transfer.bytes,
-            "transfers": self.transfer.copies,    # bulk copies (at most one per attend)
-            "mean_selected_tokens": self._selected_tokens / self._attends if self._attends else 0.0,
-            "static_refreshes": sum(max(0, len(st.static_steps) - 1) for st in self.layers if st),
-            "observation_window": max((st.obs_q.shape[1] for st in self.layers if st and st.obs_q is not None),
-                                      default=0),
-            "static_refresh_bytes": self._refresh_bytes,  # keys read to re-score the static set
-            "static_ratio": self.static_ratios(),
-        }
-        if any(self.recall.history):
-            out.update(self.recall.summary())
-        return out
-
-
-def attend_rows(decoders: list["SparseDecoder"], layer: int, queries: list[torch.Tensor],
-                scaling: float) -> list[torch.Tensor]:
-    """``decoders[i].attend(layer, queries[i], scaling)`` for the sparse rows of one batched decode step.
-
-    A sparse attend is a few dozen small ops that one thread runs best (`SparseDecoder._op_threads`), so a
-    batch of them on a CPU with several intra-op threads would leave all but one core idle. Here the rows
-    are split over that many threads instead (the calling thread takes a share), each running its rows'
-    ops single-threaded; the rows share no state, so each result is what its lone attend returns. GPU
-    rows and single rows take the plain path.
-    """
-    threads = torch.get_num_threads()
-    n = len(decoders)
-    if n < 2 or threads < 2 or any(d.device.type != "cpu" for d in decoders):
-        return [d.attend(layer, q, scaling) for d, q in zip(decoders, queries)]
-    workers = min(threads, n)
-    groups = [range(w, n, workers) for w in range(workers)]
-
-    def run(rows):
-        return [(i, decoders[i]._attend(layer, queries[i], scaling)) for i in rows]
-
-    out: list[torch.Tensor | None] = [None] * n
-    torch.set_num_threads(1)  # this thread's share runs single-threaded too; the pool's threads start at 1
-    try:
-        futures = [row_pool(workers - 1).submit(run, rows) for rows in groups[1:]]
-        done = run(groups[0])
-        for f in futures:
-            done += f.result()
-    finally:
-        torch.set_num_threads(threads)
-    for i, t in done:
-        out[i] = t
-    return out
 
 
 def make_decoder(policy: str | DecodePolicy = "prkv", kv_budget: int | None = None, *, num_layers: int,

@@ -87,7 +87,6 @@ def make_policy(decode: "str | Call | DecodePolicy" = "dense", **options) -> "De
     return dataclasses.replace(policy, **options)
 
 
-get_policy = make_policy  # the name the decoder and benches have used
 
 
 def _check_names(cls: type["DecodePolicy"], options: dict) -> None:
@@ -230,7 +229,6 @@ class Dense(DecodePolicy):
         return True
 
 
-FullPolicy = DensePolicy = Dense
 
 
 @dataclass
@@ -418,4 +416,3 @@ class PRKV(StaticSet, BoundPolicy):
 
 
 # the class names policies were first published under
-QuestPolicy, ArkValePolicy, SnapKVPolicy, PRKVPolicy = Quest, ArkVale, SnapKV, PRKV

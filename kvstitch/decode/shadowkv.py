@@ -289,4 +289,3 @@ class ShadowKV(DecodePolicy):
         raise NotImplementedError("shadowkv scores chunk landmarks in ShadowKVDecoder")
 
 
-ShadowKVPolicy = ShadowKV  # the class name it was first published under

@@ -122,7 +122,7 @@ def decode_batch(engine, steps: list[DecodeStep], batched_sparse: bool = True) -
     pos = torch.tensor([[s.cache.length] for s in steps], device=dev)
     batch = BatchCache([s.cache for s in steps], batched_sparse)
     # a decoded token comes after the passages: its row reads through the adapter when its cache has one
-    gate = gate_of(torch.tensor([[s.cache.adapted] for s in steps])) if any(s.cache.adapted for s in steps) else None
+    gate = gate_of(torch.tensor([[float(s.cache.adapted)] for s in steps])) if any(s.cache.adapted for s in steps) else None
     with gated(gate.to(dev) if isinstance(gate, torch.Tensor) else gate):
         out = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, batch), use_cache=True,
                            logits_to_keep=1, kvstitch_plan=ForwardPlan(batch=batch))
@@ -243,7 +243,7 @@ def recompute_batch(engine, steps: list[RecomputeStep]) -> list[torch.Tensor]:
             for s, sl in zip(steps, slots):
                 stack.enter_context(s.cache.mode(slots=sl, write=True))
             if any(s.cache.adapted for s in steps):
-                stack.enter_context(gated(gate_of(torch.cat([s.cache.reader_mask(sl) for s, sl in zip(steps, slots)]))))
+                stack.enter_context(gated(gate_of(torch.cat([s.cache.reader_gate(sl) for s, sl in zip(steps, slots)]))))
             res = engine.model(input_ids=ids, position_ids=pos, **cache_kwargs(engine.model, packed), use_cache=True,
                                logits_to_keep=last, kvstitch_plan=ForwardPlan(batch=packed))
         logits = res.logits[0].float()

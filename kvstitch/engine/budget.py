@@ -62,6 +62,8 @@ import torch
 from kvstitch.core.errors import BadAutoOption, BadRatio, InputError
 from kvstitch.core.spec import format_value, parse_call
 from kvstitch.tasks.agreement import agreeing_prefix, first_words_agree, same_answer
+from .short_prompt import Probe, ShortPrompt, greedy_probe, verification_chunks
+from .short_prompt import reference_answer  # noqa: F401  (re-exported: scripts and tests import it here)
 
 AUTO = "auto"
 MODES = ("incremental", "refresh")
@@ -213,14 +215,6 @@ def split_ratio(value, auto: "AutoBudget | dict | str | None" = None) -> tuple:
 
 
 @dataclass
-class Probe:
-    """A round's greedy answer start: ``tokens`` and the next-token logits ``[len(tokens), V]`` that chose them."""
-
-    tokens: list[int]
-    logits: torch.Tensor
-
-
-@dataclass
 class RoundsResult:
     cache: object
     layout: object
@@ -233,123 +227,6 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """Per row KL(p || q) of two logit tensors [T, V]."""
     lp, lq = torch.log_softmax(p_logits.float(), -1), torch.log_softmax(q_logits.float(), -1)
     return (lp.exp() * (lp - lq)).sum(-1)
-
-
-def _greedy_probe(engine, cache, start_slot: int, first_logits: torch.Tensor, tokens: list[int],
-                  logits: list[torch.Tensor], n_probe: int) -> Probe:
-    """Extend ``tokens`` greedily (their K/V but the last's are in the cache) to ``n_probe`` tokens or EOS.
-    ``first_logits`` chose ``tokens[-1]`` (or, with ``tokens`` empty, are the logits of the first token)."""
-    tokens, logits = list(tokens), list(logits)
-    if not tokens:
-        tokens.append(int(torch.argmax(first_logits)))
-        logits.append(first_logits.float().cpu())
-    while len(tokens) < n_probe and not engine.finished(tokens):
-        slot = start_slot + len(tokens) - 1
-        out = engine.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([slot]))[-1]
-        tokens.append(int(torch.argmax(out)))
-        logits.append(out.float().cpu())
-    return Probe(tokens, torch.stack(logits))
-
-
-@dataclass
-class Reference:
-    """The verification's answer: a full prefill of the question over the most relevant chunks only."""
-
-    text: str
-    chunks: list[int]  # chunk indices kept (original order)
-    n_context: int  # context tokens prefilled
-
-
-def verification_chunks(engine, layout, m: int, by: str = "bm25", selected: torch.Tensor | None = None) -> list[int]:
-    """The pinned chunks plus ``m`` others, in prompt order: those whose text scores highest by BM25 against
-    the question (``by="bm25"``), those holding most of the context indices ``selected`` (``"attention"``: the
-    tokens the stitched pass chose to recompute, i.e. where the question's attention went), or the first ``m``
-    (``"order"``: the retriever's ranking, when it put its best first)."""
-    free = list(range(layout.pinned, len(layout.chunk_ids)))
-    if by == "order":
-        return list(range(layout.pinned)) + free[:m]
-    if by == "attention":
-        if selected is None:
-            raise ValueError("verification by attention needs the selected context indices")
-        ends = torch.tensor([c.numel() for c in layout.chunk_ids]).cumsum(0)
-        owner = torch.bucketize(selected.cpu(), ends, right=True)
-        scores = torch.bincount(owner, minlength=len(layout.chunk_ids))[layout.pinned:].float()
-    else:
-        from kvstitch.text.bm25 import BM25
-
-        question = layout.question or engine.tokenizer.decode(layout.suffix_ids, skip_special_tokens=True)
-        texts = [engine.tokenizer.decode(layout.chunk_ids[i], skip_special_tokens=True) for i in free]
-        scores = BM25(texts).scores(question)
-    top = torch.argsort(scores, descending=True, stable=True)[:m].tolist()  # ties: the earlier chunk
-    return list(range(layout.pinned)) + sorted(free[j] for j in top)
-
-
-class ShortPrompt:
-    """The verification's short prompt, prefilled in full once: the question over `verification_chunks` only.
-
-    `greedy_given(guess)` is its greedy answer (``n_probe`` tokens or EOS). The guess (a round's probe) is read
-    teacher-forced in one pass, and step-by-step decoding starts only where the short prompt's argmax leaves
-    it: when a round says what the short prompt says, checking it costs one forward of its few tokens instead
-    of decoding the short prompt's answer token by token."""
-
-    @torch.no_grad()
-    def __init__(self, engine, layout, m: int, n_probe: int, chunks: list[int] | None = None):
-        from kvstitch.core.prompt import PromptLayout
-
-        self.engine, self.n_probe = engine, n_probe
-        self.chunks = verification_chunks(engine, layout, m) if chunks is None else chunks
-        layout = layout.without_links()  # a full prefill: the prompt as the model reads it, no adapter
-        self.layout = PromptLayout(layout.prefix_ids, [layout.chunk_ids[i] for i in self.chunks], layout.suffix_ids,
-                                   [layout.order[i] for i in self.chunks], layout.pinned, layout.question)
-        self.cache, logits = engine.full_prefill(self.layout, extra=n_probe)
-        self.first = logits[-1].float().cpu()
-
-    @torch.no_grad()
-    def greedy_given(self, guess: list[int]) -> list[int]:
-        N, eng, first = self.layout.n_total, self.engine, self.first
-        guess = list(guess[:self.n_probe])
-        self.cache.truncate(N)
-        if not guess or int(torch.argmax(first)) != guess[0]:
-            return _greedy_probe(eng, self.cache, N, first, [], [], self.n_probe).tokens
-        out = [] if len(guess) == 1 else list(eng.forward(self.cache, torch.tensor(guess[:-1]),
-                                                         torch.arange(N, N + len(guess) - 1),
-                                                         logits_to_keep=len(guess) - 1).float().cpu())
-        logits = [first] + out  # logits[i] chose the short prompt's token i; guess[:k] is its own so far
-        k = 1
-        while True:
-            if eng.finished(guess[:k]) or k == self.n_probe:
-                return guess[:k]
-            if k == len(guess):  # all of the guess is its own: continue after it (its last K/V not written yet)
-                return _greedy_probe(eng, self.cache, N, first, guess, logits[:k], self.n_probe).tokens
-            own = int(torch.argmax(logits[k]))
-            if own != guess[k]:  # it leaves the guess here: its own token, then step by step
-                self.cache.truncate(N + k)
-                return _greedy_probe(eng, self.cache, N, first, guess[:k] + [own], logits[:k + 1], self.n_probe).tokens
-            k += 1
-
-    @torch.no_grad()
-    def probs_given(self, guess: list[int]) -> torch.Tensor:
-        """The short prompt's probability of each token of ``guess`` (teacher-forced, one forward) -> [len]."""
-        N, guess = self.layout.n_total, list(guess[:self.n_probe])
-        if not guess:
-            return torch.empty(0)
-        self.cache.truncate(N)
-        rows = [self.first]
-        if len(guess) > 1:
-            rows += list(self.engine.forward(self.cache, torch.tensor(guess[:-1]), torch.arange(N, N + len(guess) - 1),
-                                             logits_to_keep=len(guess) - 1).float().cpu())
-        self.cache.truncate(N)
-        return torch.softmax(torch.stack(rows), -1).gather(1, torch.tensor(guess).view(-1, 1)).flatten()
-
-    def answer_given(self, guess: list[int]) -> str:
-        """`greedy_given` as text."""
-        return self.engine.answer_text(self.greedy_given(guess), strip=False)
-
-
-def reference_answer(engine, layout, m: int, n_probe: int) -> Reference:
-    """Full prefill of ``layout`` reduced to `verification_chunks`, greedy for ``n_probe`` tokens."""
-    short = ShortPrompt(engine, layout, m, n_probe)
-    return Reference(short.answer_given([]), short.chunks, short.layout.n_context)
 
 
 def _restore(cache, stale, done: torch.Tensor, c0: int, c1: int) -> None:
@@ -375,8 +252,8 @@ def _compare(engine, cache, N: int, out: torch.Tensor, prev: Probe, n_probe: int
     if k == len(prev.tokens):
         return Probe(list(prev.tokens), out.float().cpu()), kl
     cache.truncate(N + k)  # this round writes another answer: its own probe, from the divergence on
-    return _greedy_probe(engine, cache, N, out[k], prev.tokens[:k] + [pred[k]], list(out[:k + 1].float().cpu()),
-                         n_probe), kl
+    return greedy_probe(engine, cache, N, out[k], prev.tokens[:k] + [pred[k]], list(out[:k + 1].float().cpu()),
+                        n_probe), kl
 
 
 def _verify(engine, short: ShortPrompt, probe: Probe, accept: str, entry: dict, verify: dict) -> None:
@@ -405,28 +282,19 @@ def _short_prompt(engine, layout, auto: AutoBudget, ranking, first_k: int, n_pro
 def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, stats: dict, recompute_plan=None):
     """Run the rounds (module doc) -> `RoundsResult`, or None when the engine must fall back to full prefill.
     ``selector``: ranks the context (`Selector.ranking`); ``extra``: decode room after the prompt."""
-    from kvstitch.select import SelectionContext
-    from .stitch import stitch, with_adapter
-
     n = layout.n_context
     if selector.zero_budget:  # naive, APE: nothing to rank (checked first: an error whatever the length)
         raise InputError(f"method {selector.name!r} does not rank context tokens, so it cannot choose a budget "
                          f"adaptively (recompute_ratio='auto'); use a scoring method such as prophet")
-    if n < auto.min_context:  # too short for rounds to pay off: full prefill answers (ratio_used 1, 0 rounds)
-        stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="short_context")
+    if n < auto.min_context:  # too short for rounds to pay off
+        _skip(stats, "short_context")
         return None
     n_probe = max(1, min(auto.probe_tokens, extra))  # never probe past the answer's own cap
     rounds = auto.rounds()
     if auto.verify_chunks and len(layout.chunk_ids) - layout.pinned <= auto.verify_chunks:
-        # the short prompt would be the whole prompt
-        stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped="few_chunks")
+        _skip(stats, "few_chunks")  # the short prompt would be the whole prompt
         return None
-    kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
-    layout, adapted = with_adapter(engine, layout, "auto", stats)
-    cache = stitch(engine, layout, kvs, extra=extra + n_probe, adapted=adapted)
-    ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
-                           precompute=engine.precompute_mode, chunks=kvs, score_hook=engine.hooks.score)
-    ranking = selector.ranking(ctx)  # may reorder chunks (InfoFlow): use ctx's layout and cache from here on
+    ctx, ranking = _ranked(engine, layout, selector, rounds, extra, n_probe, stats)
     layout, cache = ctx.layout, ctx.cache
     short = _short_prompt(engine, layout, auto, ranking, round(rounds[0] * n), n_probe, stats) \
         if auto.verify_chunks else None
@@ -443,28 +311,17 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     forwarded = short.layout.n_context if short is not None else 0  # the verification's prefill is work too
     N = layout.n_total
     for i, r in enumerate(rounds):
-        want = ranking(round(r * n))
-        if stale is not None:  # refresh: this round is one pass over its whole set, from the stitched K/V
-            _restore(cache, stale, done, c0, c1)
-        new = want[~done[want]] if want.numel() else want
-        done[new] = True
+        new = _new_tokens(ranking(round(r * n)), done, cache, stale, c0, c1)
         forwarded += int(new.numel())
-        tf = prev.tokens[:-1] if prev is not None else []
-        slots = torch.cat([new.sort().values + layout.context_start, torch.arange(layout.context_end, N),
-                           torch.arange(N, N + len(tf))])
-        ids = torch.cat([layout.ids[:N], torch.tensor(prev.tokens if prev else [], dtype=torch.long)])[slots]
-        out = engine.forward(cache, ids, slots, plan, logits_to_keep=1 + len(tf))
+        out = _round_pass(engine, cache, layout, new, prev, plan)
         entry = {"ratio": round(float(done.sum()) / max(n, 1), 6), "new_tokens": int(new.numel())}
         if prev is None:
-            probe = _greedy_probe(engine, cache, N, out[-1], [], [], n_probe)
+            probe = greedy_probe(engine, cache, N, out[-1], [], [], n_probe)
             entry.update(agreed=None, kl=None)
         else:
             probe, stats["signal"] = _compare(engine, cache, N, out, prev, n_probe, auto.tol, entry)
             streak = streak + 1 if entry["agreed"] else 0
-        p_tok = torch.softmax(probe.logits.float(), -1).gather(1, torch.tensor(probe.tokens).view(-1, 1)).flatten()
-        entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
-        confident = auto.min_p is not None and float(p_tok.min()) >= auto.min_p
-        entry["confident"] = confident
+        confident = _confidence(probe, entry, auto.min_p)
         if short is not None:  # verification decides alone (module doc)
             _verify(engine, short, probe, auto.accept, entry, stats["verify"])
         log.append(entry)
@@ -481,3 +338,55 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     # the probe is this cache's greedy answer start; its K/V (all but the last token's) are in the cache
     cache.truncate(N + len(prev.tokens) - 1)
     return RoundsResult(cache, layout, out[:1], done.nonzero().flatten(), greedy=list(prev.tokens))
+
+
+def _skip(stats: dict, reason: str) -> None:
+    """No rounds: full prefill answers (ratio_used 1, 0 rounds); ``auto_skipped`` says why."""
+    stats.update(converged=False, rounds=0, recompute_cost=0.0, round_log=[], auto_skipped=reason)
+
+
+def _ranked(engine, layout, selector, rounds: list[float], extra: int, n_probe: int, stats: dict):
+    """The stitched cache (room for the probe too) and the selector's ranking of the context, scored once at the
+    largest round's budget -> (the selection context, the ranking). The ranking may reorder chunks (InfoFlow):
+    the context's layout and cache are the ones to use from here on."""
+    from kvstitch.select import SelectionContext
+    from .stitch import stitch, with_adapter
+
+    n = layout.n_context
+    kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
+    layout, adapted = with_adapter(engine, layout, rounds[0], stats)  # the strength of its first, smallest round
+    cache = stitch(engine, layout, kvs, extra=extra + n_probe, adapted=adapted)
+    ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
+                           precompute=engine.precompute_mode, chunks=kvs, score_hook=engine.hooks.score)
+    return ctx, selector.ranking(ctx)
+
+
+def _new_tokens(want: torch.Tensor, done: torch.Tensor, cache, stale, c0: int, c1: int) -> torch.Tensor:
+    """The context indices of ``want`` this round recomputes, marked in ``done``: those no earlier round did, or
+    (refresh, ``stale`` given) all of them, one pass from the stitched K/V."""
+    if stale is not None:
+        _restore(cache, stale, done, c0, c1)
+    new = want[~done[want]] if want.numel() else want
+    done[new] = True
+    return new
+
+
+def _round_pass(engine, cache, layout, new: torch.Tensor, prev: Probe | None, plan) -> torch.Tensor:
+    """One round's forward: its ``new`` context tokens, the suffix and, teacher-forced, the previous round's probe
+    but its last token -> the logits of the suffix's last token and of each of those probe tokens."""
+    N = layout.n_total
+    tf = prev.tokens[:-1] if prev is not None else []
+    slots = torch.cat([new.sort().values + layout.context_start, torch.arange(layout.context_end, N),
+                       torch.arange(N, N + len(tf))])
+    ids = torch.cat([layout.ids[:N], torch.tensor(prev.tokens if prev else [], dtype=torch.long)])[slots]
+    return engine.forward(cache, ids, slots, plan, logits_to_keep=1 + len(tf))
+
+
+def _confidence(probe: Probe, entry: dict, min_p: float | None) -> bool:
+    """Records the probe and its least likely token's probability in ``entry`` -> the confidence signal: every
+    probe token has probability >= ``min_p`` (False when ``min_p`` is None)."""
+    p_tok = torch.softmax(probe.logits.float(), -1).gather(1, torch.tensor(probe.tokens).view(-1, 1)).flatten()
+    entry.update(probe=list(probe.tokens), min_p=round(float(p_tok.min()), 6))
+    confident = min_p is not None and float(p_tok.min()) >= min_p
+    entry["confident"] = confident
+    return confident

@@ -15,7 +15,7 @@ from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import InputError
 from kvstitch.decode.policies import DecodePolicy, make_policy
 from kvstitch.models import cache_kwargs
-from kvstitch.models.stitch_adapter import gated
+from kvstitch.models.stitch_adapter import gate_of, gated
 from .batch import DecodeStep
 from .request import STOP, GenerationRequest, GenerationResult, Prefill
 from .stats import GenerationStats
@@ -160,7 +160,7 @@ def decode_tokens(engine, pre: Prefill, max_new_tokens: int, temperature: float 
 def decoder_step(engine, cache: StitchCache, token: int, plan: ForwardPlan) -> torch.Tensor:
     """One step through ``plan.decoder`` (which owns the K/V; ``cache`` counts the length) -> logits [1, V]."""
     pos = torch.tensor([[cache.length]], device=engine.device)
-    with cache.mode(slots=None), gated(True if cache.adapted else None):
+    with cache.mode(slots=None), gated(gate_of(torch.tensor([float(cache.adapted)]))):
         out = engine.model(input_ids=torch.tensor([[token]], device=engine.device), position_ids=pos,
                            **cache_kwargs(engine.model, cache), use_cache=True, logits_to_keep=1, kvstitch_plan=plan)
     return out.logits[0].float()

@@ -5,23 +5,21 @@ requests; the work is done by its modules, each over the engine's public members
 - `prefill`: stitch, select, recompute, the cold path (`cold`) and the adaptive budget (`budget`);
 - `decoding`: sampling, dense and sparse steps, the stop rules, the answer's text;
 - `verify`: the full-prefill guard and teacher forcing;
-- `batch`: the batched passes of the server's scheduler (`Engine.steps`); `hooks`: the seams a harness uses.
+- `batch`: the batched passes of the server's scheduler (`Engine.steps`); `hooks`: the seams a harness uses;
+- `precompute`: chunk caches (`compute_chunks`, `chunk_kvs`); `device`: the default device and dtype.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
-import platform
 import time
 from collections.abc import Sequence
 
 import torch
 
-from kvstitch.core.anchors import AnchorSpec
 from kvstitch.core.attention import ForwardPlan, StopForward
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.chunk import ChunkKV
@@ -40,41 +38,18 @@ from . import decoding, prefill, verify
 from .batch import DecodeStep, RecomputeStep, decode_batch, recompute_batch
 from .budget import AutoBudget
 from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred
-from .hooks import EngineHooks
-from .precompute import PrecomputeReport, ensure_chunks, precompute_texts
+from .device import cpu_name, default_device, fast_dtype
+from .hooks import EngineHooks, hooked
+from .precompute import PrecomputeReport, check_anchors, forward_chunks, load_chunk_kvs, precompute_texts
 from .request import (DEFAULT_METHOD, STOP, GenerationRequest, GenerationResult, Prefill, build_layout,
                       check_request)
+from .stitch import writer_tag
 
 __all__ = ["DEFAULT_METHOD", "STOP", "Engine", "GenerationRequest", "GenerationResult", "Prefill", "cpu_name",
            "default_device", "fast_dtype"]
 
 log = logging.getLogger("kvstitch.engine")
 _DTYPES = ("float32", "bfloat16", "float16")  # model dtypes Engine.load accepts by name
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def fast_dtype(device: torch.device | None = None) -> str:
-    """The quicker model dtype on ``device``: bfloat16 where it multiplies bf16 natively (CUDA with bf16 support;
-    a CPU with AVX512-BF16 or AMX: on this project's CPU, 1.8x faster Qwen prefill than float32), else float32.
-    `Engine.load`'s default stays float32 on CPU (the exactness gates and the published runs use it); the demo
-    takes this one (``dtype="fast"``)."""
-    dev = device or default_device()
-    return "bfloat16" if multiplies_natively(torch.bfloat16, dev) else "float32"
-
-
-@functools.cache  # one machine per process
-def cpu_name() -> str:
-    """This machine's CPU model ("AMD EPYC", "Intel(R) Xeon(R) ..."): eval rows carry it, since a run resumed on
-    another machine times its samples there (TTFT ratios pool them)."""
-    with contextlib.suppress(OSError):  # no /proc (macOS, Windows): platform's name
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
 
 
 class Engine:
@@ -193,7 +168,7 @@ class Engine:
         slots = slots.to(self.device)
         plan.q_slots = slots
         pos = slots if positions is None else positions.to(self.device)
-        gate = gate_of(cache.reader_mask(slots)) if cache.adapted else None  # (no device sync without an adapter)
+        gate = gate_of(cache.reader_gate(slots)) if cache.adapted else None  # (no device sync without an adapter)
         with cache.mode(slots=slots, write=write), gated(gate):
             try:
                 ids = ids.view(1, -1) if ids.dim() == 1 else ids
@@ -223,41 +198,17 @@ class Engine:
         """Precompute several chunks, ``batch_size`` per forward. Chunks of a batch are right-padded to
         one length; causal masks keep every real token blind to the padding after it. In ``isolated``
         precompute mode a chunk runs alone from position 0 (no prefix; ``ChunkKV.start`` = 0)."""
-        pk, pv = self.prefix_kv(prefix_ids)
-        p = prefix_ids.numel()
-        if self.precompute_mode == "isolated":
-            pk, pv, p = pk[:, :, :0], pv[:, :, :0], 0
-        out: list[ChunkKV] = []
-        for b0 in range(0, len(chunks), batch_size):
-            batch = chunks[b0:b0 + batch_size]
-            n = max(c.numel() for c in batch)
-            ids = torch.full((len(batch), n), int(batch[0][0]), dtype=torch.long)
-            for i, c in enumerate(batch):
-                ids[i, :c.numel()] = c
-            cache = StitchCache.from_stacked(pk, pv, capacity=p + n, batch=len(batch))
-            self.forward(cache, ids, torch.arange(p, p + n))
-            keys, values = cache.stacked_keys(p, p + n, batch=True), cache.stacked_values(p, p + n, batch=True)
-            for i, c in enumerate(batch):
-                m = c.numel()
-                out.append(ChunkKV(keys[i, :, :, :m].clone(), values[i, :, :, :m].clone(), c.clone().cpu(), p,
-                                   self.fingerprint))
-        return out
+        return forward_chunks(self, prefix_ids, chunks, batch_size)
 
     def chunk_key(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> str:
         return chunk_key(self.fingerprint, prefix_ids, chunk_ids, getattr(self.store, "storage_dtype", "native"),
-                         precompute=self.precompute_mode, tokenizer=self.tokenizer_id)
+                         precompute=self.precompute_mode, tokenizer=self.tokenizer_id,
+                         writer=writer_tag(self))
 
     def chunk_kvs(self, layout: PromptLayout, stats: dict | None = None, anchors=None) -> list[ChunkKV]:
         """Look every chunk up in the store; precompute the misses (batched) and write them back. ``anchors``
         (an `AnchorSpec`, what `qcfuse` needs): every chunk carries its anchor scores too (`kvstitch.core.anchors`)."""
-        t0 = time.perf_counter()
-        res = ensure_chunks(self, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True, anchors=anchors)
-        if stats is not None:
-            stats.update(store_hits=res.hits, store_misses=res.misses, chunk_load_s=time.perf_counter() - t0,
-                         precompute=self.precompute_mode)
-            if anchors is not None:
-                stats.update(anchors_added=res.anchored, anchor_s=res.anchor_s)
-        return [kv.to(self.device, self.dtype) for kv in res.kvs]
+        return load_chunk_kvs(self, layout, stats, anchors)
 
     def precompute(self, texts: list[str], chunk_tokens: int | None = None, overlap: int = 0, batch_size: int = 8,
                    progress: bool = True, anchors=None) -> PrecomputeReport:
@@ -269,11 +220,7 @@ class Engine:
         them get them added). -> report: chunks, computed, skipped, tokens, seconds."""
         if chunk_tokens is not None and chunk_tokens < 1:
             raise InputError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        if anchors is True:
-            anchors = AnchorSpec()
-        elif anchors is not None and not isinstance(anchors, AnchorSpec):
-            raise InputError(f"anchors must be True, None or an AnchorSpec, got {anchors!r:.60}")
-        return precompute_texts(self, texts, chunk_tokens, overlap, batch_size, progress, anchors or None)
+        return precompute_texts(self, texts, chunk_tokens, overlap, batch_size, progress, check_anchors(anchors))
 
     def precompute_deferred(self, max_chunks: int | None = None) -> int:
         """Compute and store the chunks cold requests answered by full prefill left behind (`kvstitch.engine.cold`);
@@ -281,20 +228,9 @@ class Engine:
         return precompute_deferred(self, max_chunks)
 
 
-    @contextlib.contextmanager
     def hooked(self, **hooks):
         """Set `EngineHooks` (``full_prefill=``, ``score=``) for the block, then restore the ones before."""
-        unknown = sorted(set(hooks) - set(vars(self.hooks)))
-        if unknown:
-            raise TypeError(f"unknown engine hook {unknown[0]!r}; the hooks: {', '.join(vars(self.hooks))}")
-        before = {k: getattr(self.hooks, k) for k in hooks}
-        for k, fn in hooks.items():
-            setattr(self.hooks, k, fn)
-        try:
-            yield self.hooks
-        finally:
-            for k, fn in before.items():
-                setattr(self.hooks, k, fn)
+        return hooked(self.hooks, **hooks)
 
     # ---- prefill (`kvstitch.engine.prefill`) -----------------------------------------------------
     def layout(self, question: str | None, chunks: list[str] | None,

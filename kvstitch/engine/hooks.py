@@ -4,6 +4,7 @@ Set them for a block of work with `Engine.hooked`; None = the engine computes as
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,3 +18,19 @@ class EngineHooks:
     # the scoring of the request's method (`SelectionContext.scores`): ``(selector, ctx, compute) -> scores``,
     # where ``compute(ctx)`` is the method's own `score`
     score: Callable | None = None
+
+
+@contextlib.contextmanager
+def hooked(hooks: EngineHooks, **fns):
+    """`Engine.hooked`: set ``fns`` on ``hooks`` for the block, then restore the ones before."""
+    unknown = sorted(set(fns) - set(vars(hooks)))
+    if unknown:
+        raise TypeError(f"unknown engine hook {unknown[0]!r}; the hooks: {', '.join(vars(hooks))}")
+    before = {k: getattr(hooks, k) for k in fns}
+    for k, fn in fns.items():
+        setattr(hooks, k, fn)
+    try:
+        yield hooks
+    finally:
+        for k, fn in before.items():
+            setattr(hooks, k, fn)

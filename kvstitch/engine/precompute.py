@@ -20,11 +20,14 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from kvstitch.core.cache import StitchCache
 from kvstitch.core.chunk import ChunkKV
+from kvstitch.core.errors import InputError
 from kvstitch.text.chunking import DOCUMENT_CHUNK_TOKENS, chunk_directory
 from kvstitch.core.anchors import AnchorSpec, anchor_scores
 from kvstitch.core.prompt import PromptBuilder
 from kvstitch.store.codec import roundtrip
+from kvstitch.models.stitch_adapter import writing
 
 
 class ChunkComputer(Protocol):
@@ -178,6 +181,74 @@ def _add_anchors(engine: ChunkComputer, prefix: torch.Tensor, found: dict, spec:
         engine.store.add_anchors(key, scores, tag)  # False (not kept) on a backend that cannot: computed again
         res.anchored += 1
     res.anchor_s += time.perf_counter() - t0
+
+
+def forward_chunks(engine, prefix_ids: torch.Tensor, chunks: list[torch.Tensor], batch_size: int = 8) -> list[ChunkKV]:
+    """`Engine.compute_chunks`: the chunks' K/V by the engine's forward, ``batch_size`` per pass, each chunk after
+    the shared prefix (or, ``isolated``, alone from position 0). Chunks of a batch are right-padded to one length;
+    causal masks keep every real token blind to the padding after it."""
+    pk, pv = engine.prefix_kv(prefix_ids)
+    p = prefix_ids.numel()
+    if engine.precompute_mode == "isolated":
+        pk, pv, p = pk[:, :, :0], pv[:, :, :0], 0
+    out: list[ChunkKV] = []
+    writes = engine.stitch_adapter is not None and engine.stitch_adapter.writes
+    for b0 in range(0, len(chunks), batch_size):
+        batch = chunks[b0:b0 + batch_size]
+        n = max(c.numel() for c in batch)
+        ids = torch.full((len(batch), n), int(batch[0][0]), dtype=torch.long)
+        for i, c in enumerate(batch):
+            ids[i, :c.numel()] = c
+        cache = StitchCache.from_stacked(pk, pv, capacity=p + n, batch=len(batch))
+        with writing(writes):  # the stitch adapter's writer, if any (its caches have their own key)
+            engine.forward(cache, ids, torch.arange(p, p + n))
+        keys, values = cache.stacked_keys(p, p + n, batch=True), cache.stacked_values(p, p + n, batch=True)
+        for i, c in enumerate(batch):
+            m = c.numel()
+            out.append(ChunkKV(keys[i, :, :, :m].clone(), values[i, :, :, :m].clone(), c.clone().cpu(), p,
+                               engine.fingerprint))
+    return out
+
+
+def load_chunk_kvs(engine, layout, stats: dict | None = None, anchors: AnchorSpec | None = None) -> list[ChunkKV]:
+    """`Engine.chunk_kvs`: every chunk of ``layout`` from the store, the misses computed and stored, on the engine's
+    device and dtype; store hits, misses and the time taken recorded in ``stats``."""
+    t0 = time.perf_counter()
+    front = _memory_front(engine.store) if stats is not None else None
+    # asked before the load, which promotes hits into the memory tier
+    local = [engine.chunk_key(layout.prefix_ids, ids) in front for ids in layout.chunk_ids] \
+        if front is not None else None
+    res = ensure_chunks(engine, layout.chunk_ids, prefix_ids=layout.prefix_ids, load=True, anchors=anchors)
+    if stats is not None:
+        stats.update(store_hits=res.hits, store_misses=res.misses, chunk_load_s=time.perf_counter() - t0,
+                     precompute=engine.precompute_mode)
+        computed = set(res.computed_keys)
+        stats["chunk_sources"] = ["computed" if k in computed else "memory" if local and local[i] else "store"
+                                  for i, k in enumerate(res.keys)]
+        if anchors is not None:
+            stats.update(anchors_added=res.anchored, anchor_s=res.anchor_s)
+    return [kv.to(engine.device, engine.dtype) for kv in res.kvs]
+
+
+def _memory_front(store):
+    """The memory tier in front of a tiered store (through the resilient wrapper), or None: where a hit is local.
+    A tenant's store maps keys, so it is not looked through."""
+    from kvstitch.store import MemoryStore, TieredStore
+    from kvstitch.store.resilient import ResilientStore
+
+    store = store.inner if isinstance(store, ResilientStore) else store
+    if isinstance(store, TieredStore) and isinstance(store.tiers[0], MemoryStore) and len(store.tiers) > 1:
+        return store.tiers[0]
+    return None
+
+
+def check_anchors(anchors) -> AnchorSpec | None:
+    """`Engine.precompute`'s ``anchors``: True (QCFuse's default pass), an `AnchorSpec` or None (no anchors)."""
+    if anchors is True:
+        anchors = AnchorSpec()
+    elif anchors is not None and not isinstance(anchors, AnchorSpec):
+        raise InputError(f"anchors must be True, None or an AnchorSpec, got {anchors!r:.60}")
+    return anchors or None
 
 
 # ---- a document folder (`kvstitch precompute`) ---------------------------------------------------------

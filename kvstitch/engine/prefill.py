@@ -90,7 +90,7 @@ def stitched_steps(engine, layout: PromptLayout, selector, ratio: float, max_new
     """Stitch, select ``ratio`` of the context, recompute (module doc) -> `Prefill`."""
     kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
     t1 = time.perf_counter()
-    layout, adapted = with_adapter(engine, layout, ratio, stats)
+    layout, adapted = with_adapter(engine, layout, 0.0 if selector.zero_budget else ratio, stats)
     cache = stitch(engine, layout, kvs, extra=max_new_tokens, adapted=adapted)
     sync(engine.device)
     t2 = time.perf_counter()

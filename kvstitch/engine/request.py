@@ -54,6 +54,10 @@ class GenerationRequest:
     decode_options: dict | None = None
     min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
     layout: PromptLayout | None = None  # a prompt laid out already (`Engine.layout`) instead of question + chunks
+    # True: the caller validated every field into its object (``method`` a `Selector`, ``decode`` a
+    # `DecodePolicy`, ``recompute_ratio`` a fraction or "auto", see `kvstitch.serve.schema`); `check_request`
+    # then runs only the checks that need the engine
+    checked: bool = field(default=False, metadata={"internal": True})  # not a user's option: generate() omits it
 
 
 @dataclass
@@ -114,32 +118,44 @@ def build_layout(builder: PromptBuilder, question: str | None, chunks: list[str]
 def check_request(engine, req: GenerationRequest, selector: Selector | None = None) -> CheckedRequest:
     """The one validation of a request (every entry point runs it before anything is computed): typed
     InputErrors for a bad prompt, method, ratio, decode policy, length or option. ``selector``: a ready method
-    object to use instead of parsing ``req.method`` (the eval harness memoises its scores)."""
+    object to use instead of parsing ``req.method`` (the eval harness memoises its scores). A ``checked``
+    request's fields are taken as they are: only the prompt and what depends on the engine are checked."""
     layout = req.layout or build_layout(engine.builder, req.question, req.chunks, req.messages)
-    selector = selector or make_selector(req.method, **(req.method_options or {}))
-    ratio, auto = split_ratio(req.recompute_ratio, req.auto)
-    policy = check_decode(engine, req.decode, req.kv_budget, req.decode_options)
-    if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
+    if req.checked:
+        selector, ratio, auto = selector or req.method, req.recompute_ratio, req.auto
+        policy = check_decode(engine, req.decode, req.kv_budget, req.decode_options, budget_checked=True)
+    else:
+        selector = selector or make_selector(req.method, **(req.method_options or {}))
+        ratio, auto = split_ratio(req.recompute_ratio, req.auto)
+        policy = check_decode(engine, req.decode, req.kv_budget, req.decode_options)
+        _check_fields(req)
     limit = engine.adapter.max_positions
     if layout.n_total + req.max_new_tokens > limit:
         raise PromptTooLong(f"prompt is {layout.n_total} tokens + {req.max_new_tokens} new tokens > the model's "
                             f"limit of {limit} positions; pass fewer or shorter chunks (nothing is truncated)")
-    if req.guard not in (None, "full"):
-        raise InputError(f"guard must be None or 'full', got {req.guard!r}")
-    if isinstance(req.min_new_tokens, bool) or not isinstance(req.min_new_tokens, int) or req.min_new_tokens < 0:
-        raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
     if not policy.select_all() and selector.adjusts_decode():
         raise InputError(f"method {selector.label!r} changes decode attention (APE scaling / A3 eviction); a "
                          f"sparse decoder ({policy.spec!r}) would silently drop that: use decode='dense'")
     return CheckedRequest(layout, selector, ratio, auto, policy)
 
 
-def check_decode(engine, decode, kv_budget: int | None, decode_options: dict | None) -> DecodePolicy:
-    """The decode policy (a name, spec or object -> the object), its budget and options (a sparse decoder is
-    built once, empty, to check them)."""
+def _check_fields(req: GenerationRequest) -> None:
+    """The plain fields of a request that did not come validated."""
+    if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
+    if req.guard not in (None, "full"):
+        raise InputError(f"guard must be None or 'full', got {req.guard!r}")
+    if isinstance(req.min_new_tokens, bool) or not isinstance(req.min_new_tokens, int) or req.min_new_tokens < 0:
+        raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
+
+
+def check_decode(engine, decode, kv_budget: int | None, decode_options: dict | None,
+                 budget_checked: bool = False) -> DecodePolicy:
+    """The decode policy (a name, spec or object -> the object), its budget (unless ``budget_checked``) and
+    options (a sparse decoder is built once, empty, to check them: a budget too small for it fails here)."""
     policy = make_policy(decode)
-    policy_budget(policy, kv_budget)  # a bad budget, or two different ones, whatever the policy
+    if not budget_checked:  # a bad budget, or two different ones, whatever the policy
+        policy_budget(policy, kv_budget)
     if decode_options is not None and (policy.select_all() or not isinstance(decode_options, dict)):
         raise InputError("decode_options (a dict) configure a sparse decoder; decode='dense' takes none")
     if not policy.select_all():

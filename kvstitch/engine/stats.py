@@ -39,6 +39,8 @@ class GenerationStats(MutableMapping):
     cold_path: str | None = None  # "stitched" or "full_prefill" (too much of the context missing from the store)
     store_missing_fraction: float | None = None  # of the context tokens, missing from the store
     deferred_chunks: int | None = None  # missing chunks queued to be precomputed after the answer
+    # per chunk: "memory" (a tiered store's memory tier), "store" (a tier behind it, or an untiered store), "computed"
+    chunk_sources: list[str] | None = None
     # ---- what was recomputed -------------------------------------------------------------------------
     ratio_used: float = 0.0  # context tokens with fresh K/V in the final cache / context tokens (1.0: full prefill)
     recomputed_tokens: int = 0  # context tokens recomputed (fewer than the budget for grouping methods)

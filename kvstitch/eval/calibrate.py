@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstitch.core.figures import save_png
 from kvstitch.core.spec import parse_call
 from kvstitch.engine.budget import AUTO, AutoBudget
 from kvstitch.core.errors import InputError
@@ -254,7 +255,7 @@ def plot(table: list[dict], frontiers: dict[str, list[tuple[float, float]]], pat
     ax.set_ylabel("agreement with full prefill (first 12 words)")
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
 
 

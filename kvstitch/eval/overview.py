@@ -17,9 +17,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvstitch.core.figures import new_figure, save_png
 from .plots import draw_pareto
 from .rows import (REFERENCES, bootstrap_mean_ci, colour_cycle, fmt_ci, fmt_num, json_default, mean_of, method_key,
-                   new_figure, norm_ratio, ratio_cell, ratio_key, sample_key, save_png, ttft_speedup)
+                  norm_ratio, ratio_cell, ratio_key, sample_key, ttft_speedup)
 
 MARGIN = 0.05
 SPEED_FLOOR = 0.95

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstitch.core.figures import new_figure, save_png
 from .rows import (REFERENCE_METHODS, REFERENCES, as_number, colour_cycle, group_rows, mean_of, method_key,
-                   naive_nll_by_sample, new_figure, norm_ratio, pooled_recovery, ratio_key, ratio_of_means, sample_key,
-                   save_png)
+                  naive_nll_by_sample, norm_ratio, pooled_recovery, ratio_key, ratio_of_means, sample_key)
 
 
 def plot_accuracy_vs_ratio(rows: Sequence[dict], path: str | os.PathLike) -> Path:

@@ -23,11 +23,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvstitch.core.figures import new_figure, save_png
 from kvstitch.tasks.agreement import same_answer
-
 from .plots import plot_pareto
-from .rows import (REFERENCES, new_figure, fmt_num, mean_of, colour_cycle, ratio_cell, ratio_of_means, save_png,
-                     mean_ci_cell, method_key, norm_ratio, ratio_key, sample_key, ttft_speedup)
+from .rows import (REFERENCES, fmt_num, mean_of, colour_cycle, ratio_cell, ratio_of_means, mean_ci_cell, method_key,
+                  norm_ratio, ratio_key, sample_key, ttft_speedup)
 
 
 def _by_method(rows: Sequence[dict]) -> tuple[dict, dict[tuple, list[dict]]]:

@@ -27,6 +27,20 @@ from .rows import naive_nll_by_sample, pooled_recovery, pooled_recovery_ci  # no
 # Table
 # ---------------------------------------------------------------------------------------------------
 
+def _full_by_sample(full_rows: dict) -> dict[tuple, float | None]:
+    """Full prefill's score per sample (`sample_id`); None when a sample has several full rows (ambiguous)."""
+    out: dict[tuple, float | None] = {}
+    for g in full_rows.values():
+        for r in g:
+            sid = sample_id(r)
+            out[sid] = None if sid in out else as_number(r.get("score"))
+    return out
+
+
+def _pct(score: float, ref: float | None) -> float:
+    return 100 * score / ref if ref is not None and not math.isnan(score) and ref and ref > 0 else math.nan
+
+
 def summary_table(rows: Sequence[dict]) -> str:
     """Markdown table per task / method / ratio: mean score x100, % of the `full` score on the same task,
     mean KL vs full, mean NLL-gap recovery, median TTFT; score, % full, KL and NLL rec. carry a 95% percentile
@@ -36,11 +50,7 @@ def summary_table(rows: Sequence[dict]) -> str:
     groups = group_rows(rows, "task", "method", "ratio")
     full_rows = group_rows((r for r in rows if r.get("method") == "full"), "task")
     full_score = {task: 100 * mean_of(r.get("score") for r in g) for (task,), g in full_rows.items()}
-    full_by_sample: dict[tuple, float | None] = {}
-    for g in full_rows.values():
-        for r in g:
-            sid = sample_id(r)
-            full_by_sample[sid] = None if sid in full_by_sample else as_number(r.get("score"))  # None: ambiguous
+    full_by_sample = _full_by_sample(full_rows)
 
     def paired(g: list[dict]):
         """(method scores, full scores) on the same samples, or None when not every row has its full row."""
@@ -58,9 +68,6 @@ def summary_table(rows: Sequence[dict]) -> str:
                  "ttft": median_of(r.get("ttft_s") for r in g), "rows": g, "pairs": paired(g)}
              for k, g in groups.items()}
 
-    def pct(score: float, ref: float | None) -> float:
-        return 100 * score / ref if ref is not None and not math.isnan(score) and ref and ref > 0 else math.nan
-
     lines = ["| task | method | ratio | n | score [95% CI] | % full [95% CI] | KL [95% CI] | NLL rec. [95% CI] | "
              "TTFT med. (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -73,7 +80,7 @@ def summary_table(rows: Sequence[dict]) -> str:
         pct_ci = bootstrap_ratio_ci(pairs) if all(pr is not None for pr in pairs) else (math.nan, math.nan)
         lines.append(f"| {task} | {method} | {ratio_cell(ratio)} | {c['n']} | "
                      f"{fmt_ci(c['score'] / 100, ci('score'), 1, 100)} | "
-                     f"{fmt_ci(pct(c['score'], ref) / 100, pct_ci, 1, 100)} | {fmt_ci(c['kl'], ci('kl'), 4)} | "
+                     f"{fmt_ci(_pct(c['score'], ref) / 100, pct_ci, 1, 100)} | {fmt_ci(c['kl'], ci('kl'), 4)} | "
                      f"{fmt_ci(c['rec'], ci('nll_recovery'), 2)} | {fmt_num(c['ttft'], 3)} |")
 
     order = sorted(cells, key=lambda k: (str(k[0]), method_key(str(k[1])), ratio_key(k[2])))

@@ -153,23 +153,6 @@ def group_rows(rows: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
-def new_figure(width: float, height: float):
-    require("matplotlib", "plots", "plotting")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def save_png(fig, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=120)
-    return path
-
-
 def json_default(o: Any) -> Any:
     if hasattr(o, "item"):  # numpy / torch scalars
         return o.item()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvstitch.core.figures import save_png
 from kvstitch.core.errors import InputError
 from kvstitch.core.extras import require
 
@@ -277,10 +278,7 @@ def render_png(pic: Picture, path: str | os.PathLike) -> Path:
     ax.set_ylim(m - 0.5, -1.0)
     ax.set_xlabel(f"context token (of {n}); red = recomputed at r={pic.ratio:g}, blue shade = score")
     ax.set_title(pic.question[:120], fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
-    return path
+    return save_png(fig, path, dpi=110)
 
 
 def write_picture(pic: Picture, html_path: str | os.PathLike, png_path: str | os.PathLike | None = None) -> tuple[Path, Path | None]:

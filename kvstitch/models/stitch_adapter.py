@@ -9,11 +9,21 @@ Two parts, either or both (`StitchAdapterConfig`):
   and the answer attend to them. Their ids are ``vocab + j`` (`LinkEmbedding` maps them to the learned rows).
 - **a reader LoRA**: low-rank updates of the attention projections, applied only to the query-time tokens after the
   passages (link tokens, question, answer; in the recompute pass, the selection passes and decoding), never to
-  recomputed passage tokens, at precompute or in full prefill. Which tokens read through it is the *gate*
-  (`gated`), set per forward from the caches (`StitchCache.reader_mask`).
+  recomputed passage tokens, at precompute or in full prefill. Which tokens read through it, and how strongly, is
+  the *gate* (`gated`), set per forward from the caches (`StitchCache.reader_gate`).
+
+How strongly depends on the recompute ratio (`StitchAdapter.strength_at`): a cache whose passages are partly fresh
+needs less correction than a cache nobody recomputed, and a LoRA trained on the latter over-corrects the former.
+The schedule is measured on validation questions after training (`kvstitch.adapt.strength`) and kept in the file;
+strength 0 turns the adapter off (no link tokens either).
 
 Both leave precompute untouched, so passage caches are shared with and without the adapter (the store key is
 unchanged). With the gate off and no link tokens in the prompt, the model computes exactly what it did before.
+
+A third part changes precompute instead (SemPIC's idea): a **writer LoRA** (``writer`` > 0) on the same projections,
+applied only while passages are precomputed (`writing`), so each passage writes K/V meant to be stitched. It costs
+nothing at query time, but its caches differ from plain ones: its digest enters the store key
+(`StitchAdapter.precompute_tag`), and caches written with and without it never mix.
 
 Files are safetensors with a JSON header naming the model (`weights_id`) they were trained for.
 """
@@ -39,6 +49,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # None: no token reads through the reader LoRA; True: every token; a tensor broadcastable to the hidden
 # states ([B, T, 1]): per token (a batch of requests with and without the adapter)
 _GATE: contextvars.ContextVar = contextvars.ContextVar("kvstitch_stitch_gate", default=None)
+# True while passages are precomputed by an engine whose adapter has a writer LoRA
+_WRITING: contextvars.ContextVar = contextvars.ContextVar("kvstitch_stitch_writing", default=False)
 
 
 class StitchAdapterError(KVStitchError):
@@ -51,22 +63,42 @@ class StitchAdapterConfig:
     rank: int = 8  # reader LoRA rank (0: no LoRA)
     alpha: float = 16.0  # LoRA scale = alpha / rank
     targets: tuple[str, ...] = LORA_TARGETS
+    writer: int = 0  # writer LoRA rank, applied at precompute (0: none; its caches get their own store key)
 
     def __post_init__(self):
-        for name in ("links", "rank"):
+        for name in ("links", "rank", "writer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"stitch adapter {name} must be an integer >= 0, got {v!r}")
-        if self.links == 0 and self.rank == 0:
-            raise ValueError("a stitch adapter needs link tokens (links > 0), a reader LoRA (rank > 0) or both")
+        if self.links == 0 and self.rank == 0 and self.writer == 0:
+            raise ValueError("a stitch adapter needs link tokens (links > 0), a reader LoRA (rank > 0), a writer "
+                             "LoRA (writer > 0) or several")
         bad = sorted(set(self.targets) - set(LORA_TARGETS))
         if bad:
             raise ValueError(f"unknown LoRA target {bad[0]!r}; known: {', '.join(LORA_TARGETS)}")
 
     @property
     def form(self) -> str:
-        parts = ([f"links={self.links}"] if self.links else []) + ([f"lora(r={self.rank})"] if self.rank else [])
+        parts = ([f"links={self.links}"] if self.links else []) + ([f"lora(r={self.rank})"] if self.rank else []) \
+            + ([f"writer(r={self.writer})"] if self.writer else [])
         return "+".join(parts)
+
+    def identity(self) -> dict:
+        """The fields that say what it computes (a writer-less config reads as it did before writers existed)."""
+        d = asdict(self)
+        if not self.writer:
+            d.pop("writer")
+        return d
+
+
+@contextlib.contextmanager
+def writing(on: bool = True):
+    """Passages forwarded in this block write their K/V through the writer LoRA (when the adapter has one)."""
+    token = _WRITING.set(on)
+    try:
+        yield
+    finally:
+        _WRITING.reset(token)
 
 
 @contextlib.contextmanager
@@ -80,22 +112,26 @@ def gated(gate):
 
 
 def gate_of(mask: torch.Tensor):
-    """The gate of a forward from a bool mask of its tokens ([T] of one sequence, [B, 1] of a batched decode step,
-    [Σ T_i] of a packed pass): None (no token reads through the LoRA), True (all), else a float mask broadcastable
-    to the hidden states."""
-    if not bool(mask.any()):
+    """The gate of a forward from each token's LoRA strength, bool or float ([T] of one sequence, [B, 1] of a batched
+    decode step, [Σ T_i] of a packed pass): None (no token reads through the LoRA), True (all, at full strength),
+    else a float mask broadcastable to the hidden states."""
+    mask = mask.float()
+    if not bool((mask != 0).any()):
         return None
-    if bool(mask.all()):
+    if bool((mask == 1).all()):
         return True
-    return mask.float().view(-1, 1, 1) if mask.dim() == 2 else mask.float().view(1, -1, 1)
+    return mask.view(-1, 1, 1) if mask.dim() == 2 else mask.view(1, -1, 1)
 
 
 class GatedLoRA(nn.Module):
-    """``base(x) + gate · scale · B(A(x))``; exactly ``base(x)`` when the gate is off."""
+    """``base(x) + gate · scale · B(A(x))`` (the reader), ``+ writer_scale · Bw(Aw(x))`` while `writing`; exactly
+    ``base(x)`` when the gate is off and nothing is written."""
 
-    def __init__(self, base: nn.Module, a: nn.Parameter, b: nn.Parameter, scale: float):
+    def __init__(self, base: nn.Module, a: nn.Parameter | None, b: nn.Parameter | None, scale: float,
+                 writer: tuple[nn.Parameter, nn.Parameter, float] | None = None):
         super().__init__()
         self.base, self.lora_a, self.lora_b, self.scale = base, a, b, scale
+        self.writer_a, self.writer_b, self.writer_scale = writer if writer is not None else (None, None, 0.0)
 
     @property
     def weight(self):  # code that reads the projection's weight (dtype, device) sees the base's
@@ -103,8 +139,11 @@ class GatedLoRA(nn.Module):
 
     def forward(self, x):
         out = self.base(x)
+        if self.writer_a is not None and _WRITING.get():
+            w = (x.to(self.writer_a.dtype) @ self.writer_a.t()) @ self.writer_b.t()
+            out = out + (w * self.writer_scale).to(out.dtype)
         gate = _GATE.get()
-        if gate is None:
+        if gate is None or self.lora_a is None:
             return out
         delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()
         delta = delta * self.scale
@@ -145,15 +184,15 @@ class StitchAdapter(nn.Module):
         self.model_name = model_name or weights_id
         self.info = dict(info or {})  # how it was made: command, data, steps, CPU-hours (saved in the file)
         self.links = nn.Parameter(torch.zeros(config.links, hidden))
-        self.lora_a = nn.ParameterDict()
-        self.lora_b = nn.ParameterDict()
-        if config.rank:
-            for name, (n_in, n_out) in shapes.items():
+        self.lora_a, self.lora_b = nn.ParameterDict(), nn.ParameterDict()
+        self.writer_a, self.writer_b = nn.ParameterDict(), nn.ParameterDict()
+        for rank, da, db in ((config.rank, self.lora_a, self.lora_b), (config.writer, self.writer_a, self.writer_b)):
+            for name, (n_in, n_out) in shapes.items() if rank else ():
                 key = name.replace(".", "_")
-                a = torch.empty(config.rank, n_in)
+                a = torch.empty(rank, n_in)
                 nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # LoRA's init: A random, B zero (starts as identity)
-                self.lora_a[key] = nn.Parameter(a)
-                self.lora_b[key] = nn.Parameter(torch.zeros(n_out, config.rank))
+                da[key] = nn.Parameter(a)
+                db[key] = nn.Parameter(torch.zeros(n_out, rank))
         self._attached: list[tuple[nn.Module, str, nn.Module]] = []
 
     # ---- construction ----------------------------------------------------------------------------
@@ -189,14 +228,16 @@ class StitchAdapter(nn.Module):
             wrapper = LinkEmbedding(emb, self.links)
             model.set_input_embeddings(wrapper)
             self._attached.append((model, "__input_embeddings__", emb))
-        if self.config.rank:
-            scale = self.config.alpha / self.config.rank
-            for name, module in _targets(model, self.config.targets):
+        c = self.config
+        if c.rank or c.writer:
+            for name, module in _targets(model, c.targets):
                 key = name.replace(".", "_")
-                if key not in self.lora_a:
+                if key not in (self.lora_a if c.rank else self.writer_a):
                     raise StitchAdapterError(f"stitch adapter has no LoRA for {name}: made for another model")
+                reader = (self.lora_a[key], self.lora_b[key]) if c.rank else (None, None)
+                writer = (self.writer_a[key], self.writer_b[key], c.alpha / c.writer) if c.writer else None
                 parent, attr = _parent(model, module)
-                setattr(parent, attr, GatedLoRA(module, self.lora_a[key], self.lora_b[key], scale))
+                setattr(parent, attr, GatedLoRA(module, *reader, c.alpha / max(c.rank, 1), writer))
                 self._attached.append((parent, attr, module))
 
     def detach(self) -> None:
@@ -215,15 +256,57 @@ class StitchAdapter(nn.Module):
     def link_ids(self, vocab: int) -> torch.Tensor:
         return torch.arange(vocab, vocab + self.config.links, dtype=torch.long)
 
+    @property
+    def schedule(self) -> list[tuple[float, float]]:
+        """``(ratio, strength)`` points, ratios ascending (``info["strength"]``; none: full strength everywhere)."""
+        return [(float(r), float(s)) for r, s in self.info.get("strength") or [(0.0, 1.0)]]
+
+    def strength_at(self, ratio: float) -> float:
+        """The reader LoRA's strength at recompute ``ratio``: the schedule, linear between its points and flat past
+        its ends. 0: the adapter stays off (no link tokens, no LoRA)."""
+        pts = self.schedule
+        if ratio <= pts[0][0]:
+            return pts[0][1]
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+            if ratio <= r1:  # (rounded: 0.1 -> 0.2 of 0.75 -> 0 is 0 at 0.2, not -1e-16)
+                return round(min(1.0, max(0.0, s0 + (s1 - s0) * (ratio - r0) / (r1 - r0))), 9)
+        return pts[-1][1]
+
     def digest(self) -> str:
         """sha256 of the parameters (what an evaluation run records: two adapters' rows never mix)."""
         import hashlib
 
-        h = hashlib.sha256(json.dumps(asdict(self.config), sort_keys=True).encode())
+        h = hashlib.sha256(json.dumps(self.config.identity(), sort_keys=True).encode())
+        if self.info.get("strength"):  # the schedule changes what it computes, too
+            h.update(json.dumps(self.schedule).encode())
         for k, v in sorted(self.state_dict().items()):
             h.update(k.encode())
             h.update(v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
+
+    @property
+    def writes(self) -> bool:
+        """It changes what precompute writes (a writer LoRA)."""
+        return self.config.writer > 0
+
+    def precompute_tag(self) -> str:
+        """What enters the store key of passages it writes: a digest of the writer alone, so retraining the
+        reader or the link tokens keeps the caches valid. Empty when it writes nothing."""
+        if not self.writes:
+            return ""
+        import hashlib
+
+        params = [v for k, v in sorted(self.state_dict().items()) if k.startswith("writer_")]
+        version = tuple(p._version for p in params)  # an optimizer step changes them in place
+        if getattr(self, "_tag", (None, ""))[0] == version:
+            return self._tag[1]
+        h = hashlib.sha256(f"writer:{self.config.writer}:{self.config.alpha}".encode())
+        for k, v in sorted(self.state_dict().items()):
+            if k.startswith("writer_"):
+                h.update(k.encode())
+                h.update(v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        self._tag = (version, "writer:" + h.hexdigest()[:16])
+        return self._tag[1]
 
     @property
     def n_parameters(self) -> int:
@@ -270,13 +353,14 @@ class StitchAdapter(nn.Module):
         try:
             c = meta["config"]
             config = StitchAdapterConfig(links=c["links"], rank=c["rank"], alpha=float(c["alpha"]),
-                                         targets=tuple(c["targets"]))
+                                         targets=tuple(c["targets"]), writer=int(c.get("writer", 0)))
             shapes = {}
             for k, a in tensors.items():
-                if k.startswith("lora_a."):
-                    b = tensors["lora_b." + k.removeprefix("lora_a.")]
-                    layer, target = k.removeprefix("lora_a.").split("_", 1)
-                    shapes[f"{layer}.{target}"] = (a.shape[1], b.shape[0])
+                for part in ("lora", "writer"):
+                    if k.startswith(f"{part}_a."):
+                        b = tensors[f"{part}_b." + k.removeprefix(f"{part}_a.")]
+                        layer, target = k.removeprefix(f"{part}_a.").split("_", 1)
+                        shapes[f"{layer}.{target}"] = (a.shape[1], b.shape[0])
             # the order `for_model` creates them in (layer, then target): an optimizer's state follows it
             order = sorted(shapes, key=lambda n: (int(n.split(".")[0]), LORA_TARGETS.index(n.split(".")[1])))
             shapes = {n: shapes[n] for n in order}

@@ -1,5 +1,6 @@
 """Request routing over N kvstitch replicas by chunk affinity, the baselines, and a simulator running the same
-routers over a synthetic trace (`router`, `view`, `tier`, `trace`, `costs`, `simulate`, `report`)."""
+routers over a synthetic trace (`router`, `view`, `tier`, `trace`, `costs`, `simulate`, `report`); `live` runs the
+same chunk affinity on live replicas (`kvstitch serve --replicas`)."""
 
 from .router import ROUTERS, ChunkAffinity, PowerOfTwo, PrefixAffinity, Request, RoundRobin, Router
 from .tier import LRU, EvictionPolicy, MemoryTier

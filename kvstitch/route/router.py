@@ -108,10 +108,16 @@ class Router:
             raise RuntimeError("no live replica to route to")
         r = self.choose(req)
         assert r in self.alive
-        self.queue[r] += 1
-        self.recent.add(r)
-        self.routed += 1
+        self.record(r)
         return r
+
+    def record(self, r: int) -> None:
+        """Count a request sent to `r` (`route` does; a live router, whose framework makes the final pick, calls it
+        once the request is placed)."""
+        if r in self.alive:
+            self.queue[r] += 1
+            self.recent.add(r)
+            self.routed += 1
 
     def choose(self, req: Request) -> int:
         raise NotImplementedError

@@ -25,7 +25,7 @@ from .oracle import Oracle
 from .prophet import Prophet
 from .qcfuse import QCFuse
 from .registry import check_method, check_methods, from_mapping, method_options, resolve_methods
-from .spec import BadSpec, parse_call, split_specs
+from kvstitch.core.spec import BadSpec, parse_call, split_specs
 
 __all__ = ["SELECTORS", "ALIASES", "SelectionContext", "Selector", "Wrapper", "check_method", "check_methods",
            "from_mapping", "make_selector", "method_label", "method_options", "methods", "register",

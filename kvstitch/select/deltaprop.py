@@ -88,6 +88,7 @@ class DeltaCache(StitchCache):
         super().__init__(cache.layers)
         self.slots, self.write, self.capture, self.captured, self.decoder = (
             cache.slots, cache.write, cache.capture, cache.captured, cache.decoder)
+        self.adapted, self.adapt_from = cache.adapted, cache.adapt_from  # the stitch adapter reads as before
         self.c0, self.c1 = layout.context_start, layout.context_end
         self.chunk = layout.chunk_index().to(self.layers[0].keys.device)  # [n_context]
         starts = torch.tensor(layout.chunk_starts, device=self.chunk.device) - self.c0

@@ -1,5 +1,5 @@
 """Method objects: the `Selector` base class, the `Wrapper` of one method over another, the registry of
-method names and aliases, and the building of an object from its spec (`kvstitch.select.spec`'s syntax).
+method names and aliases, and the building of an object from its spec (`kvstitch.core.spec`'s syntax).
 
 A method is a `Selector` subclass registered under a name (`register`); its options are its fields, typed
 and defaulted (``InfoFlow(reorder="max")``, ``DeltaProp(base=InfoFlow(), alpha_k=0.5)``), checked and
@@ -43,7 +43,7 @@ import torch
 
 from kvstitch.core.errors import BadMethodOption, InputError, UnknownMethod
 from .base import top_k_indices
-from .spec import Call, format_value, parse_call
+from kvstitch.core.spec import Call, format_value, parse_call
 
 if TYPE_CHECKING:
     from kvstitch.core.attention import ForwardPlan

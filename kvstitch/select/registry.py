@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvstitch.core.errors import BadMethodOption, UnknownMethod
 from .method import (ALIASES, SELECTORS, Selector, describe_type, field_default, make_selector, method_label,
                      methods, resolve_name, spec_fields, type_hints)
-from .spec import format_value, split_specs
+from kvstitch.core.spec import format_value, split_specs
 
 
 def check_method(method) -> str:

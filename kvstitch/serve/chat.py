@@ -1,6 +1,8 @@
-"""The chat service: what the server's routes do, over one engine. It turns a checked request into an
-engine job on the worker and the job's events into OpenAI's chat.completion JSON or server-sent events,
+"""The chat service: what the server's routes do, over one engine. It turns a validated body into the
+engine's request, queued on the worker, and the job's events into OpenAI's chat.completion JSON or server-sent events,
 and answers the simple endpoints (/health, /v1/models, /v1/collections, /metrics)."""
+
+from __future__ import annotations
 
 import asyncio
 import json
@@ -9,31 +11,32 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.corpus.retrieval import CollectionCache, CollectionNotFound
 from kvstitch.engine import GenerationResult
-from kvstitch.decode.policies import make_policy
-from kvstitch.engine.budget import split_ratio
-from kvstitch.select import check_method
 from kvstitch.select import methods as registered_methods
 from kvstitch.store.resilient import resilient
 from kvstitch.engine.request import DEFAULT_METHOD
 from .core import ApiError, ClientGone, Job, QueueFull
 from .documents import DocumentService, resolve_document_ids
 from .prometheus import Metrics
-from .schema import DEFAULT_MAX_TOKENS, ChatRequest, decode_policies, parse_chat_request
+from .defaults import DEFAULT_MAX_TOKENS, ChatDefaults, decode_policies
+from .security import UNPARSED
 from .stops import TextStream
 from .worker import EngineWorker
+
+if TYPE_CHECKING:  # the body model imports pydantic (the 'serve' extra): imported when the server starts
+    from .schema import ChatBody
 
 
 @dataclass
 class _Reply:
-    """One chat completion on its way back: the parsed request, its engine job, the OpenAI id and creation
+    """One chat completion on its way back: the validated body, its engine job, the OpenAI id and creation
     time, the queue wait and what was retrieved from a collection (None without one)."""
 
-    req: ChatRequest
+    req: ChatBody
     job: Job
     retrieved: list[dict] | None
     rid: str
@@ -49,13 +52,14 @@ def _usage(res: GenerationResult) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _ext(req: ChatRequest, res: GenerationResult | None, wait: float, retrieved) -> dict:
+def _ext(req: ChatBody, res: GenerationResult | None, wait: float, retrieved) -> dict:
     """The response's ``kvstitch`` extension."""
     st = res.stats if res is not None else {}
     return {"ttft_s": round(res.ttft_s, 6) if res is not None else None, "queue_wait_s": round(wait, 6),
             "store_hits": st.get("store_hits", 0), "store_misses": st.get("store_misses", 0),
+            "chunk_sources": st.get("chunk_sources"),
             "recomputed_tokens": st.get("recomputed_tokens", 0), "context_tokens": st.get("context_tokens", 0),
-            "method": req.method, "ratio": req.ratio, "decode": req.decode,
+            "method": req.method.label, "ratio": req.ratio, "decode": req.decode.spec,
             "retrieved": retrieved, "ratio_used": st.get("ratio_used"),
             **{k: st[k] for k in ("rounds", "converged", "signal", "guard", "cold_path") if k in st},
             "timings_s": {k: round(st[k], 6) for k in ("tokenize_s", "chunk_load_s", "assemble_s", "select_s",
@@ -70,24 +74,22 @@ class ChatService:
     def __init__(self, engine, default_method: str = DEFAULT_METHOD, default_ratio: float | str = 0.2, max_queue: int = 16,
                  collections_dir: str | Path | None = None, default_decode: str = "dense",
                  max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None, warmup: bool = False,
-                 disconnect_poll_s: float = 0.1, max_body_bytes: int = 32 << 20, guard_rate: float = 0.0,
-                 max_batch: int = 8, kv_pool_bytes: int | None = None, recall_sample: float = 0.0):
-        default_method = check_method(default_method)
-        default_ratio, default_auto = split_ratio(default_ratio)
-        if default_auto is not None:  # an auto spec as the default ratio: its options are the engine's default
-            engine.default_auto = default_auto
+                 disconnect_poll_s: float = 0.1, guard_rate: float = 0.0,
+                 max_batch: int = 8, kv_pool_bytes: int | None = None, recall_sample: float = 0.0,
+                 tenants=None):
+        # a name, alias or spec -> its canonical spec, checked once: what a request leaves out
+        self.defaults = ChatDefaults.of(default_method, default_ratio, default_decode, max_tokens, decode_policies())
+        if self.defaults.auto is not None:  # an auto spec as the default ratio: its options are the engine's default
+            engine.default_auto = self.defaults.auto
         if not 0.0 <= guard_rate <= 1.0:
             raise InputError(f"guard rate must be in [0, 1], got {guard_rate}")
         self.guard_rng = random.Random(0)
-        self.policies = decode_policies()
-        default_decode = make_policy(default_decode).spec  # a name, alias or spec -> its canonical spec
         self.metrics = Metrics()
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.engine = engine
-        self.default_method, self.default_ratio, self.default_decode = default_method, default_ratio, default_decode
-        self.max_queue, self.max_batch, self.max_tokens = max_queue, max_batch, max_tokens
-        self.max_body_bytes, self.guard_rate, self.disconnect_poll_s = max_body_bytes, guard_rate, disconnect_poll_s
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self.guard_rate, self.disconnect_poll_s = guard_rate, disconnect_poll_s
         self.worker = EngineWorker(engine, max_queue, self.metrics, warmup=warmup, max_batch=max_batch,
                                    kv_pool_bytes=kv_pool_bytes, recall_sample=recall_sample)
         self.collections = CollectionCache(collections_dir)
@@ -95,8 +97,26 @@ class ChatService:
         self.created = int(time.time())
         # a store outage degrades to computing chunks (store/resilient)
         self.store = engine.store = resilient(engine.store)
+        self.tenants, self.tenant_metrics = tenants, {}
+        if tenants is not None:
+            self._install_tenants(tenants)
         self._register_gauges()
         self.documents = DocumentService(engine, self.worker)  # /v1/documents (serve/documents.py)
+
+    def _install_tenants(self, tenants) -> None:
+        """Each request reads and writes its tenant's namespace (`kvstitch.serve.tenants`); the store records the
+        tenants so `kvstitch store stats` can name them."""
+        from kvstitch.store.tenants import TenantRouter
+        from .tenants import TenantDeferred
+
+        self.engine.store = TenantRouter(self.store, tenants.shared)
+        self.engine.deferred = TenantDeferred()
+        for name, rec in tenants.records().items():
+            try:
+                if self.store.meta_get("tenants", name) != rec:
+                    self.store.meta_put("tenants", name, rec)
+            except (KVStitchError, NotImplementedError, OSError):  # best effort: stats then show tags
+                pass
 
     def _register_gauges(self) -> None:
         worker, store, engine = self.worker, self.store, self.engine
@@ -144,18 +164,24 @@ class ChatService:
         """GET /v1/models: the served model, with methods, defaults and collections as an extension."""
         return {"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvstitch",
-            "kvstitch": {"methods": registered_methods(), "default_method": self.default_method,
-                         "default_ratio": self.default_ratio, "default_decode": self.default_decode,
-                         "decode_policies": sorted(self.policies), "collections": self.collections.names(),
+            "kvstitch": {"methods": registered_methods(), "default_method": self.defaults.method,
+                         "default_ratio": self.defaults.ratio, "default_decode": self.defaults.decode,
+                         "decode_policies": sorted(self.defaults.policies), "collections": self.collections.names(),
                          "max_positions": getattr(getattr(self.engine, "adapter", None), "max_positions", None)}}]}
 
     def list_collections(self) -> dict:
         """GET /v1/collections."""
         return {"object": "list", "data": [{"id": n, "object": "collection"} for n in self.collections.names()]}
 
-    def metrics_text(self) -> str:
-        """GET /metrics: the Prometheus text, with the store's counters when it has them."""
+    def metrics_text(self, tenant: str | None = None) -> str:
+        """GET /metrics: the Prometheus text, with the store's counters when it has them. With tenants, the
+        request series are the calling tenant's own (`kvstitch.serve.tenants`)."""
         text = self.metrics.render()
+        if self.tenants is not None:
+            from .tenants import HIDDEN_SERIES, TENANT_SERIES, filter_series
+
+            own = filter_series(self._metrics_for(tenant).render(), TENANT_SERIES, keep=True)
+            return filter_series(text, TENANT_SERIES + HIDDEN_SERIES, keep=False) + own
         try:
             s = self.store.stats()
             text += ("# HELP kvstitch_store_entries_loaded_bytes_total bytes of chunk caches loaded from the store\n"
@@ -177,7 +203,8 @@ class ChatService:
         except ApiError as e:
             self.metrics.inc("kvstitch_chat_requests_total", outcome="invalid")
             return e.response()
-        job = Job(self._generate_kwargs(req, docs), asyncio.get_running_loop(), stop=req.stop)
+        job = Job(req.generation(docs, self._guard(req)), asyncio.get_running_loop(), stop=req.stop,
+                  tenant=getattr(request.state, "tenant", None))
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -205,39 +232,31 @@ class ChatService:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._json(reply, kind, value, request)
 
-    async def _read_request(self, request) -> tuple[ChatRequest, list[str] | None, list[dict] | None]:
-        """The checked request, its passages and what was retrieved for them (a 4xx `ApiError` otherwise)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise ApiError(413, f"request body too large ({declared} bytes > {self.max_body_bytes})",
-                           code="body_too_large")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body too large ({len(raw)} bytes > {self.max_body_bytes})",
-                           code="body_too_large")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        body = await resolve_document_ids(self.documents, body)
-        req = parse_chat_request(body, self.default_method, self.default_ratio, self.default_decode,
-                                 self.max_tokens, self.policies)
+    async def _read_request(self, request) -> tuple[ChatBody, list[str] | None, list[dict] | None]:
+        """The validated body, its passages and what was retrieved for them (a 4xx `ApiError` otherwise). The
+        front door (`kvstitch.serve.security`) limited the body and parsed it when it is JSON."""
+        body = getattr(request.state, "json_body", UNPARSED)
+        if body is UNPARSED:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        body = await resolve_document_ids(self.documents, body, getattr(request.state, "tenant", None))
+        from .schema import parse_chat_body
+
+        req = parse_chat_body(body, self.defaults)
         retrieved = None
         docs = req.documents
         if req.collection is not None:
             docs, retrieved = await self.retrieve(req)
         return req, docs, retrieved
 
-    def _generate_kwargs(self, req: ChatRequest, docs: list[str] | None) -> dict:
-        """`Engine.stream` arguments; ``guard_rate`` of the greedy stitched requests are checked (guard)."""
-        guard = req.guard or ("full" if req.temperature == 0 and self.guard_rate > 0 and req.method != "full"
-                              and self.guard_rng.random() < self.guard_rate else None)
-        return dict(messages=req.messages, chunks=docs, method=req.method, recompute_ratio=req.ratio,
-                    max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                    decode=req.decode, kv_budget=req.kv_budget,
-                    auto=req.auto, guard=guard, min_new_tokens=req.min_tokens)
+    def _guard(self, req: ChatBody) -> str | None:
+        """The request's ``guard``; else ``guard_rate`` of the greedy stitched requests are checked too."""
+        return req.guard or ("full" if req.temperature == 0 and self.guard_rate > 0 and req.method.label != "full"
+                             and self.guard_rng.random() < self.guard_rate else None)
 
-    async def retrieve(self, req: ChatRequest) -> tuple[list[str], list[dict]]:
+    async def retrieve(self, req: ChatBody) -> tuple[list[str], list[dict]]:
         """The top-k passages of ``req.collection`` for the last user message, and their descriptions."""
         from starlette.concurrency import run_in_threadpool
 
@@ -305,7 +324,7 @@ class ChatService:
             error = error or ApiError(500, "generation ended without a result", "server_error", "internal_error")
             self.metrics.inc("kvstitch_chat_requests_total", outcome="invalid" if error.status < 500 else "error")
             return error.response()
-        self._record(req, result)
+        self._record(req, result, job.tenant)
         return JSONResponse({
             "id": reply.rid, "object": "chat.completion", "created": reply.created_at, "model": self.model_id,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
@@ -334,7 +353,7 @@ class ChatService:
                     tail = text.finish(value.text)
                     if tail:
                         yield self._chunk(reply, {"content": tail})
-                    self._record(req, value)
+                    self._record(req, value, job.tenant)
                     finished = True
                     yield self._chunk(reply, {}, self._finish_reason(req, value),
                                       kvstitch=_ext(req, value, reply.wait, reply.retrieved))
@@ -358,18 +377,27 @@ class ChatService:
                 job.cancel()
                 self.metrics.inc("kvstitch_chat_requests_total", outcome="cancelled")
 
-    def _finish_reason(self, req: ChatRequest, res: GenerationResult) -> str:
+    def _finish_reason(self, req: ChatBody, res: GenerationResult) -> str:
         if res.stats.get("stop_sequence") is not None:
             return "stop"
         if res.token_ids and res.token_ids[-1] in self.engine.eos_ids:
             return "stop"
         return "length" if len(res.token_ids) >= req.max_tokens else "stop"
 
-    def _record(self, req: ChatRequest, res: GenerationResult) -> None:
+    def _metrics_for(self, tenant: str | None) -> Metrics:
+        """Where a request's own series go: the tenant's registry with tenants, else the server's."""
+        if self.tenants is None:
+            return self.metrics
+        m = self.tenant_metrics.get(tenant)
+        if m is None:
+            m = self.tenant_metrics[tenant] = Metrics()
+        return m
+
+    def _record(self, req: ChatBody, res: GenerationResult, tenant: str | None = None) -> None:
         """An answered request in the metrics."""
-        metrics, st = self.metrics, res.stats
-        metrics.inc("kvstitch_chat_requests_total", outcome="ok")
-        metrics.inc("kvstitch_chat_method_total", method=req.method)
+        self.metrics.inc("kvstitch_chat_requests_total", outcome="ok")
+        metrics, st = self._metrics_for(tenant), res.stats
+        metrics.inc("kvstitch_chat_method_total", method=req.method.label)
         metrics.observe("kvstitch_ttft_seconds", res.ttft_s)
         u = _usage(res)
         metrics.inc("kvstitch_prompt_tokens_total", u["prompt_tokens"])

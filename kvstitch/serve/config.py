@@ -20,6 +20,7 @@ or a table naming the method and its options::
 ``decode`` likewise: a policy spec (``decode = "prkv(static_ratio=0.5)"``, see `kvstitch.decode`) or a table
 (``[decode]`` with ``name = "prkv"`` and its fields). ``ratio`` is a number, ``"auto"`` or an auto spec
 (``ratio = "auto(tol=0.05)"``); an ``[auto]`` table holds the options of a plain ``"auto"``.
+``[tenants.NAME]`` tables (``keys``, ``shared``) partition the store by API key (`kvstitch.serve.tenants`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def read_config(path: str | Path, known: set[str]) -> dict:
             continue
         if name not in known:
             raise InputError(f"{p}: unknown option {k!r}; known: {', '.join(sorted(known))}")
-        out[name] = json.dumps(v) if name == "auto" and isinstance(v, dict) else v
+        out[name] = json.dumps(v) if name in ("auto", "tenants") and isinstance(v, dict) else v
     if "method" in out:
         out["method"] = method_setting(out["method"], p)
     if "decode" in out:

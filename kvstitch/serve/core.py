@@ -14,6 +14,8 @@ from kvstitch.core.errors import InputError
 if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
 
+    from kvstitch.engine.request import GenerationRequest
+
 
 class ApiError(Exception):
     """An error answered as OpenAI's error JSON."""
@@ -40,7 +42,7 @@ def input_error(e: InputError) -> ApiError:
 
 @dataclass
 class Job:
-    kwargs: dict  # Engine.stream arguments
+    request: "GenerationRequest | None"  # what the engine runs (None for a ``fn`` job)
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -51,6 +53,7 @@ class Job:
     stop: list[str] = field(default_factory=list)  # stop sequences (handled here, not by the engine)
     fn: Any = None  # instead of a generation: fn(engine) -> result, run on the engine thread (documents API)
     kv_bytes: int | None = None  # the K/V it may hold (prompt + max_tokens), reserved in the worker's KV pool
+    tenant: str | None = None  # whose store namespace it reads and writes (`kvstitch.serve.tenants`)
 
     def emit(self, kind: str, value=None) -> None:
         try:

@@ -1,241 +1,306 @@
-"""The chat request: OpenAI's chat-completion body checked field by field into a `ChatRequest` (every
-unknown or unsupported field a 400 naming it), and the server's defaults for it."""
+"""The chat request: OpenAI's chat-completion body validated once, by a pydantic model (`ChatBody`, every
+unknown or unsupported field a 400 naming it), into the typed `GenerationRequest` the engine runs; what a body
+leaves out is the server's `ChatDefaults`. Imports pydantic (the 'serve' extra): the server imports it when
+it starts."""
 
-import math
-from dataclasses import dataclass
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, Strict, StrictBool, StrictStr,
+                      ValidationError, ValidationInfo, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from kvstitch.core.errors import InputError
 from kvstitch.core.prompt import normalize_messages
-from kvstitch.decode.policies import make_policy, policy_budget
+from kvstitch.decode.policies import DecodePolicy, make_policy, policy_budget
 from kvstitch.engine.budget import AutoBudget, split_ratio
-from kvstitch.select import make_selector
+from kvstitch.engine.request import GenerationRequest
+from kvstitch.select import Selector, make_selector
 from .core import ApiError, input_error
+from .defaults import ChatDefaults
 
-DEFAULT_MAX_TOKENS = 256
 MAX_TOP_K = 64
 MAX_STOP = 4
-# every request field this server understands (anything else is a 400 naming it): OpenAI's, then ours
-CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
-               "stream_options", "stop", "n", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
-               "tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "user",
-               "metadata", "store", "parallel_tool_calls",
-               "documents", "collection", "top_k", "method", "ratio", "recompute_ratio", "decode", "kv_budget",
-               "method_options", "guard", "auto", "min_tokens"}
+# OpenAI parameters this server takes only at their neutral value (anything else is a 400 naming them)
+REFUSED = {"n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logprobs": (None, False),
+           "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+           "function_call": (None, "none"), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+           "parallel_tool_calls": (None, False, True), "store": (None, False)}
 
 
-@dataclass
-class ChatRequest:
-    question: str  # the last user message (what retrieval searches with)
-    messages: list[dict]  # the whole conversation (normalized, see `kvstitch.core.prompt.normalize_messages`)
-    stop: list[str]
-    documents: list[str] | None
-    collection: str | None
-    top_k: int
-    method: str  # the method's label (an alias, or its canonical spec: every option in it)
-    ratio: float | str  # a fraction, or "auto" (kvstitch.engine.budget)
-    decode: str  # the decode policy's canonical spec ("dense", "prkv(static_ratio=0.5)")
-    kv_budget: int | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stream: bool
-    include_usage: bool
-    model: str | None
-    guard: str | None = None  # "full": verify the answer against full prefill
-    auto: AutoBudget | dict | None = None  # options of ratio "auto" (given, or carried by an auto spec ratio)
-    min_tokens: int = 0  # EOS masked until the answer has this many tokens
+def _integral(v):
+    """JSON writes 8 as 8.0 at times: an integral float is the integer (a bool is not)."""
+    return int(v) if type(v) is float and v.is_integer() else v
 
 
-def _bad(msg: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
-    return ApiError(400, msg, code=code, param=param)
+Int = Annotated[int, Strict(), BeforeValidator(_integral)]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name, None)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise _bad(f"'{name}' must be an integer, got {v!r:.60}", name)
-    v = int(v)
-    if lo is not None and v < lo:
-        raise _bad(f"'{name}' must be >= {lo}, got {v}", name)
-    if hi is not None and v > hi:
-        raise _bad(f"'{name}' must be <= {hi}, got {v}", name)
-    return v
+def _bad(message: str, param: str | None, code: str = "invalid_request") -> PydanticCustomError:
+    """A validation error that becomes exactly this 400 (`parse_chat_body`)."""
+    return PydanticCustomError("chat", "{message}", {"message": message, "param": param, "code": code})
 
 
-def _float(body: dict, name: str, default, lo: float, hi: float):
-    v = body.get(name, None)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        raise _bad(f"'{name}' must be a number, got {v!r:.60}", name)
-    if not lo <= v <= hi:
-        raise _bad(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
-    return float(v)
+def _typed(e: InputError, message: str | None = None, param: str | None = None) -> PydanticCustomError:
+    """An `InputError` of a reused parser as its 400 (its type sets code and param, as `input_error`)."""
+    return _bad(message or str(e), param or e.param, e.code)
 
 
-def parse_chat_request(body, default_method: str, default_ratio: float | str, default_decode: str,
-                       default_max_tokens: int, decode_policies: set[str] | None = None) -> ChatRequest:
-    """The checked request (a 400 `ApiError` naming the first bad field), its fields checked in this order:
-    messages, unknown and unsupported parameters, stop, passages, method settings, sampling, streaming.
-    ``decode_policies``: the policy names this server offers (None: every registered one)."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    question, messages = _messages(body)
-    _refuse_unsupported(body)
-    stop = _stop(body)
-    documents, collection, top_k = _passages(body)
-    method, ratio, guard, auto, decode, kv_budget = _method_settings(body, default_method, default_ratio,
-                                                                     default_decode, decode_policies)
-    max_tokens, min_tokens, temperature, top_p, seed = _sampling(body, default_max_tokens)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
-    model = body.get("model")
-    if documents is None and collection is None:
-        method = "full"  # plain chat: nothing to stitch, an ordinary full prefill
-    return ChatRequest(question=question, messages=messages, stop=stop, documents=documents, collection=collection,
-                       top_k=top_k, method=method,
-                       ratio=ratio, decode=decode, kv_budget=kv_budget,
-                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=stream,
-                       include_usage=bool(opts.get("include_usage", False)),
-                       model=model if isinstance(model, str) else None, guard=guard,
-                       auto=auto, min_tokens=min_tokens)
+def _defaults(info: ValidationInfo) -> ChatDefaults:
+    return (info.context or {})["defaults"]
 
 
-def _messages(body: dict) -> tuple[str, list[dict]]:
-    """(the last user message, the normalized conversation)."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("'messages' is required: a non-empty list of {role, content} objects", "messages")
-    try:
-        messages = normalize_messages(msgs)
-    except InputError as e:
-        raise _bad(str(e), "messages") from None
-    return [m["content"] for m in messages if m["role"] == "user"][-1], messages
+class ChatBody(BaseModel):
+    """A chat-completion body, validated: the fields in the order they are reported (the first bad one is the
+    400), the method, ratio and decode policy as their objects, the server's defaults (validation context
+    ``{"defaults": ChatDefaults}``) for those left out. `generation` is the engine's request."""
 
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-def _refuse_unsupported(body: dict) -> None:
-    """A 400 for an unknown field or an OpenAI parameter set to a value this server does not implement."""
-    unknown = sorted(k for k in body if k not in CHAT_PARAMS)
-    if unknown:
-        raise _bad(f"unsupported parameter {unknown[0]!r:.60}: this server does not implement it (known: "
-                   f"{', '.join(sorted(CHAT_PARAMS))})", unknown[0], code="unsupported_parameter")
-    for name, ok in (("n", lambda v: v in (None, 1)), ("presence_penalty", lambda v: v in (None, 0)),
-                     ("frequency_penalty", lambda v: v in (None, 0)), ("logprobs", lambda v: v in (None, False)),
-                     ("top_logprobs", lambda v: v in (None, 0)), ("tools", lambda v: v in (None, [])),
-                     ("functions", lambda v: v in (None, [])), ("tool_choice", lambda v: v in (None, "none")),
-                     ("function_call", lambda v: v in (None, "none")), ("logit_bias", lambda v: v in (None, {})),
-                     ("response_format", lambda v: v in (None, {"type": "text"})),
-                     ("parallel_tool_calls", lambda v: v in (None, False, True)),
-                     ("store", lambda v: v in (None, False))):
-        if not ok(body.get(name)):
-            raise _bad(f"'{name}' is not supported by this server (value {body.get(name)!r:.60})", name,
-                       code="unsupported_parameter")
-    for name in ("user", "metadata"):  # no effect on the output: accepted when well-formed
-        if body.get(name) is not None and not isinstance(body[name], (str if name == "user" else dict)):
-            raise _bad(f"'{name}' must be a {'string' if name == 'user' else 'object'}", name)
+    messages: list[dict] = Field(None, validate_default=True)  # normalized (`normalize_messages`)
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+    store: Any = None
+    user: StrictStr | None = None  # no effect on the output: accepted when well-formed
+    metadata: dict | None = None
+    model: Any = None
+    stop: list[str] = Field(None, validate_default=True)
+    documents: list[str] | None = None
+    collection: str | None = None
+    top_k: Annotated[Int, Field(ge=1, le=MAX_TOP_K)] = 4
+    method: InstanceOf[Selector] = Field(None, validate_default=True)
+    method_options: dict | None = None
+    auto: InstanceOf[AutoBudget] | None = None
+    ratio: float | str | InstanceOf[AutoBudget] | None = None  # "auto", or an auto spec's options (an object)
+    recompute_ratio: float | str | InstanceOf[AutoBudget] | None = None
+    guard: Literal["full"] | None = None  # "full": verify the answer against full prefill
+    kv_budget: Annotated[Int, Field(ge=1)] | None = None
+    decode: InstanceOf[DecodePolicy] = Field(None, validate_default=True)
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's: EOS masked until the answer has this many tokens
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Int = 0
+    stream: StrictBool = False
+    stream_options: dict | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, v):
+        if not isinstance(v, list) or not v:
+            raise _bad("'messages' is required: a non-empty list of {role, content} objects", "messages")
+        try:
+            return normalize_messages(v)
+        except InputError as e:
+            raise _bad(str(e), "messages") from None
 
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop) or len(stop) > MAX_STOP:
-        raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
-    return stop
+    @field_validator(*REFUSED, mode="before")
+    @classmethod
+    def _refused(cls, v, info: ValidationInfo):
+        if v not in REFUSED[info.field_name]:
+            raise _bad(f"'{info.field_name}' is not supported by this server (value {v!r:.60})", info.field_name,
+                       "unsupported_parameter")
+        return v
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v):
+        stop = [] if v is None else [v] if isinstance(v, str) else v
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop) or len(stop) > MAX_STOP:
+            raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
+        return stop
 
-def _passages(body: dict) -> tuple[list[str] | None, str | None, int]:
-    """(documents, collection, top_k): the passages given, or the collection to retrieve them from."""
-    documents = body.get("documents")
-    if documents is not None:
-        if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
             raise _bad("'documents' must be a list of strings (the passages)", "documents")
-        if not documents:
+        if not v:
             raise _bad("'documents' is empty: pass at least one passage", "documents")
-        for i, d in enumerate(documents):
+        for i, d in enumerate(v):
             if not d.strip():
                 raise _bad(f"documents[{i}] is empty", "documents")
-    collection = body.get("collection")
-    if collection is not None and (not isinstance(collection, str) or not collection):
-        raise _bad("'collection' must be a collection name (string)", "collection")
-    if documents is not None and collection is not None:
-        raise _bad("pass either 'documents' or 'collection', not both", "collection")
-    return documents, collection, _int(body, "top_k", 4, 1, MAX_TOP_K)
+        return v
 
+    @field_validator("collection", mode="before")
+    @classmethod
+    def _collection(cls, v):
+        if v is not None and (not isinstance(v, str) or not v):
+            raise _bad("'collection' must be a collection name (string)", "collection")
+        return v
 
-def _method_settings(body: dict, default_method: str, default_ratio: float | str, default_decode: str,
-                     decode_policies: set[str] | None) -> tuple:
-    """(method label, ratio, guard, auto, decode spec, kv_budget)."""
-    method = body.get("method", default_method)
-    if not isinstance(method, str):
-        raise _bad(f"'method' must be a method spec (a string), got {method!r:.60}", "method")
-    method_options = body.get("method_options")
-    if method_options is not None and not isinstance(method_options, dict):
-        raise _bad("'method_options' must be an object", "method_options")
-    try:  # the label carries every option: the engine parses it back to the same object
-        method = make_selector(method, **(method_options or {})).label
-    except InputError as e:
-        raise input_error(e) from None
-    if "ratio" in body and "recompute_ratio" in body:
-        raise _bad("pass 'ratio' or 'recompute_ratio', not both", "ratio")
-    auto = body.get("auto")
-    if auto is not None:
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method(cls, v, info: ValidationInfo):
+        if v is None:
+            v = _defaults(info).method
+        if not isinstance(v, str):
+            raise _bad(f"'method' must be a method spec (a string), got {v!r:.60}", "method")
         try:
-            auto = AutoBudget.of(auto)
+            return make_selector(v)
+        except InputError as e:
+            raise _typed(e) from None
+
+    @field_validator("auto", mode="before")
+    @classmethod
+    def _auto(cls, v):
+        try:
+            return None if v is None else AutoBudget.of(v)
         except InputError as e:
             raise _bad(f"'auto': {e}", "auto") from None
-    ratio_name = "ratio" if "ratio" in body else "recompute_ratio"
-    try:  # an auto spec ("auto(tol=0.05)") carries its options: (ratio "auto", those options)
-        ratio, auto = split_ratio(body.get(ratio_name, default_ratio), auto)
-    except InputError as e:
-        raise _bad(f"'{ratio_name}': {e}", ratio_name) from None
-    guard = body.get("guard")
-    if guard not in (None, "full"):
-        raise _bad(f"'guard' must be \"full\" or absent, got {guard!r:.60}", "guard")
-    decode, kv_budget = _decode_settings(body, default_decode, decode_policies)
-    return method, ratio, guard, auto, decode, kv_budget
+
+    @field_validator("ratio", "recompute_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, v, info: ValidationInfo):
+        """A fraction, "auto", or the options an auto spec carries ("auto(tol=0.05)" -> its `AutoBudget`)."""
+        if v is None:
+            return v
+        try:
+            ratio, carried = split_ratio(v)
+        except InputError as e:
+            raise _bad(f"'{info.field_name}': {e}", info.field_name) from None
+        return carried if carried is not None else ratio
+
+    @field_validator("guard", mode="before")
+    @classmethod
+    def _guard(cls, v):
+        if v not in (None, "full"):
+            raise _bad(f"'guard' must be \"full\" or absent, got {v!r:.60}", "guard")
+        return v
+
+    @field_validator("decode", mode="before")
+    @classmethod
+    def _decode(cls, v, info: ValidationInfo):
+        defaults = _defaults(info)
+        if v is None:
+            v = defaults.decode
+        if not isinstance(v, str):
+            raise _bad(f"'decode' must be a decode policy spec (a string), got {v!r:.60}", "decode", "invalid_decode")
+        try:
+            policy = make_policy(v)
+        except InputError as e:
+            raise _typed(e) from None
+        if defaults.policies is not None and policy.name not in defaults.policies:
+            known = ", ".join(sorted(defaults.policies))
+            raise _bad(f"decode policy {policy.name!r} is not served here; known: {known}", "decode", "invalid_decode")
+        return policy
+
+    @model_validator(mode="after")
+    def _together(self, info: ValidationInfo):
+        """The checks of fields together, once each field is valid on its own."""
+        if self.documents is not None and self.collection is not None:
+            raise _bad("pass either 'documents' or 'collection', not both", "collection")
+        try:
+            self.method = make_selector(self.method, **(self.method_options or {}))
+            policy_budget(self.decode, self.kv_budget)  # two different budgets are an error
+        except InputError as e:
+            raise _typed(e) from None
+        if self.documents is None and self.collection is None:
+            self.method = make_selector("full")  # plain chat: nothing to stitch, an ordinary full prefill
+        self._ratio_and_auto(_defaults(info))
+        self._lengths(_defaults(info))
+        return self
+
+    def _ratio_and_auto(self, defaults: ChatDefaults) -> None:
+        """``ratio`` (or ``recompute_ratio``) and ``auto`` as the engine takes them: a fraction or "auto", and the
+        auto options (given, carried by an auto spec ratio, or None: the engine's default)."""
+        if self.ratio is not None and self.recompute_ratio is not None:
+            raise _bad("pass 'ratio' or 'recompute_ratio', not both", "ratio")
+        name = "recompute_ratio" if self.recompute_ratio is not None else "ratio"
+        given = self.recompute_ratio if self.recompute_ratio is not None else self.ratio
+        try:
+            self.ratio, self.auto = split_ratio(defaults.ratio if given is None else given, self.auto)
+        except InputError as e:
+            raise _bad(f"'{name}': {e}", name) from None
+        self.recompute_ratio = None
+
+    def _lengths(self, defaults: ChatDefaults) -> None:
+        """``max_tokens`` (or OpenAI's newer ``max_completion_tokens``) and ``min_tokens`` below it."""
+        mt, mct = self.max_tokens, self.max_completion_tokens
+        if mt is not None and mct is not None and mt != mct:
+            raise _bad("'max_tokens' and 'max_completion_tokens' disagree", "max_tokens")
+        self.max_tokens = mct if mct is not None else mt if mt is not None else defaults.max_tokens
+        if self.min_tokens > self.max_tokens:
+            raise _bad(f"'min_tokens' must be <= {self.max_tokens}, got {self.min_tokens}", "min_tokens")
+
+    # -- what the server reads ------------------------------------------------------------------
+    @property
+    def question(self) -> str:
+        """The last user message (what retrieval searches with)."""
+        return [m["content"] for m in self.messages if m["role"] == "user"][-1]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage", False))
+
+    def generation(self, chunks: list[str] | None, guard: str | None = None) -> GenerationRequest:
+        """The engine's request over ``chunks`` (the passages given or retrieved), its fields the validated
+        objects (``checked``: the engine does not check them again); ``guard`` as the server decided it."""
+        return GenerationRequest(
+            messages=self.messages, chunks=chunks, method=self.method, recompute_ratio=self.ratio,
+            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+            decode=self.decode, kv_budget=self.kv_budget, auto=self.auto, guard=guard or self.guard,
+            min_new_tokens=self.min_tokens, checked=True)
 
 
-def _decode_settings(body: dict, default_decode: str, decode_policies: set[str] | None) -> tuple[str, int | None]:
-    """(the decode policy's canonical spec, kv_budget): a name, an alias or a spec string."""
-    decode = body.get("decode", default_decode)
-    kv_budget = _int(body, "kv_budget", None, 1)
-    if not isinstance(decode, str):
-        raise _bad(f"'decode' must be a decode policy spec (a string), got {decode!r:.60}", "decode", "invalid_decode")
+def parse_chat_body(body, defaults: ChatDefaults) -> ChatBody:
+    """The validated body, or a 400 `ApiError` naming its first bad field (`ChatBody`'s field order, unknown
+    fields right after ``messages``)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_request")
     try:
-        policy = make_policy(decode)
-        policy_budget(policy, kv_budget)  # two different budgets are an error
-    except InputError as e:
-        raise input_error(e) from None
-    if decode_policies is not None and policy.name not in decode_policies:
-        raise _bad(f"decode policy {policy.name!r} is not served here; known: {', '.join(sorted(decode_policies))}",
-                   "decode", "invalid_decode")
-    return policy.spec, kv_budget
+        return ChatBody.model_validate(body, context={"defaults": defaults})
+    except ValidationError as e:
+        raise api_error(min(e.errors(include_url=False), key=_rank)) from None
 
 
-def _sampling(body: dict, default_max_tokens: int) -> tuple[int, int, float, float, int]:
-    """(max_tokens, min_tokens, temperature, top_p, seed)."""
-    if "max_tokens" in body and "max_completion_tokens" in body and \
-            body["max_tokens"] != body["max_completion_tokens"]:
-        raise _bad("'max_tokens' and 'max_completion_tokens' disagree", "max_tokens")
-    mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, mt_name, default_max_tokens, 1)
-    min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)  # vLLM's: no EOS before this many tokens
-    temperature = _float(body, "temperature", 0.0, 0.0, 2.0)
-    top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise _bad("'top_p' must be > 0", "top_p")
-    return max_tokens, min_tokens, temperature, top_p, _int(body, "seed", 0)
+_FIELDS = list(ChatBody.model_fields)
 
 
-def decode_policies() -> set[str]:
-    """The registered decode policy names (`kvstitch.decode`; the alias ``full`` is accepted too)."""
-    from kvstitch.decode import DECODE_POLICIES
+def _rank(err: dict) -> tuple[int, int]:
+    name = err["loc"][0] if err["loc"] else None
+    if err["type"] == "extra_forbidden":
+        return 1, 0
+    return (0 if name == "messages" else 2), (_FIELDS.index(name) if name in _FIELDS else len(_FIELDS))
 
-    return set(DECODE_POLICIES)
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "finite": "a number", "bool": "a boolean",
+               "string": "a string", "dict": "an object", "list": "a list"}
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+           "less_than": ("lt", "<")}
+
+
+def api_error(err: dict) -> ApiError:
+    """One pydantic error as OpenAI's 400: ours (`_bad`) as they are; pydantic's own in words naming the field."""
+    ctx, kind = err.get("ctx") or {}, err["type"]
+    if kind == "chat":
+        return ApiError(400, ctx["message"], code=ctx["code"], param=ctx["param"])
+    name = str(err["loc"][0]) if err["loc"] else None
+    if kind == "extra_forbidden":
+        return ApiError(400, f"unsupported parameter {name!r:.60}: this server does not implement it (known: "
+                             f"{', '.join(sorted(_FIELDS))})", code="unsupported_parameter", param=name)
+    if kind in _BOUNDS:
+        key, op = _BOUNDS[kind]
+        return ApiError(400, f"'{name}' must be {op} {ctx[key]}, got {err['input']!r:.60}", code="invalid_request",
+                        param=name)
+    word = _TYPE_WORDS.get(kind.split("_")[0])
+    if word is not None:
+        return ApiError(400, f"'{name}' must be {word}, got {err['input']!r:.60}", code="invalid_request", param=name)
+    if kind == "value_error" and isinstance(ctx.get("error"), InputError):
+        return input_error(ctx["error"])
+    return ApiError(400, f"'{name}': {err['msg']}", code="invalid_request", param=name)

@@ -11,8 +11,12 @@
   chunked body is counted while it is read). JSON bodies naming more than ``max_documents`` passages, or
   passages of more than ``max_request_tokens`` tokens in total, are a 413 as well.
 - CORS is off unless origins are given (``--cors-origin https://app.example``, repeatable, ``*`` for any).
+- With ``tenants`` (`kvstitch.serve.tenants`) the key names the request's tenant (``request.state.tenant``);
+  the tenants' keys are API keys too.
 
-The checks are one pure ASGI middleware (no `BaseHTTPMiddleware`: it would break streaming disconnects).
+The checks are one pure ASGI middleware (no `BaseHTTPMiddleware`: it would break streaming disconnects). Every
+server has it (`create_app` installs the body limit alone when nothing else is configured), so a body is
+limited here only, and a JSON body is parsed here only: the routes read it from ``request.state.json_body``.
 """
 
 from __future__ import annotations
@@ -34,14 +38,20 @@ class SecurityConfig:
     api_keys: tuple[str, ...] = ()
     insecure: bool = False
     max_body_bytes: int = 32 << 20
-    max_documents: int = 256
+    max_documents: int | None = 256  # None: no limit
     max_request_tokens: int | None = None
     cors_origins: tuple[str, ...] = ()
     open_paths: tuple[str, ...] = ("/health",)
+    tenants: object = field(default=None, repr=False)  # the setting (`parse_tenants`); `tenancy` once parsed
     _keys: tuple[bytes, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
+        from .tenants import parse_tenants
+
         keys = tuple(k.strip() for k in self.api_keys if k and k.strip())
+        self.tenancy = parse_tenants(self.tenants, keys)
+        if self.tenancy is not None:
+            keys += tuple(k for k in self.tenancy.by_key if k not in keys)
         for k in keys:
             if len(k) < 8 or any(c.isspace() for c in k):
                 raise InputError("an API key must be at least 8 characters without whitespace")
@@ -49,20 +59,23 @@ class SecurityConfig:
         self._keys = tuple(k.encode() for k in keys)
         if self.max_body_bytes < 1:
             raise InputError(f"the body limit must be >= 1 byte, got {self.max_body_bytes}")
-        if self.max_documents < 1:
+        if self.max_documents is not None and self.max_documents < 1:
             raise InputError(f"the documents limit must be >= 1, got {self.max_documents}")
         if self.max_request_tokens is not None and self.max_request_tokens < 1:
             raise InputError(f"the token limit must be >= 1, got {self.max_request_tokens}")
 
     def authorized(self, header: str | None) -> bool:
-        if not self._keys:
-            return True
+        return not self._keys or self.match(header) is not None
+
+    def match(self, header: str | None) -> str | None:
+        """The configured key the header carries (None: none)."""
         scheme, _, token = (header or "").partition(" ")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        ok = False
+        found = None
         for k in self._keys:  # every key, no early exit
-            ok |= hmac.compare_digest(given, k)
-        return ok and bool(given)
+            if hmac.compare_digest(given, k) and given:
+                found = k
+        return found.decode() if found is not None else None
 
 
 def api_keys_from(flags: list[str] | None, env: dict | None = None) -> tuple[str, ...]:
@@ -124,6 +137,8 @@ class SecurityMiddleware:
             return await reply(401, "missing API key: send 'Authorization: Bearer <key>'" if missing else
                                "invalid API key", "missing_api_key" if missing else "invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
+        if self.cfg.tenancy is not None:  # the routes serve the key's tenant (None on open paths)
+            scope.setdefault("state", {})["tenant"] = self.cfg.tenancy.of(self.cfg.match(headers.get("authorization")))
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.cfg.max_body_bytes
@@ -142,7 +157,10 @@ class SecurityMiddleware:
             if not msg.get("more_body", False):
                 break
         body = b"".join(chunks)
-        problem = self._passage_limits(body, headers.get("content-type", ""))
+        parsed = parse_json(body, headers.get("content-type", ""))
+        if parsed is not UNPARSED:  # the routes read it here instead of parsing the body again
+            scope.setdefault("state", {})["json_body"] = parsed
+        problem = self._passage_limits(parsed)
         if problem is not None:
             return await reply(413, problem[0], problem[1])
         replayed = False
@@ -156,15 +174,9 @@ class SecurityMiddleware:
 
         return await self.app(scope, replay, send)
 
-    def _passage_limits(self, body: bytes, content_type: str):
-        if not body or "json" not in (content_type or "application/json"):
-            return None
-        try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return None  # the route answers malformed JSON itself
+    def _passage_limits(self, obj):
         if not isinstance(obj, dict):
-            return None
+            return None  # not JSON, or not an object: the route answers that itself
         texts, count = [], 0
         for name in _DOC_FIELDS:
             v = obj.get(name)
@@ -172,7 +184,7 @@ class SecurityMiddleware:
             count += len(items)
             if name != "document_ids":
                 texts += [t for t in items if isinstance(t, str)]
-        if count > self.cfg.max_documents:
+        if self.cfg.max_documents is not None and count > self.cfg.max_documents:
             return (f"too many documents in one request ({count} > {self.cfg.max_documents})", "too_many_documents")
         if self.cfg.max_request_tokens is not None and texts and self.tokenizer is not None:
             n = sum(len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"])
@@ -180,6 +192,19 @@ class SecurityMiddleware:
                 return (f"documents too long for one request ({n} tokens > {self.cfg.max_request_tokens})",
                         "too_many_tokens")
         return None
+
+
+UNPARSED = object()  # a body that is not JSON (the route reports malformed JSON itself)
+
+
+def parse_json(body: bytes, content_type: str):
+    """The JSON value of a request body, or `UNPARSED`."""
+    if not body or "json" not in (content_type or "application/json"):
+        return UNPARSED
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return UNPARSED
 
 
 def install_security(app, config: SecurityConfig | None, tokenizer=None) -> None:

@@ -26,7 +26,7 @@ query-driven selectors read. Retrieval from a collection searches with the last 
 ``temperature`` defaults to 0 (greedy, as `Engine.generate`), ``seed`` to 0 (honoured when sampling).
 ``stop`` (a string or up to 4) cuts the text before the first stop string, with finish_reason "stop"
 (streaming holds back text that may start a stop string). Every other parameter is a 400 naming it unless
-listed in `CHAT_PARAMS`: ``n`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``, ``logprobs``,
+a field of `ChatBody`: ``n`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``, ``logprobs``,
 ``tools``, ``logit_bias``, a non-text ``response_format`` and unknown fields are refused, never ignored.
 
 The response carries OpenAI's ``usage`` plus ``kvstitch: {ttft_s, queue_wait_s, store_hits, store_misses,
@@ -44,7 +44,7 @@ disconnects (SSE: the response task is cancelled; JSON: ``request.is_disconnecte
 waiting). Behind a full batch at most ``max_queue`` jobs wait; more are refused with 429 and a
 ``Retry-After`` estimated from recent service times. /metrics reports the batch sizes.
 
-The parts: `schema` (the request, checked), `chat` (`ChatService`: request -> engine job -> response),
+The parts: `schema` (the body, validated once into the engine's request), `chat` (`ChatService`: request -> engine job -> response),
 `worker` (`EngineWorker`, the batching scheduler), `admission` (the K/V byte budget of the requests in
 flight), `stops` (stop strings, streamed text), `prometheus` (/metrics), `documents`, `security`, `config`;
 this module wires them into the FastAPI app, and `testing` runs one in a background thread.
@@ -62,16 +62,16 @@ from kvstitch.engine.request import DEFAULT_METHOD
 from .chat import ChatService
 from .core import ApiError, Job, QueueFull
 from .documents import documents_router
+from .defaults import DEFAULT_MAX_TOKENS, ChatDefaults
 from .prometheus import Metrics, StatusCounter
-from .schema import DEFAULT_MAX_TOKENS, ChatRequest, parse_chat_request
 from .security import SecurityConfig, install_security
 from .stops import StopScanner, TextStream
 from .testing import ServerThread
 from .worker import EngineWorker
 
 # the server's parts, importable from here as well as from their own modules
-__all__ = ["create_app", "ChatService", "ChatRequest", "parse_chat_request", "DEFAULT_MAX_TOKENS", "EngineWorker",
-           "Metrics", "StopScanner", "TextStream", "ServerThread", "ApiError", "Job", "QueueFull"]
+__all__ = ["create_app", "ChatService", "ChatDefaults", "DEFAULT_MAX_TOKENS", "EngineWorker", "Metrics", "StopScanner",
+           "TextStream", "ServerThread", "ApiError", "Job", "QueueFull"]
 
 
 def _install_error_handlers(app) -> None:
@@ -109,7 +109,8 @@ def create_app(engine, default_method: str = DEFAULT_METHOD, default_ratio: floa
     passes and decode steps share forward passes; 1 = one request at a time; sparse decode policies batch too).
     ``kv_pool_bytes``: the K/V budget of the requests in flight (a request waits until its prompt + max_tokens
     fit; None = no limit). ``recall_sample``: the share of sparse decode passes whose attention recall is
-    measured for /metrics. The routes' logic is `ChatService`'s."""
+    measured for /metrics. ``max_body_bytes``: the body limit of a server without ``security`` (which carries
+    its own). The routes' logic is `ChatService`'s."""
     from contextlib import asynccontextmanager
 
     from kvstitch.core.extras import require
@@ -120,8 +121,8 @@ def create_app(engine, default_method: str = DEFAULT_METHOD, default_ratio: floa
     from fastapi.responses import JSONResponse, PlainTextResponse
 
     service = ChatService(engine, default_method, default_ratio, max_queue, collections_dir, default_decode,
-                          max_tokens, model_name, warmup, disconnect_poll_s, max_body_bytes, guard_rate, max_batch,
-                          kv_pool_bytes, recall_sample)
+                          max_tokens, model_name, warmup, disconnect_poll_s, guard_rate, max_batch,
+                          kv_pool_bytes, recall_sample, tenants=getattr(security, "tenancy", None))
     worker = service.worker
 
     @asynccontextmanager
@@ -136,6 +137,8 @@ def create_app(engine, default_method: str = DEFAULT_METHOD, default_ratio: floa
     app.state.service = service
     app.state.worker, app.state.metrics, app.state.engine, app.state.collections = \
         worker, service.metrics, engine, service.collections
+    if security is None:  # the body limit (and the one JSON parse) still happen at the front door
+        security = SecurityConfig(max_body_bytes=max_body_bytes, max_documents=None)
     install_security(app, security, getattr(engine, "tokenizer", None))  # auth, limits, CORS (serve/security.py)
     app.add_middleware(StatusCounter, metrics=service.metrics)
     app.include_router(documents_router(service.documents))  # /v1/documents (serve/documents.py)
@@ -155,8 +158,8 @@ def create_app(engine, default_method: str = DEFAULT_METHOD, default_ratio: floa
         return service.list_collections()
 
     @app.get("/metrics")
-    async def prom():
-        return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prom(request: Request):
+        return PlainTextResponse(service.metrics_text(getattr(request.state, "tenant", None)), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

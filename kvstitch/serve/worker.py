@@ -11,8 +11,9 @@ import torch
 
 from kvstitch.core.errors import InputError, KVStitchError
 from kvstitch.decode.policies import is_dense
-from kvstitch.engine import STOP, GenerationRequest, GenerationResult
+from kvstitch.engine import STOP, GenerationResult
 from kvstitch.engine.batch import DecodeStep, RecomputeStep
+from kvstitch.store.tenants import tenant_scope
 from .admission import KVPool, kv_shape
 from .core import ApiError, Job, QueueFull, input_error
 from .prometheus import Metrics
@@ -208,26 +209,28 @@ class EngineWorker:
     def _kv_bytes(self, job: Job) -> int:
         """The most K/V bytes ``job`` can hold. Its prompt is tokenized here (the layout is handed to the engine,
         so it is not tokenized twice); a prompt that cannot be laid out counts 0 (the engine reports why)."""
-        kw = job.kwargs
+        req = job.request
         try:
-            layout = kw.get("layout") or self.engine.layout(kw.get("question"), kw.get("chunks"), kw.get("messages"))
+            layout = req.layout or self.engine.layout(req.question, req.chunks, req.messages)
         except Exception:  # noqa: BLE001 - the engine raises the same error, as a 400, when the job starts
             return 0
-        kw["layout"] = layout
+        req.layout = layout
         try:
-            sparse = not is_dense(kw.get("decode", "dense"))
+            sparse = not is_dense(req.decode)  # a policy object as it is; a spec (library callers) parsed
         except InputError:  # likewise: a bad policy is the engine's 400
             sparse = False
-        return self.kv_shape.request_bytes(layout.n_total, int(kw.get("max_new_tokens") or 0), sparse=sparse,
-                                           copies=2 if kw.get("guard") else 1)  # guard: a full prefill beside it
+        return self.kv_shape.request_bytes(layout.n_total, int(req.max_new_tokens or 0), sparse=sparse,
+                                           copies=2 if req.guard else 1)  # guard: a full prefill beside it
 
     def _idle_precompute(self) -> bool:
         """Compute a slice of the chunks cold requests deferred -> False when there is nothing to do."""
         deferred = getattr(self.engine, "deferred", None)
         if deferred is None or not len(deferred):
             return False
+        next_tenant = getattr(deferred, "next_tenant", None)  # per-tenant queues: stored in the tenant's namespace
         try:
-            self.engine.precompute_deferred(IDLE_PRECOMPUTE_CHUNKS)
+            with tenant_scope(next_tenant() if next_tenant is not None else None):
+                self.engine.precompute_deferred(IDLE_PRECOMPUTE_CHUNKS)
         except Exception:  # noqa: BLE001 - a failed background precompute must not kill the worker
             return False
         return True
@@ -244,7 +247,8 @@ class EngineWorker:
         job.emit("started", wait)
         if job.fn is not None:
             try:
-                job.emit("result", job.fn(self.engine))
+                with tenant_scope(job.tenant):
+                    job.emit("result", job.fn(self.engine))
             except Exception as e:  # noqa: BLE001
                 job.emit("error", self._api_error(e))
             finally:
@@ -254,7 +258,7 @@ class EngineWorker:
         live = _Live(job, None, scan)
         self.active.append(live)
         try:
-            live.gen = self.engine.steps(GenerationRequest(**job.kwargs),
+            live.gen = self.engine.steps(job.request,
                                          batch_decode=hasattr(self.engine, "decode_batch"),
                                          batch_prefill=hasattr(self.engine, "recompute_batch"))
         except Exception as e:  # noqa: BLE001
@@ -361,7 +365,12 @@ class EngineWorker:
 
     def _pump(self, live: "_Live", value=None) -> None:
         """Send ``value`` (a step's logits, STOP or None) and handle events until the job needs a model step,
-        has produced one token (unbatched jobs: one model step per iteration) or has ended."""
+        has produced one token (unbatched jobs: one model step per iteration) or has ended. The engine's store
+        serves the job's tenant meanwhile (its chunks are read and written only here)."""
+        with tenant_scope(live.job.tenant):
+            self._pump_job(live, value)
+
+    def _pump_job(self, live: "_Live", value=None) -> None:
         job = live.job
         if value is None:
             value, live.send = live.send, None

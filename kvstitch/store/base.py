@@ -57,11 +57,12 @@ def check_precompute(mode) -> str:
 
 
 def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "float16", *,
-              precompute: str = "shared_prefix", tokenizer: str = "") -> str:
+              precompute: str = "shared_prefix", tokenizer: str = "", writer: str = "") -> str:
     """`fingerprint` names the weights (+ RoPE, shapes, compute dtype); `tokenizer` the tokenizer
     (`kvstitch.core.identity.tokenizer_fingerprint`: vocabulary, merges, configuration; "" = not named, the
     key of older stores); the ids are the chunk's text under that tokenizer; `precompute` how it was
-    computed (after the shared prefix, or isolated from position 0)."""
+    computed (after the shared prefix, or isolated from position 0); `writer` the stitch adapter's writer that
+    changed what precompute wrote (`StitchAdapter.precompute_tag`; "" = none, the plain caches' key)."""
     parts = [f"kvstitch-layout-{LAYOUT_VERSION}".encode(), fingerprint.encode(), _ids_bytes(prefix_ids),
              _ids_bytes(chunk_ids), storage_dtype.encode()]
     if check_precompute(precompute) != "shared_prefix":  # (shared_prefix keys are those of earlier versions)
@@ -69,6 +70,8 @@ def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "flo
         parts.append(f"precompute={precompute}".encode())
     if tokenizer:
         parts.append(b"tokenizer:" + tokenizer.encode())
+    if writer:
+        parts.append(b"writer:" + writer.encode())
     h = hashlib.sha256()
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))  # length-prefix: no ambiguity between parts
@@ -77,7 +80,7 @@ def chunk_key(fingerprint: str, prefix_ids, chunk_ids, storage_dtype: str = "flo
 
 
 _META_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-META_NAMESPACES = ("models", "pins", "documents")
+META_NAMESPACES = ("models", "pins", "documents", "tenants")
 
 
 def check_meta(ns: str, name: str | None = None) -> None:

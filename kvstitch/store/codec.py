@@ -226,23 +226,9 @@ def _expected_names(storage_dtype: str) -> set[str]:
     return {"keys", "values", "token_ids"}
 
 
-def decode(buf, key: str | None = None, fingerprint: str | None = None,
-           compute_dtype: torch.dtype | None = None) -> ChunkKV:
-    """Check and load one entry. `buf` should be writable (bytearray): float tensors are zero-copy views.
-
-    Raises CorruptEntryError (truncated, bit flip, wrong key, foreign model fingerprint, bad layout).
-    """
-    header, data0 = parse_header(buf)
-    meta = header["__metadata__"]
-    if key is not None and meta.get("key") != key:
-        raise CorruptEntryError(f"entry was written for key {str(meta.get('key'))[:16]}..., not this one")
-    sd = meta.get("storage_dtype")
-    if sd not in STORAGE_DTYPES:
-        raise CorruptEntryError(f"unknown storage dtype {sd!r}")
-    names = set(header) - {"__metadata__"}
-    if names - {ANCHORS} != _expected_names(sd):
-        raise CorruptEntryError(f"unexpected tensors {sorted(names)}")
-    data_len = len(buf) - data0
+def _tensor_spans(header: dict, names: set[str], data_len: int) -> tuple[dict, int]:
+    """``{name: (dtype, shape, data offset)}`` of the entry's tensors and the end of their data, checked against
+    the ``data_len`` bytes after the header (each span its shape's size, none past the end, no bytes after)."""
     spans, end = {}, 0
     try:
         for name in names:
@@ -260,6 +246,26 @@ def decode(buf, key: str | None = None, fingerprint: str | None = None,
         raise CorruptEntryError(f"truncated: {data_len} data bytes, index needs {end}")
     if end < data_len:
         raise CorruptEntryError(f"{data_len - end} trailing bytes after the data")
+    return spans, end
+
+
+def decode(buf, key: str | None = None, fingerprint: str | None = None,
+           compute_dtype: torch.dtype | None = None) -> ChunkKV:
+    """Check and load one entry. `buf` should be writable (bytearray): float tensors are zero-copy views.
+
+    Raises CorruptEntryError (truncated, bit flip, wrong key, foreign model fingerprint, bad layout).
+    """
+    header, data0 = parse_header(buf)
+    meta = header["__metadata__"]
+    if key is not None and meta.get("key") != key:
+        raise CorruptEntryError(f"entry was written for key {str(meta.get('key'))[:16]}..., not this one")
+    sd = meta.get("storage_dtype")
+    if sd not in STORAGE_DTYPES:
+        raise CorruptEntryError(f"unknown storage dtype {sd!r}")
+    names = set(header) - {"__metadata__"}
+    if names - {ANCHORS} != _expected_names(sd):
+        raise CorruptEntryError(f"unexpected tensors {sorted(names)}")
+    spans, end = _tensor_spans(header, names, len(buf) - data0)
     h = _hasher(meta.get("checksum_alg", ""))
     h.update(_canonical(header))
     h.update(memoryview(buf)[data0:data0 + end])
