@@ -104,7 +104,23 @@ def group_by_model(rows, models: dict) -> dict:
     return out
 
 
-class ChunkStore(ABC):
+class LookupCounts:
+    """`lookup`: `get` plus hit/miss accounting (what the engine calls), for a store or a view of one. The
+    instance keeps ``hits``, ``misses`` and ``bytes_loaded``."""
+
+    hits = misses = bytes_loaded = 0
+
+    def lookup(self, key: str) -> ChunkKV | None:
+        kv = self.get(key)
+        if kv is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self.bytes_loaded += kv.nbytes
+        return kv
+
+
+class ChunkStore(LookupCounts, ABC):
     """A key -> ChunkKV map. Implementations never return a corrupt or foreign entry: they return None
     (a miss) and record the problem in `self.problems`.
 
@@ -209,16 +225,6 @@ class ChunkStore(ABC):
         self._problems.append(f"{key}: {problem}")
         log.warning("kvstitch store %s: entry %s not used (%s); it will be recomputed and overwritten",
                     type(self).__name__, key, problem)
-
-    def lookup(self, key: str) -> ChunkKV | None:
-        """`get` plus hit/miss accounting (what the engine calls)."""
-        kv = self.get(key)
-        if kv is None:
-            self.misses += 1
-        else:
-            self.hits += 1
-            self.bytes_loaded += kv.nbytes
-        return kv
 
     def stats(self) -> dict:
         return {"backend": type(self).__name__, "storage_dtype": self.storage_dtype, "hits": self.hits,

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import hashlib
 
-from .base import check_key
+from .base import LookupCounts, check_key
 
 TAG_HEX = 8  # the hex digits of a tenant's key that name its tenant
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("kvstitch_tenant", default=None)
@@ -91,7 +91,7 @@ def tenant_scope(tenant: str | None):
         _CURRENT.reset(token)
 
 
-class TenantView:
+class TenantView(LookupCounts):
     """The store as one tenant sees it: its namespace read and written, the shared tenant's read only."""
 
     def __init__(self, inner, tenant: str, shared: str | None = None):
@@ -111,15 +111,6 @@ class TenantView:
             if kv is not None:
                 return kv
         return None
-
-    def lookup(self, key: str):
-        kv = self.get(key)
-        if kv is None:
-            self.misses += 1
-        else:
-            self.hits += 1
-            self.bytes_loaded += kv.nbytes
-        return kv
 
     def __contains__(self, key: str) -> bool:
         return any(k in self.inner for k in self._reads(key))
