@@ -11,13 +11,13 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 from .engine import Engine, GenerationResult, GenerationStats
 from .engine.budget import AutoBudget
 from .core.errors import (BadAutoOption, BadDecodeOption, BadMethodOption, BadRatio, EvalError, InputError,
-                          KVStitchError, MissingExtra, ModelLoadError, PositionRecoveryError, PromptTooLong,
+                          KVStitchDeprecationWarning, KVStitchError, MissingExtra, ModelLoadError, PositionRecoveryError, PromptTooLong,
                           StoreError, UnknownDecodePolicy, UnknownMethod)
 from .decode import PRKV, ArkVale, DecodePolicy, Dense, Quest, ShadowKV, SnapKV
 from .select import methods
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationResult", "GenerationStats", "methods", "KVStitchError", "InputError",
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "methods", "KVStitchError", "KVStitchDeprecationWarning", "InputError",
            "ModelLoadError", "PositionRecoveryError", "StoreError", "EvalError", "MissingExtra", "UnknownMethod",
            "BadMethodOption", "BadRatio", "PromptTooLong", "UnknownDecodePolicy", "BadDecodeOption", "BadAutoOption",
            "AutoBudget", "DecodePolicy", "Dense", "PRKV", "Quest", "ArkVale", "SnapKV", "ShadowKV"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvstitch import Engine
-from kvstitch.engine.budget import DEFAULT_SCHEDULE
+from kvstitch.engine.budget import DEFAULT_SCHEDULE, AutoBudget
 from kvstitch.tasks import generate, scorer_for
 from kvstitch.tasks.haystack import resolve_haystack
 from kvstitch.tasks.agreement import first_words_agree
@@ -66,9 +66,9 @@ def collect(engine, args) -> list[dict]:
                     if (task, i, m) in done:
                         continue
                     t0 = time.perf_counter()
-                    pre = engine.prefill(layout, m, "auto", budget,
-                                         auto={"tol": 0.0, "max_ratio": max(schedule), "schedule": schedule,
-                                               "probe_tokens": args.probe_tokens, "mode": args.mode})
+                    pre = engine.prefill(layout, m, AutoBudget(tol=0.0, max_ratio=max(schedule), schedule=schedule,
+                                                               probe_tokens=args.probe_tokens, mode=args.mode),
+                                         budget)
                     rounds_s = time.perf_counter() - t0  # every round run to the end, probes included
                     rounds = []
                     for r in pre.stats["round_log"]:

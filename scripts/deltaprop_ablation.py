@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvstitch import Engine
-from kvstitch.select import SelectionContext
+from kvstitch.select import SelectionContext, make_selector
 from kvstitch.tasks import generate
 from kvstitch.tasks.metrics import answer_nll
 from kvstitch.eval.runner import EvalConfig, answer_budget, sample_layout
@@ -99,7 +99,7 @@ def main() -> None:
                 for v in todo:
                     m, opts = {"full": ("full", {}), "naive": ("naive", {})}.get(v) or VARIANTS[v]
                     t0 = time.perf_counter()
-                    pre = eng.prefill(lay, m, args.ratio, b, method_options=opts or None)
+                    pre = eng.prefill(lay, make_selector(m, **opts), args.ratio, b)
                     dt = time.perf_counter() - t0
                     tf = eng.teacher_force(pre, ans)
                     row = {"task": task, "index": i, "variant": v, "nll": answer_nll(tf, ans),

@@ -26,7 +26,7 @@ import torch
 from kvstitch import Engine
 from kvstitch.eval.runner import EvalConfig, answer_budget, sample_layout
 from kvstitch.select import make_selector
-from kvstitch.select.base import top_k_indices
+from kvstitch.select.context import top_k_indices
 from kvstitch.select.deltaprop import DeltaProp
 from kvstitch.tasks import generate
 

@@ -22,6 +22,7 @@ import torch
 from kvstitch import Engine
 from kvstitch.eval.runner import sample_layout
 from kvstitch.core.rope import rerotate
+from kvstitch.select import make_selector
 from kvstitch.tasks import generate
 
 VARIANTS = {  # name -> (method, options)
@@ -37,7 +38,7 @@ BANDS = ("lower", "middle", "upper")
 
 def stale_errors(eng, layout, full_cache, method: str, options: dict, ratio: float) -> dict:
     """{(kind, band): summed squared error of the stale tokens' K or V against full prefill}."""
-    pre = eng.prefill(layout, method, ratio, 1, method_options=options or None)
+    pre = eng.prefill(layout, make_selector(method, **options), ratio, 1)
     c0, c1 = layout.context_start, layout.context_end
     stale = torch.ones(c1 - c0, dtype=torch.bool)
     stale[pre.indices] = False

@@ -19,7 +19,7 @@ from importlib import resources
 import torch
 
 from kvstitch import Engine
-from kvstitch.engine.budget import parse_ratio
+from kvstitch.engine.budget import AutoBudget, parse_ratio
 from kvstitch.tasks.agreement import first_words_agree
 
 
@@ -42,6 +42,7 @@ def main() -> None:
     print(f"{len(passages)} passages, {eng.layout('q', passages).n_context} context tokens", flush=True)
     eng.generate(demo["questions"][0]["question"], passages, method="naive", max_new_tokens=1)  # warm + precompute
     settings = [(m, parse_ratio(r)) for m, r in (s.split("@") for s in args.settings.split(","))]
+    auto = AutoBudget.of(json.loads(args.auto)) if args.auto else None  # the @auto settings' budget
     agree = {s: [] for s in settings}
     speed = {s: [] for s in settings}
     for q in demo["questions"]:
@@ -49,8 +50,8 @@ def main() -> None:
         ok = q["answer"].lower() in full.text.lower()
         print(f"full {'right' if ok else 'WRONG'} {q['question']!r} -> {full.text!r} ({full.ttft_s:.2f}s)", flush=True)
         for m, r in settings:
-            res = eng.generate(q["question"], passages, method=m, recompute_ratio=r, max_new_tokens=24,
-                               **({"auto": json.loads(args.auto)} if r == "auto" and args.auto else {}))
+            res = eng.generate(q["question"], passages, method=m, max_new_tokens=24,
+                               recompute_ratio=auto if r == "auto" and auto is not None else r)
             same = first_words_agree(res.text, full.text)
             if ok:
                 agree[(m, r)].append(same)

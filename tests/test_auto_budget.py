@@ -1,5 +1,7 @@
 """recompute_ratio="auto": rounds of growing budget, convergence, the full-prefill fallback, the guard."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,8 +14,8 @@ CHUNKS = SAMPLE_CHUNKS * 2
 
 
 def _gen(eng, method="prophet", ratio="auto", **kw):
-    if ratio == "auto" and not isinstance(kw.get("auto"), dict):
-        kw["auto"] = {"min_context": 0}  # the test prompts are short: make the rounds run
+    if isinstance(ratio, str) and ratio == "auto":
+        ratio = AutoBudget(min_context=0)  # the test prompts are short: make the rounds run
     return eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, recompute_ratio=ratio,
                         max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
 
@@ -21,7 +23,7 @@ def _gen(eng, method="prophet", ratio="auto", **kw):
 @pytest.mark.parametrize("tiny_engine", TINY, indirect=True)
 def test_tolerance_zero_is_full_prefill_exactly(tiny_engine):
     full = _gen(tiny_engine, "full", 0.0)
-    auto = _gen(tiny_engine, auto={"min_context": 0, "tol": 0.0})
+    auto = _gen(tiny_engine, ratio=AutoBudget(min_context=0, tol=0.0))
     assert auto.token_ids == full.token_ids
     assert torch.equal(auto.first_logits, full.first_logits)  # the fallback IS a full prefill
     st = auto.stats
@@ -44,8 +46,9 @@ def test_rounds_never_recompute_a_context_token_twice(smollm_tokenizer, method, 
 
     monkeypatch.setattr(eng, "forward", spy)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
-    res = eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, recompute_ratio="auto", max_new_tokens=4,
-                       auto={"min_context": 0, "tol": 0.0, "max_ratio": 0.5, "mode": "incremental", "schedule": (0.05, 0.1, 0.2, 0.4)})
+    res = eng.generate(SAMPLE_QUESTION, CHUNKS, method=method, max_new_tokens=4,
+                       recompute_ratio=AutoBudget(min_context=0, tol=0.0, max_ratio=0.5, mode="incremental",
+                                                  schedule=(0.05, 0.1, 0.2, 0.4)))
     # never converges: every round runs
     c0, c1 = layout.context_start, layout.context_end
     ctx_slots = [s[(s >= c0) & (s < c1)] for s in seen if s.numel() > 1 or (c0 <= int(s[0]) < c1)]
@@ -64,7 +67,8 @@ def test_rounds_never_recompute_a_context_token_twice(smollm_tokenizer, method, 
 @pytest.mark.parametrize("name", TINY)
 def test_ratio_used_is_the_real_fraction_and_rounds_stop_at_the_first_agreement(smollm_tokenizer, name):
     eng = make_tiny_engine(name, smollm_tokenizer)
-    res = _gen(eng, auto={"min_context": 0, "tol": 1e9, "probe_tokens": 4})  # KL never blocks: a reproduced probe converges
+    # KL never blocks: a reproduced probe converges
+    res = _gen(eng, ratio=AutoBudget(min_context=0, tol=1e9, probe_tokens=4))
     st = res.stats
     agreed = [r["agreed"] for r in st["round_log"]]
     assert agreed[0] is None  # the first round has nothing to compare with
@@ -79,10 +83,10 @@ def test_ratio_used_is_the_real_fraction_and_rounds_stop_at_the_first_agreement(
 def test_converged_answer_equals_greedy_decode_of_the_same_cache(smollm_tokenizer):
     """The answer read off the rounds (probe K/V reused) equals decoding the final round's cache step by step."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    res = _gen(eng, auto={"min_context": 0, "tol": 1e9, "probe_tokens": 3}, max_new_tokens=8)
+    res = _gen(eng, ratio=AutoBudget(min_context=0, tol=1e9, probe_tokens=3), max_new_tokens=8)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
     # same final set, recomputed in one pass: the probe tokens must be that cache's greedy answer
-    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"min_context": 0, "tol": 1e9, "probe_tokens": 3})
+    pre = eng.prefill(layout, "prophet", AutoBudget(min_context=0, tol=1e9, probe_tokens=3), 8)
     tokens = list(eng.decode_tokens(pre, 8))
     assert tokens == res.token_ids
     assert len(res.token_ids) > 3 or eng.finished(res.token_ids)
@@ -90,7 +94,7 @@ def test_converged_answer_equals_greedy_decode_of_the_same_cache(smollm_tokenize
 
 def test_ceiling_below_one_keeps_the_last_round_and_reports_not_converged(smollm_tokenizer):
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    res = _gen(eng, auto={"min_context": 0, "tol": 0.0, "max_ratio": 0.3, "schedule": (0.05, 0.1, 0.2)})
+    res = _gen(eng, ratio=AutoBudget(min_context=0, tol=0.0, max_ratio=0.3, schedule=(0.05, 0.1, 0.2)))
     st = res.stats
     assert st["converged"] is False and st["ratio_used"] < 0.31 and "fallback_s" not in st
     assert [r["ratio"] for r in st["round_log"]] == sorted(r["ratio"] for r in st["round_log"])
@@ -101,9 +105,10 @@ def test_bad_auto_values_are_input_errors(smollm_tokenizer):
     for bad in ("fast", "1.5", -0.1, float("nan"), True, [0.2]):
         with pytest.raises(InputError):
             _gen(eng, ratio=bad)
-    for opts in ({"tol": -1}, {"schedule": [0.4, 0.2]}, {"max_ratio": 0}, {"probe_tokens": 0}, {"bogus": 1}):
+    for spec in ("auto(tol=-1)", "auto(schedule=[0.4,0.2])", "auto(max_ratio=0)", "auto(probe_tokens=0)",
+                 "auto(bogus=1)"):
         with pytest.raises(InputError):
-            _gen(eng, auto=opts)
+            _gen(eng, ratio=spec)
     with pytest.raises(InputError, match="does not rank"):
         _gen(eng, method="naive")
     assert parse_ratio("AUTO") == "auto" and parse_ratio("0.25") == 0.25
@@ -127,7 +132,7 @@ def test_guard_full_returns_full_prefill_answer(smollm_tokenizer):
 def test_refresh_rounds_equal_a_fixed_ratio_prefill_at_their_budget(smollm_tokenizer, name):
     eng = make_tiny_engine(name, smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
-    pre = eng.prefill(layout, "prophet", "auto", 8, auto={"min_context": 0, "tol": 0.0, "max_ratio": 0.3, "mode": "refresh"})
+    pre = eng.prefill(layout, "prophet", AutoBudget(min_context=0, tol=0.0, max_ratio=0.3, mode="refresh"), 8)
     last = pre.stats["round_log"][-1]
     fixed = eng.prefill(layout, "prophet", 0.3, 8)
     assert torch.equal(pre.indices, fixed.indices)
@@ -149,7 +154,7 @@ def test_confidence_signal_accepts_one_round_iff_its_probe_is_sure(smollm_tokeni
     whatever the KL test says (tol=0 never agrees); the answer is then that round's greedy answer, i.e. a
     fixed-ratio prefill at its budget decoded greedily. Just above the probe's own min p, it falls back."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    sure = _gen(eng, auto={"min_context": 0, "tol": 0.0, "schedule": (0.2,), "min_p": 1e-12, "probe_tokens": 4})
+    sure = _gen(eng, ratio=AutoBudget(min_context=0, tol=0.0, schedule=(0.2,), min_p=1e-12, probe_tokens=4))
     st = sure.stats
     assert st["converged"] is True and st["rounds"] == 1 and st["round_log"][0]["confident"] is True
     assert st["ratio_used"] == pytest.approx(st["round_log"][0]["ratio"], abs=1e-6) and st["ratio_used"] < 1.0
@@ -157,8 +162,8 @@ def test_confidence_signal_accepts_one_round_iff_its_probe_is_sure(smollm_tokeni
     fixed = eng.prefill(layout, "prophet", st["round_log"][0]["ratio"], 8)
     assert sure.token_ids == list(eng.decode_tokens(fixed, 8))
     p = st["round_log"][0]["min_p"]
-    unsure = _gen(eng, auto={"min_context": 0, "tol": 0.0, "schedule": (0.2,), "min_p": min(1.0, p * 1.01 + 1e-6),
-                             "probe_tokens": 4})
+    unsure = _gen(eng, ratio=AutoBudget(min_context=0, tol=0.0, schedule=(0.2,), min_p=min(1.0, p * 1.01 + 1e-6),
+                                        probe_tokens=4))
     assert unsure.stats["converged"] is False and unsure.stats["round_log"][0]["confident"] is False
     assert unsure.token_ids == _gen(eng, "full", 0.0).token_ids  # the fallback is full prefill
     for bad in (0.0, 1.5, -0.2, "high"):
@@ -193,13 +198,13 @@ def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_s
     import kvstitch.engine.budget as budget
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    opts = {"min_context": 0, "tol": 0.0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 1}
-    plain = _gen(eng, auto={**opts, "verify_chunks": 0})  # the round's own probe (tol 0: falls back)
+    opts = AutoBudget(min_context=0, tol=0.0, schedule=(0.2,), probe_tokens=4, verify_chunks=1)
+    plain = _gen(eng, ratio=replace(opts, verify_chunks=0))  # the round's own probe (tol 0: falls back)
     probe_text = eng.answer_text(plain.stats["round_log"][0]["probe"], strip=False)
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
     for says, accepted in ((probe_text, True), (probe_text + " and more words", False)):
         monkeypatch.setattr(budget.ShortPrompt, "answer_given", lambda self, guess: says)
-        res = _gen(eng, auto=opts)
+        res = _gen(eng, ratio=opts)
         st = res.stats
         assert st["round_log"][0]["verified"] is accepted and st["converged"] is accepted
         assert st["round_log"][0]["answer"] == probe_text  # what the round said, beside what the check said
@@ -212,9 +217,9 @@ def test_verification_accepts_a_round_iff_its_probe_says_what_the_short_prompt_s
         else:
             assert res.token_ids == _gen(eng, "full", 0.0).token_ids
     monkeypatch.undo()
-    res = _gen(eng, auto=opts)  # the real short prompt: its answer and chunks are reported
+    res = _gen(eng, ratio=opts)  # the real short prompt: its answer and chunks are reported
     assert res.stats["verify"]["chunks"] == [2] and isinstance(res.stats["verify"]["answer"], str)
-    few = _gen(eng, auto={**opts, "verify_chunks": len(CHUNKS)})  # the short prompt would be the whole prompt
+    few = _gen(eng, ratio=replace(opts, verify_chunks=len(CHUNKS)))  # the short prompt would be the whole prompt
     assert few.stats["auto_skipped"] == "few_chunks" and few.token_ids == _gen(eng, "full", 0.0).token_ids
     for bad in (-1, True, 1.5, "2"):
         with pytest.raises(InputError, match="verify_chunks"):
@@ -296,8 +301,8 @@ def test_attention_verification_prefills_the_chunks_the_first_round_selects(smol
         return real(engine, layout, m, by, selected)
 
     monkeypatch.setattr(budget, "verification_chunks", spy)
-    opts = {"min_context": 0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 2, "verify_by": "attention"}
-    res = _gen(eng, auto=opts)
+    opts = AutoBudget(min_context=0, schedule=(0.2,), probe_tokens=4, verify_chunks=2, verify_by="attention")
+    res = _gen(eng, ratio=opts)
     assert seen["by"] == "attention" and seen["selected"].numel() == round(0.2 * seen["n"])
     layout = eng.layout(SAMPLE_QUESTION, CHUNKS)
     fixed = eng.prefill(layout, "prophet", 0.2, 8)
@@ -311,14 +316,14 @@ def test_answer_level_acceptance_ignores_wording(smollm_tokenizer, monkeypatch):
     import kvstitch.engine.budget as budget
 
     eng = make_tiny_engine("llama", smollm_tokenizer)
-    opts = {"min_context": 0, "tol": 0.0, "schedule": (0.2,), "probe_tokens": 4, "verify_chunks": 1}
-    probe = _gen(eng, auto={**opts, "verify_chunks": 0}).stats["round_log"][0]["probe"]
+    opts = AutoBudget(min_context=0, tol=0.0, schedule=(0.2,), probe_tokens=4, verify_chunks=1)
+    probe = _gen(eng, ratio=replace(opts, verify_chunks=0)).stats["round_log"][0]["probe"]
     probe_text = eng.answer_text(probe, strip=False)
     first = probe_text.strip().splitlines()[0] if probe_text.strip() else ""
     says = f"{first.upper()}!\nsomething else entirely, said at length"
     monkeypatch.setattr(budget.ShortPrompt, "answer_given", lambda self, guess: says)
-    words = _gen(eng, auto=opts).stats["round_log"][0]["verified"]
-    answer = _gen(eng, auto={**opts, "accept": "answer"}).stats["round_log"][0]["verified"]
+    words = _gen(eng, ratio=opts).stats["round_log"][0]["verified"]
+    answer = _gen(eng, ratio=replace(opts, accept="answer")).stats["round_log"][0]["verified"]
     from kvstitch.tasks.agreement import first_words_agree, same_answer
     assert answer is same_answer(probe_text, says) and words is first_words_agree(probe_text, says)
     assert same_answer("The Reyne Tower.", "reyne tower\nbuilt in 1887") and not same_answer("Reyne", "Tower")

@@ -14,8 +14,9 @@ from kvstitch import Engine
 from kvstitch.engine import GenerationRequest
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.engine.batch import DecodeStep, RecomputeStep, can_batch, plain_plan
+from kvstitch.engine.prefill import recompute_step
 from kvstitch.core.errors import InputError
-from kvstitch.serve.core import Job
+from kvstitch.serve.jobs import Job
 from kvstitch.serve.prometheus import Metrics
 from kvstitch.serve.server import create_app
 from kvstitch.serve.testing import ServerThread
@@ -107,9 +108,9 @@ def test_what_cannot_pack_runs_alone(smollm_tokenizer):
         assert not plain_plan(plan)
     lay = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS[:2])
     pre = eng.prefill(lay, "random", 0.3, 4)
-    step = eng.recompute_step(pre.cache, lay, pre.indices, ForwardPlan(ape=(1.0, 1.0, lay.context_start,
+    step = recompute_step(pre.cache, lay, pre.indices, ForwardPlan(ape=(1.0, 1.0, lay.context_start,
                                                                            lay.context_end)))
-    other = eng.recompute_step(eng.prefill(lay, "random", 0.3, 4).cache, lay, pre.indices)
+    other = recompute_step(eng.prefill(lay, "random", 0.3, 4).cache, lay, pre.indices)
     assert not can_batch(step) and can_batch(other)
     with pytest.raises(InputError):
         eng.recompute_batch([step, other])

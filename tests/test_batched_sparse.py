@@ -2,7 +2,6 @@
 one forward (`Engine.decode_batch`); every batched answer equals the same request decoded alone."""
 
 import pytest
-import torch
 
 from kvstitch.decode import make_policy
 from kvstitch.engine.batch import DecodeStep
@@ -23,9 +22,14 @@ def _context(i: int) -> list[str]:
 
 
 def _request(i: int, decode: str, max_new: int, **kw) -> GenerationRequest:
+    """``decode``'s small options: the policy's in its object, the decoder's page size in decode_options."""
+    opts = POLICIES.get(decode, {})
+    fields = {k: v for k, v in opts.items() if k != "page_size"}
+    pages = {k: v for k, v in opts.items() if k == "page_size"}
     return GenerationRequest(question=QUESTIONS[i % len(QUESTIONS)], chunks=_context(i), method="random",
-                             recompute_ratio=0.3, max_new_tokens=max_new, decode=decode, kv_budget=48,
-                             decode_options=dict(POLICIES[decode]) if decode in POLICIES else None, **kw)
+                             recompute_ratio=0.3, max_new_tokens=max_new,
+                             decode=make_policy(decode, **fields) if fields else decode, kv_budget=48,
+                             decode_options=pages or None, **kw)
 
 
 def drive(engine, requests: list[GenerationRequest], cancel: dict | None = None) -> list:

@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from kvstitch.eval.calibrate import Config, calibrate, configs, frontier_at, parse_auto, perfect_frontier, write_config
 from kvstitch.cli.main import app
-from kvstitch.core.errors import InputError
+from kvstitch.core.errors import BadAutoOption, InputError, KVStitchDeprecationWarning
+from kvstitch.engine.budget import AutoBudget
 from kvstitch.tasks.datasets import load_dataset
 from kvstitch.serve.config import load_toml, read_answer_settings, read_config
 
@@ -51,8 +52,8 @@ def test_calibrate_writes_a_config_serve_and_ask_read(tmp_path, smollm_tokenizer
     params = _serve_params(conf)  # serve accepts the file (the [calibration] record is not an option)
     assert params["method"] == c.method and params["port"] == 9001
     assert str(params["ratio"]) == str(c.ratio if c.ratio == "auto" else float(c.ratio))
-    if c.ratio == "auto":
-        assert json.loads(params["auto"]) == c.auto
+    if c.ratio == "auto":  # the [auto] table reaches serve as its auto spec
+        assert params["auto"] == AutoBudget.of(c.auto).spec
     assert read_answer_settings(conf)["method"] == c.method  # ask --config
     # a rerun resumes: nothing measured again
     again = calibrate(eng, samples, cfgs, tmp_path / "out", target=0.5, config_path=None)
@@ -65,10 +66,15 @@ def test_an_auto_table_reaches_serve_as_its_auto_option(tmp_path):
     write_config(conf, {"method": "deltaprop", "ratio": "auto", "auto": {"schedule": [0.05, 0.1], "tol": 0.02}},
                  {"agreement": 0.9, "n": 3})
     params = _serve_params(conf)
-    assert params["ratio"] == "auto" and json.loads(params["auto"]) == {"schedule": [0.05, 0.1], "tol": 0.02}
+    assert params["ratio"] == "auto" and params["auto"] == "auto(tol=0.02)"  # the table as its canonical spec
     from kvstitch.cli.serve import parse_auto_option
 
-    assert parse_auto_option(params["auto"]).schedule == (0.05, 0.1)
+    assert parse_auto_option(params["auto"]) == AutoBudget(schedule=(0.05, 0.1), tol=0.02)
+    assert parse_auto_option("tol=0.02") == parse_auto_option("auto:tol=0.02") == AutoBudget(tol=0.02)
+    with pytest.warns(KVStitchDeprecationWarning, match="--auto as JSON is deprecated"):
+        assert parse_auto_option('{"tol": 0.02}') == AutoBudget(tol=0.02)  # JSON: still read, once more
+    with pytest.raises(BadAutoOption, match="--auto: unknown auto option"):
+        parse_auto_option("auto(bogus=1)")
     # choosing a fixed ratio later drops the stale auto table
     write_config(conf, {"method": "prophet", "ratio": 0.2, "auto": None}, {"agreement": 0.5, "n": 3})
     data = load_toml(conf)

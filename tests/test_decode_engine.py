@@ -1,7 +1,6 @@
 """Sparse decode wired into Engine.generate: a budget >= context reproduces dense decode exactly."""
 
 import pytest
-import torch
 
 from kvstitch import InputError
 from kvstitch.decode import DECODE_POLICIES, make_policy
@@ -15,11 +14,12 @@ def test_large_budget_equals_dense_decode(tiny_engine, policy):
     dense = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="random", recompute_ratio=0.3,
                                  max_new_tokens=6)
     ad = tiny_engine.adapter  # shadowkv's keys are low-rank: exact only at full rank
-    opts = {"rank": ad.num_kv_heads * ad.head_dim} if policy == "shadowkv" else None
+    opts = {"rank": ad.num_kv_heads * ad.head_dim} if policy == "shadowkv" else {}
     sparse = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="random", recompute_ratio=0.3,
-                                  max_new_tokens=6, decode=policy, kv_budget=4096, decode_options=opts)
+                                  max_new_tokens=6, decode=make_policy(policy, **opts) if opts else policy,
+                                  kv_budget=4096)
     assert sparse.token_ids == dense.token_ids
-    assert sparse.stats["decode_policy"] == make_policy(policy, **(opts or {})).spec  # what ran, options in it
+    assert sparse.stats["decode_policy"] == make_policy(policy, **opts).spec  # what ran, options in it
 
 
 @pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
@@ -35,10 +35,9 @@ def test_small_budget_runs_and_bad_policy_is_refused(tiny_engine):
 
 @pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
 def test_methods_that_change_decode_attention_refuse_sparse_decoders(tiny_engine):
-    for method, opts in [("ape", None), ("a3", {"evict_capacity": 8})]:
+    for method in ["ape", "a3(evict_capacity=8)"]:
         with pytest.raises(InputError, match="changes decode attention"):
-            tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=method, method_options=opts,
-                                 decode="prkv", kv_budget=512)
+            tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=method, decode="prkv", kv_budget=512)
     res = tiny_engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="a3", max_new_tokens=3, decode="prkv",
                                kv_budget=512)  # a3 without eviction leaves decode alone
     assert res.stats["decode_policy"] == "prkv"

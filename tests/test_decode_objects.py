@@ -48,6 +48,8 @@ def _candidates(hint, default) -> list:
     if typing.get_origin(hint) is tuple:
         return [(0.1,), (0.1, 0.2)]
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return [a for a in args if a != default]
     if args:  # a union: each arm's values, none first when it is not the default
         return ([None] if type(None) in args and default is not None else []) + \
             [v for a in args if a is not type(None) for v in _candidates(a, default)]
@@ -229,7 +231,7 @@ def test_auto_budget_object_spec_and_options_run_alike(engine):
     opts = {"min_context": 0, "tol": 0.05, "schedule": [0.1, 0.3]}
     obj = AutoBudget(**opts)
     runs = [engine.generate(SAMPLE_QUESTION, AUTO_CHUNKS, method="prophet", max_new_tokens=6, **kw) for kw in (
-        {"recompute_ratio": obj}, {"recompute_ratio": obj.spec}, {"recompute_ratio": "auto", "auto": opts},
+        {"recompute_ratio": obj}, {"recompute_ratio": obj.spec}, {"recompute_ratio": AutoBudget.of(opts)},
         {"recompute_ratio": "auto:min_context=0,tol=0.05,schedule=[0.1,0.3]"})]
     assert obj.spec == "auto(schedule=[0.1,0.3],tol=0.05,min_context=0)"
     assert all(r.token_ids == runs[0].token_ids for r in runs)
@@ -249,7 +251,7 @@ def test_server_request_takes_decode_and_auto_specs(engine):
     assert (req.decode, req.ratio, req.auto) == (PRKV(kv_budget=64), "auto", AutoBudget(tol=0.05))
     assert parse_chat_body(body, defaults).decode.spec == "dense"
     run = req.generation(CHUNKS)  # the engine's request: the objects themselves, nothing to parse again
-    assert (run.decode, run.recompute_ratio, run.auto, run.checked) == (req.decode, "auto", req.auto, True)
+    assert (run.decode, run.recompute_ratio, run.auto, run.checked) == (req.decode, req.auto, None, True)
     app_ = create_app(engine, default_method="random", default_ratio=0.3, model_name="tiny", default_decode="full")
     with ServerThread(app_) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
         ok = c.post("/v1/chat/completions", json={**body, "decode": "quest(kv_budget=128)"})
@@ -314,7 +316,7 @@ def test_cli_ask_takes_decode_and_ratio_specs(tiny_model_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert "auto:" in r.output  # the budget note of an adaptive run
     for args, message in [(["--decode", "prkv(bogus=1)"], "unknown option 'bogus'"),
-                          (["--ratio", "auto(tol=-1)"], "auto tol must be a finite number >= 0")]:
+                          (["--ratio", "auto(tol=-1)"], "auto: tol must be a finite number >= 0")]:
         r = runner.invoke(app, ["ask", SAMPLE_QUESTION, *paths, "--model", str(tiny_model_dir), *args])
         assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
 

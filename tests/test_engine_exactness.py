@@ -139,7 +139,7 @@ def test_batched_precompute_equals_one_by_one(tiny_engine):
     assert len({c.numel() for c in layout.chunk_ids}) > 1
     batched = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids, batch_size=4)
     for ids, kv in zip(layout.chunk_ids, batched):
-        one = eng.compute_chunk(layout.prefix_ids, ids)
+        one, = eng.compute_chunks(layout.prefix_ids, [ids])
         assert kv.keys.shape == one.keys.shape and torch.equal(kv.token_ids, ids)
         assert (kv.keys - one.keys).abs().max() < 1e-4 and (kv.values - one.values).abs().max() < 1e-4
 

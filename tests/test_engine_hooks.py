@@ -4,6 +4,8 @@ through them, so a harness reuses work without replacing engine or selector meth
 import pytest
 import torch
 
+from kvstitch.engine.budget import AutoBudget
+
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
 
 ARGS = dict(question=SAMPLE_QUESTION, chunks=SAMPLE_CHUNKS, max_new_tokens=4)
@@ -41,11 +43,12 @@ def test_the_score_hook_decides_the_selection(smollm_tokenizer, ratio):
         own = compute(ctx)  # the method's own scores, computed through the seam
         return torch.arange(own.numel(), dtype=torch.float32)
 
-    auto = {"min_context": 0, "schedule": [0.25], "tol": 1.0, "patience": 1, "max_ratio": 0.5}
+    if ratio == "auto":
+        ratio = AutoBudget(min_context=0, schedule=(0.25,), tol=1.0, patience=1, max_ratio=0.5)
     with eng.hooked(score=hook):
-        res = eng.generate(**ARGS, method="prophet", recompute_ratio=ratio, auto=auto)
+        res = eng.generate(**ARGS, method="prophet", recompute_ratio=ratio)
     n, k = res.stats.context_tokens, len(res.recomputed)
     assert calls == ["prophet"] and 0 < k < n
     assert res.recomputed == list(range(n - k, n))
-    without = eng.generate(**ARGS, method="prophet", recompute_ratio=ratio, auto=auto)
+    without = eng.generate(**ARGS, method="prophet", recompute_ratio=ratio)
     assert without.recomputed != res.recomputed  # prophet's own ranking is not "the last tokens"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvstitch import Engine, GenerationStats
+from kvstitch import AutoBudget, Engine, GenerationStats
 from kvstitch.engine.stats import FIELDS
 from kvstitch.store import MemoryStore
 
@@ -16,9 +16,9 @@ ARGS = dict(question=SAMPLE_QUESTION, chunks=SAMPLE_CHUNKS, max_new_tokens=5)
 # its recall diagnostic, full prefill
 REQUESTS = [
     dict(method="random", recompute_ratio=0.3),
-    dict(method="prophet", recompute_ratio="auto", auto={"min_context": 0, "schedule": [0.1, 0.3]}),
-    dict(method="prophet", recompute_ratio="auto", auto={"min_context": 0, "verify_chunks": 1}),
-    dict(method="prophet", recompute_ratio="auto", auto={"min_context": 10_000}),
+    dict(method="prophet", recompute_ratio=AutoBudget(min_context=0, schedule=(0.1, 0.3))),
+    dict(method="prophet", recompute_ratio=AutoBudget(min_context=0, verify_chunks=1)),
+    dict(method="prophet", recompute_ratio=AutoBudget(min_context=10_000)),
     dict(method="random", recompute_ratio=0.2, guard="full"),
     dict(method="random", recompute_ratio=0.2, decode="prkv", kv_budget=64, decode_options={"diagnostic": True}),
     dict(method="full"),
@@ -37,7 +37,7 @@ def test_every_key_the_engine_writes_is_a_field(smollm_tokenizer, req):
     d = st.to_dict()
     assert json.loads(json.dumps(d)) == d  # JSON as it is
     assert GenerationStats.from_dict(d) == st
-    assert (st.converged is not None) == (req.get("recompute_ratio") == "auto")
+    assert (st.converged is not None) == isinstance(req.get("recompute_ratio"), AutoBudget)
     assert (st.guard is not None) == ("guard" in req)
     if "decode_options" in req:
         assert st.decode_policy == "prkv" and st.kv_budget == 64 and st.decoder and st.decode_recall

@@ -53,7 +53,7 @@ def test_check_method_is_the_one_validation():
 @pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
 @pytest.mark.parametrize("kwargs,cls", [
     (dict(method="bogus"), UnknownMethod),
-    (dict(method_options={"bogus": 1}), BadMethodOption),
+    (dict(method="random(bogus=1)"), BadMethodOption),
     (dict(recompute_ratio=1.5), BadRatio),
     (dict(chunks=["word " * 5000]), PromptTooLong),
     (dict(decode="zzz"), UnknownDecodePolicy),
@@ -68,7 +68,7 @@ def test_engine_raises_typed_errors(tiny_engine, kwargs, cls):
 
 
 def test_server_maps_errors_by_type_not_message():
-    from kvstitch.serve.core import input_error
+    from kvstitch.serve.jobs import input_error
 
     for cls, (code, param) in TYPED.items():
         api = input_error(cls("a message without any keyword"))

@@ -17,7 +17,8 @@ from kvstitch.core.errors import BadMethodOption, InputError, UnknownMethod
 from kvstitch.select import (A3, ALIASES, SELECTORS, CacheClip, DeltaProp, Grouped, InfoFlow, Oracle, Prophet, QCFuse,
                              Random, SelectionContext, Selector, check_method, format_spec, from_mapping, make_selector,
                              methods, resolve_methods, split_specs)
-from kvstitch.select.method import WRAPPED_FLAGS, WRAPPED_HOOKS, field_default, spec_fields, type_hints
+from kvstitch.core.options import field_default
+from kvstitch.select.method import WRAPPED_FLAGS, WRAPPED_HOOKS, spec_fields, type_hints
 from kvstitch.core.spec import format_value
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
@@ -294,13 +295,13 @@ def test_a_wrapper_over_a3_keeps_its_eviction_and_the_decode_guard(spec, smollm_
 SPEC = "deltaprop(base=infoflow(reorder=max),alpha_k=0.5)"
 
 
-def test_generate_takes_an_object_a_spec_or_method_options(smollm_tokenizer):
+def test_generate_takes_an_object_a_spec_or_make_selector_options(smollm_tokenizer):
     eng = make_tiny_engine("llama", smollm_tokenizer)
     kw = dict(recompute_ratio=0.3, max_new_tokens=3)
     a = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=DeltaProp(base=InfoFlow(reorder="max"), alpha_k=0.5), **kw)
     b = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=SPEC, **kw)
-    c = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="deltaprop:base=infoflow_reorder_max",
-                     method_options={"alpha_k": 0.5}, **kw)
+    c = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=make_selector("deltaprop:base=infoflow_reorder_max",
+                                                                          alpha_k=0.5), **kw)
     d = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="deltaprop", **kw)
     for r in (b, c):
         assert r.recomputed == a.recomputed and r.token_ids == a.token_ids and r.stats["order"] == a.stats["order"]

@@ -130,8 +130,8 @@ def test_masked_keys_are_really_evicted_for_decode(smollm_tokenizer):
 def test_generate_with_eviction(smollm_tokenizer):
     eng = make_tiny_engine("llama", smollm_tokenizer)
     base = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="a3", recompute_ratio=0.2, max_new_tokens=6)
-    ev = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="a3", recompute_ratio=0.2, max_new_tokens=6,
-                      method_options={"evict_capacity": 8})
+    ev = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="a3(evict_capacity=8)", recompute_ratio=0.2,
+                      max_new_tokens=6)
     assert torch.equal(base.first_logits, ev.first_logits)  # eviction happens after the first token
     assert ev.stats["evict_capacity"] == 8
     assert ev.stats["kv_kept_per_head"] == ev.stats["prefix_tokens"] + ev.stats["suffix_tokens"] + 8

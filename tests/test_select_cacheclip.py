@@ -9,7 +9,7 @@ from kvstitch.core.attention import ForwardPlan
 from kvstitch.models.loader import resolve_model
 from kvstitch.core.prompt import PromptLayout
 from kvstitch.select import SelectionContext, make_selector
-from kvstitch.select import base as select_base
+from kvstitch.select import context as select_context
 from kvstitch.core.errors import InputError
 from kvstitch.select.cacheclip import align_scores, decode_spans, encode_with_spans, spans_of_ids
 from kvstitch.select.grouping import grouped_top_k
@@ -181,8 +181,8 @@ def test_cacheclip_recomputes_fewer_tokens_by_default_refill_is_an_option(smollm
     named = make_selector("cacheclip_refill", aux_engine=aux)  # the registered variant (for the eval)
     assert named.exact_budget and not make_selector("cacheclip").exact_budget
     assert torch.equal(named.select(ctx)[0], full)
-    res = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="cacheclip", recompute_ratio=0.2, max_new_tokens=1,
-                       method_options={"aux_engine": aux})
+    res = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=make_selector("cacheclip", aux_engine=aux),
+                       recompute_ratio=0.2, max_new_tokens=1)
     assert res.stats["recomputed_tokens"] == len(res.recomputed) == idx.numel()
 
 
@@ -204,10 +204,10 @@ def test_cacheclip_grouping_options(smollm_tokenizer):
 def test_cacheclip_default_pair(gemma, smollm):
     # the default auxiliary model is the embedded SmolLM2, loaded once per process: reuse the fixture's
     key = (None, "cpu", "torch.float32")
-    select_base._AUXILIARY.setdefault(key, smollm)
+    select_context._AUXILIARY.setdefault(key, smollm)
     sel = make_selector("cacheclip")
     ctx = _ctx(gemma, 0.2)
-    assert sel._aux(ctx) is select_base._AUXILIARY[key]
+    assert sel._aux(ctx) is select_context._AUXILIARY[key]
     sel.aux_engine = smollm
     recorded = []
     aux_token_scores = sel.aux_token_scores

@@ -5,6 +5,7 @@ import torch
 
 from kvstitch.core.errors import BadMethodOption
 from kvstitch.core.rope import rerotate, rope_table
+from kvstitch.engine.budget import AutoBudget
 from kvstitch.select import SelectionContext, make_selector
 from kvstitch.select.deltaprop import DeltaCache
 
@@ -91,7 +92,7 @@ def test_on_a_model_the_propagated_values_are_closer_to_full_prefill(smollm_toke
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     full, _ = eng.full_prefill(layout)
     c0, c1 = layout.context_start, layout.context_end
-    pre_d = eng.prefill(layout, "deltaprop", 0.3, method_options={"probe_stride": 0})  # same selection
+    pre_d = eng.prefill(layout, "deltaprop(probe_stride=0)", 0.3)  # same selection
     pre_p = eng.prefill(layout, "prophet", 0.3)
     assert torch.equal(pre_d.indices, pre_p.indices)
     stale = torch.ones(c1 - c0, dtype=torch.bool)
@@ -112,13 +113,14 @@ def test_full_ratio_is_full_prefill_and_zero_is_naive(smollm_tokenizer, opts):
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     _, full = eng.full_prefill(layout)
-    got = eng.prefill(layout, "deltaprop", 1.0, method_options=opts).logits[-1]
+    method = make_selector("deltaprop", **opts)
+    got = eng.prefill(layout, method, 1.0).logits[-1]
     assert torch.allclose(got, full[-1], atol=1e-3)
     naive = eng.prefill(layout, "naive", 0.0).logits[-1]
-    assert torch.equal(eng.prefill(layout, "deltaprop", 0.0, method_options=opts).logits[-1], naive)
+    assert torch.equal(eng.prefill(layout, method, 0.0).logits[-1], naive)
     # and at 20% the correction changes the answer's logits (it is not a no-op), the linear part and the work
     # budget's token set too
-    at20 = eng.prefill(layout, "deltaprop", 0.2, method_options=opts).logits[-1]
+    at20 = eng.prefill(layout, method, 0.2).logits[-1]
     assert not torch.allclose(at20, eng.prefill(layout, "prophet", 0.2).logits[-1])
     if opts != {"fit": "mean"}:
         assert not torch.allclose(at20, eng.prefill(layout, "deltaprop", 0.2).logits[-1])
@@ -128,8 +130,8 @@ def test_auto_rounds_start_from_the_stitched_cache(smollm_tokenizer):
     """In ratio="auto" (refresh rounds) each round's cache is the fixed-ratio deltaprop cache at its budget."""
     eng = make_tiny_engine("llama", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
-    auto = {"schedule": [0.1, 0.3], "max_ratio": 0.3, "tol": 0.0, "min_context": 0, "probe_tokens": 1}
-    got = eng.prefill(layout, "deltaprop", "auto", 1, auto=auto)
+    auto = AutoBudget(schedule=(0.1, 0.3), max_ratio=0.3, tol=0.0, min_context=0, probe_tokens=1)
+    got = eng.prefill(layout, "deltaprop", auto, 1)
     fixed = eng.prefill(layout, "deltaprop", 0.3, 1)
     assert torch.equal(got.indices, fixed.indices)
     assert torch.allclose(got.logits[-1], fixed.logits[-1], atol=1e-4)

@@ -11,6 +11,8 @@ import torch
 from kvstitch.core.attention import ForwardPlan, kvstitch_attention, scope_mask
 from kvstitch.core.errors import BadMethodOption
 from kvstitch.engine.batch import plain_plan
+from kvstitch.engine.budget import AutoBudget
+from kvstitch.engine.prefill import recompute_step
 from kvstitch.select import DeltaProp, SelectionContext, Selector, make_selector
 from kvstitch.select.deltaprop import DeltaCache, union_scores
 from kvstitch.select.qcfuse import QCFuse
@@ -105,6 +107,37 @@ def test_union_on_a_model_holds_each_layers_top_share_and_differs_from_the_mean(
     assert not torch.equal(idx, plain)
 
 
+def test_per_layer_scores_are_a_declared_hook_that_wrappers_forward():
+    assert make_selector("prophet").has_layer_scores() and TwoLayers().has_layer_scores()
+    assert not make_selector("random").has_layer_scores() and make_selector("random").layer_scores(None) is None
+    assert make_selector("grouped(base=prophet)").has_layer_scores()
+    assert make_selector("grouped(base=qcfuse)").has_layer_scores()
+    assert not make_selector("grouped(base=random)").has_layer_scores()
+
+
+def test_union_over_grouped_prophet_groups_the_union_of_prophets_layers(smollm_tokenizer):
+    """``deltaprop(base=grouped(base=prophet), fusion=union)``: grouped's scores are prophet's per layer, so the
+    union is built from them, and grouped's windows then pick from it; the request runs end to end."""
+    from kvstitch.select.grouping import grouped_top_k
+
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    sel = make_selector("deltaprop(base=grouped(base=prophet,group_min=2),fusion=union,probe_stride=0)")
+    budget = 24
+    ctx = _ctx(eng, budget)
+    idx, _ = sel.select(ctx)
+    per_layer = make_selector("prophet").layer_scores(_ctx(eng, budget))
+    fused = torch.stack(list(per_layer.values())).mean(0)
+    want = grouped_top_k(union_scores(list(per_layer.values()), fused), budget, 8, 2)
+    assert torch.equal(idx, want) and "grouping_dropped" in ctx.stats
+    res = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method=sel, recompute_ratio=0.3, max_new_tokens=3)
+    assert len(res.token_ids) == 3 and res.method == sel.label and res.stats["grouping_dropped"] >= 0
+
+
+def test_union_over_a_wrapper_of_a_base_without_layer_scores_is_refused():
+    with pytest.raises(BadMethodOption, match=r"needs a base with per-layer scores .*grouped\(base=random\)"):
+        make_selector("deltaprop(base=grouped(base=random),fusion=union)")
+
+
 # ---- attend_top ------------------------------------------------------------------------------------------------
 def test_scope_mask_and_attention_follow_the_segments():
     """A query sees a key only where ``sees`` allows and causally; slots past the segment vector are free."""
@@ -146,7 +179,7 @@ def _recomputed_kv(eng, sel, perturb=None, budget=30):
             layer.values[:, :, a:b] += torch.randn(layer.values[:, :, a:b].shape, generator=g)
     idx, _ = sel.select(ctx)
     plan = sel.recompute_plan(ctx)
-    step = eng.recompute_step(ctx.cache, ctx.layout, idx, plan)
+    step = recompute_step(ctx.cache, ctx.layout, idx, plan)
     eng.forward(step.cache, step.ids, step.slots, step.plan)
     return ctx, idx, plan
 
@@ -225,18 +258,19 @@ def test_a_limited_scope_changes_attention_even_at_full_recompute(opts, smollm_t
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     _, full = eng.full_prefill(layout)
-    at100 = eng.prefill(layout, "deltaprop", 1.0, method_options=opts)
+    method = make_selector("deltaprop", **opts)
+    at100 = eng.prefill(layout, method, 1.0)
     assert at100.indices.numel() == layout.n_context and len(at100.stats["attend_top_chunks"]) == opts["attend_top"]
     assert not torch.allclose(at100.logits[-1], full[-1], atol=1e-3)
     naive = eng.prefill(layout, "naive", 0.0).logits[-1]
-    assert torch.equal(eng.prefill(layout, "deltaprop", 0.0, method_options=opts).logits[-1], naive)
+    assert torch.equal(eng.prefill(layout, method, 0.0).logits[-1], naive)
 
 
 def test_auto_rounds_keep_the_scope(smollm_tokenizer):
     eng = make_tiny_engine("llama", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
-    auto = {"schedule": [0.1, 0.3], "max_ratio": 0.3, "tol": 0.0, "min_context": 0, "probe_tokens": 1}
-    got = eng.prefill(layout, "deltaprop(attend_top=1)", "auto", 1, auto=auto)
+    auto = AutoBudget(schedule=(0.1, 0.3), max_ratio=0.3, tol=0.0, min_context=0, probe_tokens=1)
+    got = eng.prefill(layout, "deltaprop(attend_top=1)", auto, 1)
     fixed = eng.prefill(layout, "deltaprop(attend_top=1)", 0.3, 1)
     plain = eng.prefill(layout, "deltaprop", 0.3, 1)
     assert torch.equal(got.indices, fixed.indices)
@@ -270,8 +304,8 @@ def test_a_scope_over_every_passage_is_no_scope(smollm_tokenizer):
     eng = make_tiny_engine("qwen2", smollm_tokenizer)
     layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     _, full = eng.full_prefill(layout)
-    opts = {"attend_top": len(SAMPLE_CHUNKS)}
-    assert torch.allclose(eng.prefill(layout, "deltaprop", 1.0, method_options=opts).logits[-1], full[-1], atol=1e-3)
-    got = eng.prefill(layout, "deltaprop", 0.3, method_options=opts)
+    method = make_selector("deltaprop", attend_top=len(SAMPLE_CHUNKS))
+    assert torch.allclose(eng.prefill(layout, method, 1.0).logits[-1], full[-1], atol=1e-3)
+    got = eng.prefill(layout, method, 0.3)
     assert "attend_top_chunks" not in got.stats
     assert torch.equal(got.logits[-1], eng.prefill(layout, "deltaprop", 0.3).logits[-1])

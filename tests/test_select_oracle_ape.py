@@ -66,6 +66,23 @@ def test_oracle_ideal_is_eq5_as_in_appendix_f(smollm_tokenizer):
     assert torch.equal(make_selector("oracle_ideal").score(ctx), got)
 
 
+@pytest.mark.parametrize("mode", ["attention", "ideal"])
+def test_oracle_scores_over_the_full_prefill_its_context_is_given(mode, smollm_tokenizer, monkeypatch):
+    """A caller's full prefill reaches the oracle through the request's context (`SelectionContext.exact_cache`),
+    never through state on the method object: the same scores, and the context is not prefilled again."""
+    eng = make_tiny_engine("llama", smollm_tokenizer)
+    oracle = make_selector("oracle", mode=mode)
+    own = oracle.score(make_ctx(eng))
+    ctx = make_ctx(eng)
+    ctx.exact_cache, _ = eng.full_prefill(ctx.layout)
+    calls = []
+    real = eng.forward
+    monkeypatch.setattr(eng, "forward", lambda cache, ids, *a, **k: (calls.append(len(ids)), real(cache, ids, *a, **k))[1])
+    torch.testing.assert_close(oracle.score(ctx), own, rtol=1e-5, atol=1e-6)
+    assert ctx.layout.context_end not in calls  # no second prefill of prefix + context
+    assert oracle == make_selector("oracle", mode=mode) and not hasattr(oracle, "exact_cache")
+
+
 # ---- APE --------------------------------------------------------------------------------------------
 def _ape_block_reference(q, k, v, c0, c1, T, S, scaling, slots):
     """APE as three blocks merged by their LogSumExps (the reference implementation's structure):
@@ -107,8 +124,8 @@ def test_ape_attention_matches_block_form():
 def test_ape_with_unit_temperature_and_scale_equals_naive(arch, smollm_tokenizer):
     eng = make_tiny_engine(arch, smollm_tokenizer)
     naive = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="naive", max_new_tokens=6)
-    ape1 = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="ape", recompute_ratio=0.5, max_new_tokens=6,
-                        method_options={"temperature": 1.0, "scale": 1.0})
+    ape1 = eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, method="ape(temperature=1.0,scale=1.0)", recompute_ratio=0.5,
+                        max_new_tokens=6)
     assert ape1.recomputed == []
     assert (naive.first_logits - ape1.first_logits).abs().max().item() < 1e-4
     assert naive.token_ids == ape1.token_ids

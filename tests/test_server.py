@@ -415,7 +415,7 @@ def test_engine_failure_is_reported_and_the_worker_survives(engine):
 
 
 def test_queue_admission_counts_the_running_job():
-    from kvstitch.serve.core import Job, QueueFull
+    from kvstitch.serve.jobs import Job, QueueFull
     from kvstitch.serve.prometheus import Metrics
     from kvstitch.serve.worker import EngineWorker
 

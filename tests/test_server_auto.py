@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvstitch.engine.budget import AutoBudget
 from kvstitch.serve.server import create_app
 from kvstitch.serve.testing import ServerThread
 
@@ -38,8 +39,8 @@ def test_auto_is_the_default_and_reports_rounds(client, engine):
     assert ext["ratio"] == "auto" and isinstance(ext["converged"], bool) and ext["rounds"] >= 1
     assert 0 < ext["ratio_used"] <= 1.0
     direct = engine.generate(messages=[{"role": "user", "content": SAMPLE_QUESTION}], chunks=SAMPLE_CHUNKS,
-                             method="prophet", recompute_ratio="auto", max_new_tokens=6, guard="full",
-                             auto={"min_context": 0})
+                             method="prophet", recompute_ratio=AutoBudget(min_context=0), max_new_tokens=6,
+                             guard="full")
     assert r.json()["choices"][0]["message"]["content"] == direct.text
 
 

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 import torch
 from rich.progress import Progress
 
+from kvstitch.engine.answer import observation_queries
 from kvstitch.core.cache import StitchCache
+from kvstitch.select import make_selector
 from .decode_setup import check_inputs, decoder_options, positive_int, probe_decoder
 
 DEFAULT_POLICIES = ("prkv", "quest", "snapkv", "arkvale", "shadowkv")
@@ -78,7 +80,7 @@ class _Sample:
         # with RULER's answer prefix, as `kvstitch eval` prompts (`eval.runner.sample_layout`)
         layout = with_answer_prefix(engine.layout(sample.question, sample.chunks), engine.tokenizer,
                                     sample.meta.get("answer_prefix"))
-        pre = engine.prefill(layout, method, ratio, max_tokens, method_options)
+        pre = engine.prefill(layout, make_selector(method, **(method_options or {})), ratio, max_tokens)
         self.cache, self.layout, logits = pre.cache, pre.layout, pre.logits
         self.n = self.cache.length
         self.first = int(torch.argmax(logits[-1]))
@@ -90,7 +92,7 @@ class _Sample:
         """Observation queries of the last `OBS_WINDOW` prompt tokens (each decoder keeps its local window's
         worth: the observation window is the local window, PRKV Sec. 4.1)."""
         if self._obs is None:
-            self._obs = self.engine.observation_queries(self.cache, self.layout.ids, window=self.obs_window)
+            self._obs = observation_queries(self.engine, self.cache, self.layout.ids, window=self.obs_window)
         return self._obs
 
     def runner(self, policy: str | None, budget: int | None, options: dict, diagnostic: bool = False):

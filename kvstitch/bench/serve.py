@@ -35,6 +35,7 @@ import time
 
 from kvstitch.decode.policies import is_dense, make_policy
 from .ttft import context_of_length
+from kvstitch.engine.request import new_decoder
 from kvstitch.engine.precompute import ensure_chunks
 
 QUESTIONS = ["Summarize the passages in one sentence.", "Which numbers are mentioned in the passages?",
@@ -355,7 +356,7 @@ def _add_bounds(engine, rows: list[dict], context: int, max_tokens: int, kv_budg
         if is_dense(policy):
             continue
         if policy not in caps:
-            caps[policy] = engine.new_decoder(policy, kv_budget).cap
+            caps[policy] = new_decoder(engine, policy, kv_budget).cap
         batch = r.get("decode_batch")
         batch = batch if batch is not None and batch == batch else r["concurrency"]
         r.update(bytes_bound(m, context + max_tokens // 2, batch, caps[policy]))

@@ -72,8 +72,8 @@ def demo_command(method: str = typer.Option("deltaprop", help="stitched method t
     fixed_same, fixed_speedups = 0, []  # the same method at a fixed 20%, for contrast
     for i, q in enumerate(data["questions"], start=1):
         full = eng.generate(q["question"], passages, method="full", max_new_tokens=24)
-        ours = eng.generate(q["question"], passages, method=method, recompute_ratio=ratio, max_new_tokens=24,
-                            auto=auto)
+        ours = eng.generate(q["question"], passages, method=method, max_new_tokens=24,
+                            recompute_ratio=auto if ratio == "auto" else ratio)
         fixed = eng.generate(q["question"], passages, method=method, recompute_ratio=0.2, max_new_tokens=24)
         fixed_same += first_words_agree(fixed.text, full.text)
         fixed_speedups.append(full.ttft_s / fixed.ttft_s)

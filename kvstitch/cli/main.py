@@ -90,14 +90,15 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
     With --system or --messages the prompt is a conversation in the model's chat template (passages after the
     system prompt); without passages it is then a plain chat (full prefill)."""
     from kvstitch.decode import make_policy
-    from kvstitch.engine.budget import AutoBudget, ratio_value
+    from kvstitch.engine.budget import AutoBudget, join_ratio, ratio_value
     from kvstitch.select import check_method
 
     method, ratio, model, decode, auto = _with_config(config, method, ratio, model, decode)
     messages, query = _conversation(question, system, messages_file, bool(chunk), bool(collection))
     texts = _passages(query, chunk or [], collection, top_k, store, collections_dir)
     ratio = ratio_value(ratio)  # a bad value fails before the model loads
-    auto = None if isinstance(ratio, AutoBudget) else auto  # an auto spec on the command line: its options
+    if not isinstance(ratio, AutoBudget):  # an auto spec on the command line: its options, else the file's
+        ratio = join_ratio(ratio, auto)
     decode = make_policy(decode)  # and so does a bad decode policy
     for m in (method, compare):  # and a bad method spec
         if m is not None:
@@ -110,7 +111,7 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
     runs = [(method, ratio)] + ([(compare, ratio)] if compare else [])
     results = [eng.generate(question if messages is None else None, texts, method=m, recompute_ratio=r,
                             max_new_tokens=max_new_tokens, messages=messages, guard="full" if guard else None,
-                            auto=auto, decode=decode)
+                            decode=decode)
                for m, r in runs]
     for res in results:  # each method under its label (a spec may hold brackets: escaped)
         console.print(f"[bold]{escape(res.method)}[/] ({budget_note(res.stats)}, TTFT {res.ttft_s * 1000:.0f} ms): "

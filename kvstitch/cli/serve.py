@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from kvstitch.serve import server
-from kvstitch.core.errors import InputError
+from kvstitch.core.errors import InputError, KVStitchDeprecationWarning
 from kvstitch.corpus.retrieval import collections_root
 from kvstitch.serve.config import SECRET, read_config
 from kvstitch.serve.defaults import ChatDefaults
@@ -68,9 +68,9 @@ def serve_command(
     method: str = typer.Option(DEFAULT_METHOD, "--method", help="default selection method (per-request: 'method')"),
     ratio: str = typer.Option("auto", "--ratio", help="default recompute ratio, 'auto' or an auto spec such as "
                                                       "'auto(tol=0.05)' (per-request: 'ratio')"),
-    auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto' as JSON, e.g. "
-                                                            "'{\"schedule\": [0.05, 0.1]}' (a config's [auto] table; "
-                                                            "per-request: 'auto')"),
+    auto: Optional[str] = typer.Option(None, "--auto", help="default options of ratio 'auto', an auto spec: "
+                                                            "'auto(schedule=[0.05,0.1],tol=0.02)' or 'tol=0.02' (a "
+                                                            "config's [auto] table; per-request: an auto spec ratio)"),
     guard_rate: float = typer.Option(0.0, "--guard-rate", help="fraction of greedy requests verified against full "
                                                                "prefill (disagreements in /metrics)"),
     decode: ServeDecode = DECODE_DEFAULT,
@@ -221,17 +221,33 @@ def _load_engine(model: Optional[str], store: Optional[str], max_bytes: Optional
 
 
 def parse_auto_option(text: str | None):
-    """``--auto`` (JSON options of ratio "auto") -> `AutoBudget`, None when not given; bad options: InputError."""
+    """``--auto`` (an auto spec: ``auto(tol=0.05)``, ``tol=0.05``) -> `AutoBudget`, None when not given; bad
+    options: their typed InputError. JSON options (``{"tol": 0.05}``) are still read, with a deprecation note."""
     if not text:
         return None
-    import json
-
     from kvstitch.engine.budget import AutoBudget
+    from kvstitch.serve.config import auto_spec
 
     try:
-        return AutoBudget.of(json.loads(text))
+        if text.lstrip().startswith("{"):
+            return AutoBudget.of(_deprecated_json(text))
+        return AutoBudget.of(auto_spec(text))
+    except InputError as e:
+        raise type(e)(f"--auto: {e}") from None
+
+
+def _deprecated_json(text: str) -> dict:
+    """``--auto`` as JSON (what it took before auto specs): read, with a note on stderr and a warning."""
+    import json
+    import warnings
+
+    note = "--auto as JSON is deprecated: pass an auto spec, e.g. --auto 'auto(tol=0.05)'"
+    warnings.warn(note, KVStitchDeprecationWarning, stacklevel=3)
+    typer.echo(f"note: {note}", err=True)
+    try:
+        return json.loads(text)
     except ValueError as e:
-        raise InputError(f"--auto: {e}") from None
+        raise InputError(f"not JSON: {e}") from None
 
 
 def _model_id(model: str | None) -> str:

@@ -7,6 +7,11 @@ class KVStitchError(Exception):
     """Base class: the CLI prints `str(err)` on one line and exits non-zero."""
 
 
+class KVStitchDeprecationWarning(DeprecationWarning):
+    """Every deprecation kvstitch warns about (a deprecated keyword or CLI spelling): one class, so callers (and
+    kvstitch's own tests, which make it an error) can filter kvstitch's deprecations apart from other packages'."""
+
+
 class InputError(KVStitchError, ValueError):
     """Bad request: empty question/chunks, ratio out of range, unknown method, prompt too long.
 

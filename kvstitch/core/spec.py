@@ -12,9 +12,10 @@ Grammar (whitespace is free)::
 
 So ``deltaprop(base=infoflow(reorder=max), alpha_k=0.5)`` and ``deltaprop:base=infoflow`` both give a
 `DeltaProp`, ``prkv:kv_budget=512`` a `PRKV` policy, ``auto(tol=0.05)`` an `AutoBudget`. This module is the
-syntax only (text -> `Call`, values -> text); `kvstitch.select.method`, `kvstitch.decode.policies` and
-`kvstitch.engine.budget` build the objects and check each value. ``what`` (the kind of spec, for messages)
-and ``error`` (the typed error a syntax error raises) let each caller keep its own error type.
+syntax only (text -> `Call`, values -> text); `kvstitch.core.options` checks and formats the options of every
+kind, and `kvstitch.select.method`, `kvstitch.decode.policies` and `kvstitch.engine.budget` build the objects.
+``what`` (the kind of spec, for messages) and ``error`` (the typed error a syntax error raises) let each caller
+keep its own error type.
 """
 
 from __future__ import annotations

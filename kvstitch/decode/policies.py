@@ -23,31 +23,34 @@ pages every r steps (default 1), reusing the last ranking between (`BoundPolicy`
 
 A policy is an object (``PRKV(static_ratio=0.5, kv_budget=512)``) or its spec string in the grammar of
 `kvstitch.core.spec` (``"prkv(static_ratio=0.5,kv_budget=512)"``, ``"prkv:kv_budget=512"``): `make_policy`
-builds either, checking every option against its annotation, and `DecodePolicy.spec` writes the canonical
-spec back (the name, then the options that differ from their defaults, in declaration order). ``kv_budget``
-is the one field no policy reads itself: the decoder's budget, None = the request's (`policy_budget`).
+builds either, checking every option against its annotation (`kvstitch.core.options`, as methods and the
+adaptive budget are), and `DecodePolicy.spec` writes the canonical spec back (the name, then the options that
+differ from their defaults, in declaration order). ``kv_budget`` is the one field no policy reads itself: the
+decoder's budget, None = the request's (`policy_budget`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from kvstitch.core.errors import BadDecodeOption, UnknownDecodePolicy
-from kvstitch.core.spec import Call, format_value, parse_call
+from kvstitch.core.options import check_options, format_options
+from kvstitch.core.spec import Call, parse_call
 from .page_scores import bound_scores, box_scores, moment_query, signed_query
 
 DECODE_POLICIES: dict[str, type["DecodePolicy"]] = {}
 # names dense decoding had: commands, configs and result files written with them keep working
 DECODE_ALIASES: dict[str, str] = {"full": "dense"}
 DEFAULT_KV_BUDGET = 1024  # tokens, when neither the policy nor the request gives one
-GROUP_REDUCES = ("max", "mean", "sum", "softmax")
-DIGESTS = ("box", "moments")
+GroupReduce = Literal["max", "mean", "sum", "softmax"]
+Digest = Literal["box", "moments"]
+GROUP_REDUCES = typing.get_args(GroupReduce)
+DIGESTS = typing.get_args(Digest)
 
 
 def register(cls: type["DecodePolicy"]) -> type["DecodePolicy"]:
@@ -68,8 +71,8 @@ def unknown_policy(name) -> UnknownDecodePolicy:
 
 def make_policy(decode: "str | Call | DecodePolicy" = "dense", **options) -> "DecodePolicy":
     """The policy object of ``decode``: a registered name or alias, a spec string (``"prkv(static_ratio=0.5)"``,
-    ``"prkv:kv_budget=512"``) or a policy object; ``options`` (its fields as Python keywords, e.g. a request's
-    ``decode_options``) merged in. Unknown names and options are typed errors naming the valid ones."""
+    ``"prkv:kv_budget=512"``) or a policy object; ``options`` (its fields as Python keywords) merged in. Unknown
+    names and options are typed errors naming the valid ones."""
     if isinstance(decode, DecodePolicy):
         policy = decode
     elif isinstance(decode, (str, Call)):
@@ -114,33 +117,6 @@ def policy_budget(policy: "DecodePolicy", kv_budget: int | None) -> int:
     return policy.kv_budget or kv_budget or DEFAULT_KV_BUDGET
 
 
-@functools.cache
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "none"}
-
-
-def check_types(policy: "DecodePolicy") -> None:
-    """Every option of ``policy`` against its annotation (an integer given for a number becomes a float), or a
-    `BadDecodeOption` saying what the option takes."""
-    for f in dataclasses.fields(policy):
-        if not f.init:
-            continue
-        value, hint = getattr(policy, f.name), _hints(type(policy))[f.name]
-        arms = typing.get_args(hint) or (hint,)
-        if value is None or isinstance(value, (bool, str, float)):
-            ok = type(value) in arms
-        else:
-            ok = isinstance(value, int) and (int in arms or float in arms)
-        if not ok:
-            raise BadDecodeOption(f"{policy.name}: {f.name} must be {' or '.join(_WORDS.get(a, str(a)) for a in arms)}"
-                                  f", got {value!r:.60}")
-        if type(value) is int and int not in arms:
-            object.__setattr__(policy, f.name, float(value))
-
-
 @dataclass
 class DecodePolicy:
     """Base: sinks + local window + pages chosen by `page_scores` (PRKV Sec. 3.4: local tokens always help)."""
@@ -152,7 +128,7 @@ class DecodePolicy:
     kv_budget: int | None = None  # the decoder's budget (tokens); None: the request's (`policy_budget`)
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_options(self, BadDecodeOption)  # every option against its annotation (`kvstitch.core.options`)
         if self.sinks < 0 or self.window < 1:
             raise BadDecodeOption(f"{self.name}: sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
         if self.kv_budget is not None and self.kv_budget < 1:
@@ -162,9 +138,7 @@ class DecodePolicy:
     @property
     def spec(self) -> str:
         """The canonical spec string: parses back to an equal policy (module doc)."""
-        opts = [f"{f.name}={format_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                if f.init and getattr(self, f.name) != f.default]
-        return self.name + (f"({','.join(opts)})" if opts else "")
+        return format_options(self)
 
     def __str__(self) -> str:
         return self.spec
@@ -252,19 +226,14 @@ class BoundPolicy(DecodePolicy):
     the ranking's reads of every candidate's digest and its top-k. Consecutive decode queries are alike (docs/decode.md
     has the measured recall and step time)."""
 
-    group_reduce: str = "max"
-    digest: str = "box"
+    group_reduce: GroupReduce = "max"
+    digest: Digest = "box"
     rerank_interval: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rerank_interval < 1:
             raise BadDecodeOption(f"{self.name}: rerank_interval must be >= 1, got {self.rerank_interval}")
-        if self.group_reduce not in GROUP_REDUCES:
-            raise BadDecodeOption(f"{self.name}: group_reduce must be one of {', '.join(GROUP_REDUCES)}, "
-                                  f"got {self.group_reduce!r}")
-        if self.digest not in DIGESTS:
-            raise BadDecodeOption(f"{self.name}: digest must be one of {', '.join(DIGESTS)}, got {self.digest!r}")
 
     def reduce_group(self, per_head: torch.Tensor, scaling: float | None, head_dim: int) -> torch.Tensor:
         """``[..., G, C]`` per query head bounds -> ``[..., C]`` per KV head scores."""
@@ -323,7 +292,7 @@ class ArkVale(BoundPolicy):
     name: ClassVar[str] = "arkvale"
     sink_pages: int = 1
     kv_head_groups: int = 1
-    group_reduce: str = "sum"
+    group_reduce: GroupReduce = "sum"
 
     def fixed_tokens(self, page_size):
         return self.sink_pages * page_size, self.window
@@ -352,7 +321,7 @@ class StaticSet:
     "auto" for the online choice of App. G), the refresh interval T and SnapKV's score pooling."""
 
     static: ClassVar[bool] = True
-    static_ratio: float | str = 0.25
+    static_ratio: float | Literal["auto"] = 0.25
     refresh_interval: int = 128
     kernel_size: int = 1
 
@@ -374,7 +343,7 @@ class SnapKV(StaticSet, DecodePolicy):
     local window; the page-rounding slack goes to the most recent pages."""
 
     name: ClassVar[str] = "snapkv"
-    static_ratio: float | str = 1.0
+    static_ratio: float | Literal["auto"] = 1.0
     kernel_size: int = 5
 
     def __post_init__(self) -> None:
@@ -408,7 +377,7 @@ class PRKV(StaticSet, BoundPolicy):
     name: ClassVar[str] = "prkv"
     # per query head bounds averaged in the group (Sec. 4.1 averages per-head scores; "softmax" also
     # normalises each head's scores first, as the paper does for the static set)
-    group_reduce: str = "mean"
+    group_reduce: GroupReduce = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()

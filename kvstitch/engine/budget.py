@@ -55,104 +55,99 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 import torch
 
 from kvstitch.core.errors import BadAutoOption, BadRatio, InputError
-from kvstitch.core.spec import format_value, parse_call
-from kvstitch.tasks.agreement import agreeing_prefix, first_words_agree, same_answer
-from .short_prompt import Probe, ShortPrompt, greedy_probe, verification_chunks
+from kvstitch.core.options import check_options, format_options
+from kvstitch.core.spec import Call, format_value, parse_call
+from kvstitch.tasks.agreement import first_words_agree, same_answer
+from .forcing import Forced, force_greedy
+from .sampling import answer_text
+from .short_prompt import ShortPrompt, verification_chunks
 from .short_prompt import reference_answer  # noqa: F401  (re-exported: scripts and tests import it here)
 
 AUTO = "auto"
-MODES = ("incremental", "refresh")
-VERIFY_BY = ("bm25", "attention", "order")  # how the verification's short prompt picks its chunks
-ACCEPT = ("words", "answer")  # what "the same answer" means for verification
+Mode = Literal["incremental", "refresh"]
+VerifyBy = Literal["bm25", "attention", "order"]  # how the verification's short prompt picks its chunks
+Accept = Literal["words", "answer"]  # what "the same answer" means for verification
+MODES, VERIFY_BY, ACCEPT = get_args(Mode), get_args(VerifyBy), get_args(Accept)
 DEFAULT_SCHEDULE = (0.05, 0.1)  # probe cheaply, then stitched or full prefill: docs/design.md
 
 
 @dataclass(frozen=True)
 class AutoBudget:
-    """Options of ``recompute_ratio="auto"`` (see the module doc)."""
+    """Options of ``recompute_ratio="auto"`` (see the module doc). Types are checked from the annotations
+    (`kvstitch.core.options`); `_check` adds the ranges."""
 
+    name: ClassVar[str] = AUTO
     schedule: tuple[float, ...] = DEFAULT_SCHEDULE  # budgets of the rounds, increasing
     max_ratio: float = 1.0  # ceiling; 1.0 = fall back to full prefill when no round converges
     tol: float = 0.01  # mean KL (nats) between consecutive rounds over the probe; calibrated: docs/design.md
     probe_tokens: int = 16  # answer tokens compared between rounds (~12 words)
     patience: int = 1  # consecutive agreeing rounds needed
-    mode: str = "refresh"  # or "incremental" (see the module doc)
+    mode: Mode = "refresh"  # or "incremental" (see the module doc)
     min_context: int = 1024  # shorter contexts: full prefill directly (rounds + probe would cost more than it)
     min_p: float | None = None  # confidence signal: accept a round whose probe tokens all have p >= min_p
     verify_chunks: int = 0  # > 0: accept a round only if a full prefill over this many top chunks agrees
-    verify_by: str = "bm25"  # those chunks: BM25 against the question, the stitched pass's own selection
-    #                          ("attention": the chunks holding most of the first round's recomputed tokens),
-    #                          or the first ones in prompt order ("order": a retriever's ranking)
-    accept: str = "words"  # verified when the first 12 words agree, or ("answer") the SQuAD-normalised first
-    #                        lines are equal: the answer, not its wording
+    verify_by: VerifyBy = "bm25"  # those chunks: BM25 against the question, the stitched pass's own selection
+    #                               ("attention": the chunks holding most of the first round's recomputed tokens),
+    #                               or the first ones in prompt order ("order": a retriever's ranking)
+    accept: Accept = "words"  # verified when the first 12 words agree, or ("answer") the SQuAD-normalised first
+    #                           lines are equal: the answer, not its wording
 
     # options added after the first eval logs, with the value that switches them off: an eval's protocol leaves
     # them out when off, so those logs resume (kvstitch.eval.runner.EvalConfig.protocol)
     OFF: ClassVar[dict] = {"min_p": None, "verify_chunks": 0, "verify_by": "bm25", "accept": "words"}
 
     def __post_init__(self):
-        sched = self.schedule
-        if isinstance(sched, (int, float)) and not isinstance(sched, bool):
-            sched = (sched,)  # "auto(schedule=0.1)": one round
-        if not isinstance(sched, (list, tuple)) or any(isinstance(r, bool) or not isinstance(r, (int, float))
-                                                       for r in sched):
-            raise BadAutoOption(f"auto schedule must be increasing ratios in (0, 1], got {self.schedule!r}")
-        sched = tuple(float(r) for r in sched)
-        if not sched or any(not (0.0 < r <= 1.0) for r in sched) or list(sched) != sorted(set(sched)):
-            raise BadAutoOption(f"auto schedule must be increasing ratios in (0, 1], got {self.schedule!r}")
-        object.__setattr__(self, "schedule", sched)
-        for name in ("max_ratio", "tol", "min_p"):  # numbers: 1 and 1.0 are one option value, one spec
-            v = getattr(self, name)
-            if isinstance(v, int) and not isinstance(v, bool):
-                object.__setattr__(self, name, float(v))
+        if isinstance(self.schedule, (int, float)) and not isinstance(self.schedule, bool):
+            object.__setattr__(self, "schedule", (self.schedule,))  # "auto(schedule=0.1)": one round
+        check_options(self, BadAutoOption)
         self._check()
 
     def _check(self) -> None:
-        if isinstance(self.max_ratio, bool) or not (isinstance(self.max_ratio, float) and 0.0 < self.max_ratio <= 1.0):
-            raise BadAutoOption(f"auto max_ratio must be in (0, 1], got {self.max_ratio!r}")
-        if isinstance(self.tol, bool) or not (isinstance(self.tol, float) and math.isfinite(self.tol) and self.tol >= 0):
-            raise BadAutoOption(f"auto tol must be a finite number >= 0, got {self.tol!r}")
+        """The ranges (the types are checked already)."""
+        sched = self.schedule
+        if not sched or any(not (0.0 < r <= 1.0) for r in sched) or list(sched) != sorted(set(sched)):
+            raise BadAutoOption(f"auto: schedule must be increasing ratios in (0, 1], got {format_value(sched)}")
+        if not 0.0 < self.max_ratio <= 1.0:
+            raise BadAutoOption(f"auto: max_ratio must be in (0, 1], got {self.max_ratio!r}")
+        if not (math.isfinite(self.tol) and self.tol >= 0):
+            raise BadAutoOption(f"auto: tol must be a finite number >= 0, got {self.tol!r}")
         for name, low in (("probe_tokens", 1), ("patience", 1), ("min_context", 0), ("verify_chunks", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, int) and v >= low):
-                raise BadAutoOption(f"auto {name} must be an integer >= {low}, got {v!r}")
-        if self.min_p is not None and (isinstance(self.min_p, bool) or not (isinstance(self.min_p, float)
-                                                                           and 0.0 < self.min_p <= 1.0)):
-            raise BadAutoOption(f"auto min_p must be a probability in (0, 1] (or None), got {self.min_p!r}")
-        for name, allowed in (("mode", MODES), ("verify_by", VERIFY_BY), ("accept", ACCEPT)):
-            if getattr(self, name) not in allowed:
-                raise BadAutoOption(f"auto {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+            if getattr(self, name) < low:
+                raise BadAutoOption(f"auto: {name} must be an integer >= {low}, got {getattr(self, name)!r}")
+        if self.min_p is not None and not 0.0 < self.min_p <= 1.0:
+            raise BadAutoOption(f"auto: min_p must be a probability in (0, 1] (or none), got {self.min_p!r}")
 
     @classmethod
-    def of(cls, value: "AutoBudget | dict | str | None") -> "AutoBudget":
-        """The options from an object, a dict of them, a spec string (``"auto(tol=0.05)"``) or None (defaults)."""
+    def of(cls, value: "AutoBudget | Call | dict | str | None") -> "AutoBudget":
+        """The options from an object, a spec string (``"auto(tol=0.05)"``), a parsed spec or config table (a
+        `Call`), a dict of them or None (defaults)."""
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
-            call = parse_call(value, "auto budget", BadAutoOption)
-            if call.name.lower() != AUTO:
-                raise BadAutoOption(f"an auto budget spec starts with 'auto', got {value!r:.60}")
-            value = call.options
+            value = parse_call(value, "auto budget", BadAutoOption)
+        if isinstance(value, Call):
+            if value.name.lower() != AUTO:
+                raise BadAutoOption(f"an auto budget spec starts with 'auto', got {value.name!r:.60}")
+            value = value.options
         if isinstance(value, dict):
             known = [f.name for f in fields(cls)]
             if set(value) - set(known):
                 raise BadAutoOption(f"unknown auto option(s) {sorted(set(value) - set(known))}; known: "
                                     f"{', '.join(known)}")
             return cls(**value)
-        raise BadAutoOption(f"auto options must be a dict, an AutoBudget or an auto spec, got {type(value).__name__}")
+        raise BadAutoOption(f"auto options must be an auto spec, an AutoBudget or a dict, got {type(value).__name__}")
 
     @property
     def spec(self) -> str:
         """The canonical spec string (``auto``, or ``auto(tol=0.05,...)``): parses back to an equal object."""
-        opts = [f"{k}={format_value(v)}" for k, v in self.options().items()]
-        return AUTO + (f"({','.join(opts)})" if opts else "")
+        return format_options(self)
 
     def options(self) -> dict:
         """The options that differ from their defaults, in declaration order (lists for tuples: JSON)."""
@@ -214,6 +209,13 @@ def split_ratio(value, auto: "AutoBudget | dict | str | None" = None) -> tuple:
     return AUTO, v
 
 
+def join_ratio(value, auto: "AutoBudget | dict | str | None" = None) -> "float | str | AutoBudget":
+    """A ratio and auto options given beside it -> the one spelling of ``recompute_ratio``: the `AutoBudget`
+    when the ratio is "auto" with options (an auto spec's and ``auto`` must agree), else the ratio."""
+    ratio, options = split_ratio(value, auto)
+    return AutoBudget.of(options) if ratio == AUTO and options is not None else ratio
+
+
 @dataclass
 class RoundsResult:
     cache: object
@@ -238,30 +240,26 @@ def _restore(cache, stale, done: torch.Tensor, c0: int, c1: int) -> None:
     done[:] = False
 
 
-def _compare(engine, cache, N: int, out: torch.Tensor, prev: Probe, n_probe: int, tol: float,
-             entry: dict) -> tuple[Probe, float]:
+def _compare(engine, cache, N: int, out: torch.Tensor, prev: Forced, n_probe: int, tol: float,
+             entry: dict) -> tuple[Forced, float]:
     """A later round against the previous one's probe (teacher-forced in its pass, logits ``out``): records in
     ``entry`` whether it agrees (the whole probe reproduced, mean KL below ``tol``) -> (this round's probe: the
     previous one, or its own from the first divergence; the mean KL)."""
-    pred = out.argmax(-1).tolist()
-    k = agreeing_prefix(pred, prev.tokens)
-    kl = max(0.0, float(_kl(prev.logits, out.cpu()).mean()))  # rounding can make it -1e-9
-    entry.update(agreed=k == len(prev.tokens) and kl < tol, kl=round(kl, 6),
-                 first_divergence=None if k == len(prev.tokens) else k,
-                 max_kl=round(float(_kl(prev.logits, out.cpu()).max()), 6))
-    if k == len(prev.tokens):
-        return Probe(list(prev.tokens), out.float().cpu()), kl
-    cache.truncate(N + k)  # this round writes another answer: its own probe, from the divergence on
-    return greedy_probe(engine, cache, N, out[k], prev.tokens[:k] + [pred[k]], list(out[:k + 1].float().cpu()),
-                        n_probe), kl
+    probe = force_greedy(engine, cache, N, prev.tokens, n_probe, forced=out)
+    same = probe.agreed == len(prev.tokens)
+    kls = _kl(prev.logits, probe.forced)
+    kl = max(0.0, float(kls.mean()))  # rounding can make it -1e-9
+    entry.update(agreed=same and kl < tol, kl=round(kl, 6), first_divergence=None if same else probe.agreed,
+                 max_kl=round(float(kls.max()), 6))
+    return probe, kl
 
 
-def _verify(engine, short: ShortPrompt, probe: Probe, accept: str, entry: dict, verify: dict) -> None:
+def _verify(engine, short: ShortPrompt, probe: Forced, accept: str, entry: dict, verify: dict) -> None:
     """Verification (module doc): the round's probe against the short prompt's greedy answer, in ``entry``."""
     t0 = time.perf_counter()
     ref = short.answer_given(probe.tokens)  # the short prompt's greedy answer
     verify.update(answer=ref, seconds=round(verify["seconds"] + time.perf_counter() - t0, 4))
-    entry["answer"] = engine.answer_text(probe.tokens, strip=False)
+    entry["answer"] = answer_text(engine, list(probe.tokens), strip=False)
     entry["verified"] = same_answer(entry["answer"], ref) if accept == "answer" \
         else first_words_agree(entry["answer"], ref)
 
@@ -306,7 +304,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
     done = torch.zeros(n, dtype=torch.bool)
     log: list[dict] = []
     stats["round_log"] = log
-    prev: Probe | None = None
+    prev: Forced | None = None
     streak = 0
     forwarded = short.layout.n_context if short is not None else 0  # the verification's prefill is work too
     N = layout.n_total
@@ -316,7 +314,7 @@ def adaptive_prefill(engine, layout, selector, auto: AutoBudget, extra: int, sta
         out = _round_pass(engine, cache, layout, new, prev, plan)
         entry = {"ratio": round(float(done.sum()) / max(n, 1), 6), "new_tokens": int(new.numel())}
         if prev is None:
-            probe = greedy_probe(engine, cache, N, out[-1], [], [], n_probe)
+            probe = force_greedy(engine, cache, N, [], n_probe, forced=out)
             entry.update(agreed=None, kl=None)
         else:
             probe, stats["signal"] = _compare(engine, cache, N, out, prev, n_probe, auto.tol, entry)
@@ -350,10 +348,11 @@ def _ranked(engine, layout, selector, rounds: list[float], extra: int, n_probe: 
     largest round's budget -> (the selection context, the ranking). The ranking may reorder chunks (InfoFlow):
     the context's layout and cache are the ones to use from here on."""
     from kvstitch.select import SelectionContext
+    from .precompute import load_chunk_kvs
     from .stitch import stitch, with_adapter
 
     n = layout.n_context
-    kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
+    kvs = load_chunk_kvs(engine, layout, stats, anchors=selector.chunk_anchors())
     layout, adapted = with_adapter(engine, layout, rounds[0], stats)  # the strength of its first, smallest round
     cache = stitch(engine, layout, kvs, extra=extra + n_probe, adapted=adapted)
     ctx = SelectionContext(engine, cache, layout, max(1, round(rounds[-1] * n)), stats,
@@ -371,7 +370,7 @@ def _new_tokens(want: torch.Tensor, done: torch.Tensor, cache, stale, c0: int, c
     return new
 
 
-def _round_pass(engine, cache, layout, new: torch.Tensor, prev: Probe | None, plan) -> torch.Tensor:
+def _round_pass(engine, cache, layout, new: torch.Tensor, prev: Forced | None, plan) -> torch.Tensor:
     """One round's forward: its ``new`` context tokens, the suffix and, teacher-forced, the previous round's probe
     but its last token -> the logits of the suffix's last token and of each of those probe tokens."""
     N = layout.n_total
@@ -382,7 +381,7 @@ def _round_pass(engine, cache, layout, new: torch.Tensor, prev: Probe | None, pl
     return engine.forward(cache, ids, slots, plan, logits_to_keep=1 + len(tf))
 
 
-def _confidence(probe: Probe, entry: dict, min_p: float | None) -> bool:
+def _confidence(probe: Forced, entry: dict, min_p: float | None) -> bool:
     """Records the probe and its least likely token's probability in ``entry`` -> the confidence signal: every
     probe token has probability >= ``min_p`` (False when ``min_p`` is None)."""
     p_tok = torch.softmax(probe.logits.float(), -1).gather(1, torch.tensor(probe.tokens).view(-1, 1)).flatten()

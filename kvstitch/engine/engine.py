@@ -3,7 +3,7 @@ requests; the work is done by its modules, each over the engine's public members
 
 - `request`: the request (`GenerationRequest`), its one validation, the `Prefill` and the result;
 - `prefill`: stitch, select, recompute, the cold path (`cold`) and the adaptive budget (`budget`);
-- `decoding`: sampling, dense and sparse steps, the stop rules, the answer's text;
+- `answer`: sampling, dense and sparse steps, the stop rules, the answer's text;
 - `verify`: the full-prefill guard and teacher forcing;
 - `batch`: the batched passes of the server's scheduler (`Engine.steps`); `hooks`: the seams a harness uses;
 - `precompute`: chunk caches (`compute_chunks`, `chunk_kvs`); `device`: the default device and dtype.
@@ -34,7 +34,7 @@ from kvstitch.models.stitch_adapter import StitchAdapter, gate_of, gated, resolv
 from kvstitch.decode.policies import DecodePolicy
 from kvstitch.select import Selector
 from kvstitch.store import ChunkStore, check_precompute, chunk_key, open_store
-from . import decoding, prefill, verify
+from . import answer, prefill, sampling, verify
 from .batch import DecodeStep, RecomputeStep, decode_batch, recompute_batch
 from .budget import AutoBudget
 from .cold import DEFAULT_COLD_THRESHOLD, DeferredPrecompute, check_cold_path, precompute_deferred
@@ -190,10 +190,6 @@ class Engine:
             self._prefix = (prefix_ids.clone(), cache.stacked_keys(), cache.stacked_values())
         return self._prefix[1], self._prefix[2]
 
-    def compute_chunk(self, prefix_ids: torch.Tensor, chunk_ids: torch.Tensor) -> ChunkKV:
-        """One chunk's K/V with the shared prefix as its only context (the attention sink)."""
-        return self.compute_chunks(prefix_ids, [chunk_ids])[0]
-
     def compute_chunks(self, prefix_ids: torch.Tensor, chunks: list[torch.Tensor], batch_size: int = 8) -> list[ChunkKV]:
         """Precompute several chunks, ``batch_size`` per forward. Chunks of a batch are right-padded to
         one length; causal masks keep every real token blind to the padding after it. In ``isolated``
@@ -249,11 +245,6 @@ class Engine:
         step = prefill.recompute_step(cache, layout, indices, plan)
         return self.forward(cache, step.ids, step.slots, plan, logits_to_keep=logits_to_keep)
 
-    def recompute_step(self, cache: StitchCache, layout: PromptLayout, indices: torch.Tensor,
-                       plan: ForwardPlan | None = None) -> RecomputeStep:
-        """The pass `recompute` runs, as a `RecomputeStep` (for `recompute_batch`)."""
-        return prefill.recompute_step(cache, layout, indices, plan)
-
     @torch.no_grad()
     def recompute_batch(self, steps: list[RecomputeStep]) -> list[torch.Tensor]:
         """Run the recompute passes of several requests as one packed forward (`kvstitch.engine.batch`) -> each
@@ -305,7 +296,7 @@ class Engine:
     def run(self, request: GenerationRequest) -> GenerationResult:
         """`generate` for a `GenerationRequest`."""
         result = None
-        for event in self.stream_request(request):
+        for event in self.steps(request):
             if isinstance(event, GenerationResult):
                 result = event
         return result
@@ -319,33 +310,28 @@ class Engine:
                method_options: dict | None = None, decode_options: dict | None = None, min_new_tokens: int = 0,
                layout: PromptLayout | None = None):
         """`generate`, streamed: yield each answer token id (int) as it is produced, then the
-        `GenerationResult` (see `stream_request`)."""
-        yield from self.stream_request(GenerationRequest(
+        `GenerationResult` (see `steps`)."""
+        yield from self.steps(GenerationRequest(
             question=question, chunks=chunks, messages=messages, method=method, recompute_ratio=recompute_ratio,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, decode=decode,
             kv_budget=kv_budget, auto=auto, guard=guard, method_options=method_options,
             decode_options=decode_options, min_new_tokens=min_new_tokens, layout=layout))
 
     @torch.no_grad()
-    def stream_request(self, req: GenerationRequest):
-        """Yield each generated token id (int) as it is produced, then the `GenerationResult`.
-
-        Input errors are raised before anything is computed. A consumer that stops iterating stops the
-        generation (servers use this when a client disconnects). With ``guard="full"`` the stitched answer is
-        checked against full prefill before any token is yielded (see `verify_against_full`). The engine keeps
-        no state of its own between requests: every per-request object lives in the `Prefill`. A consumer may
-        ``send(STOP)`` instead of ``next()`` to end the generation after the token just yielded (stop
-        sequences); the result then holds the tokens so far."""
-        yield from self.steps(req)
-
-    @torch.no_grad()
     def steps(self, req: GenerationRequest, *, batch_decode: bool = False, batch_prefill: bool = False):
-        """`stream_request` for a batching consumer (the server's scheduler), which runs the model passes of
-        several requests together. ``batch_prefill``: where the prefill's pass (recompute, or full prefill)
-        would run, if it is plain (`kvstitch.engine.batch.can_batch`), a `RecomputeStep` is yielded instead and
-        its logits are sent back (`recompute_batch` runs several). ``batch_decode``: every dense decode step
-        (or sparse, through its decoder) is yielded as a `DecodeStep` whose logits are sent back
-        (`decode_batch`). Tokens, `STOP` and the result as in `stream_request`."""
+        """Run ``req``: yield each generated token id (int) as it is produced, then the `GenerationResult`.
+
+        Input errors are raised before anything is computed. A consumer that stops iterating stops the generation
+        (servers use this when a client disconnects); one that ``send(STOP)`` instead of ``next()`` ends it after
+        the token just yielded (stop sequences), the result then holding the tokens so far. With ``guard="full"``
+        the stitched answer is checked against full prefill before any token is yielded (`kvstitch.engine.verify`).
+        The engine keeps no state between requests: every per-request object lives in the `Prefill`.
+
+        For a batching consumer (the server's scheduler), which runs the model passes of several requests
+        together: ``batch_prefill``: where the prefill's pass (recompute, or full prefill) would run, if it is
+        plain (`kvstitch.engine.batch.can_batch`), a `RecomputeStep` is yielded instead and its logits are sent
+        back (`recompute_batch` runs several). ``batch_decode``: every dense decode step (or sparse, through its
+        decoder) is yielded as a `DecodeStep` whose logits are sent back (`decode_batch`)."""
         t_start = time.perf_counter()
         checked = check_request(self, req)
         layout, selector = checked.layout, checked.selector
@@ -357,18 +343,18 @@ class Engine:
         if req.guard:
             yield from verify.guarded(self, req, pre, t_start)
         else:
-            yield from decoding.stream_answer(self, req, pre, t_start, batch_decode)
+            yield from answer.stream_answer(self, req, pre, t_start, batch_decode)
         self.precompute_deferred()  # cold chunks, after the answer (a consumer that reads to the end: `run`)
 
-    # ---- decoding (`kvstitch.engine.decoding`) ---------------------------------------------------
+    # ---- decoding (`kvstitch.engine.answer`) ---------------------------------------------------
     def finished(self, tokens: list[int]) -> bool:
         """True when an answer is complete: it ends with EOS, or a base model wrote its line (no chat template:
         it stops at the first line break)."""
-        return decoding.finished(self, tokens)
+        return sampling.finished(self, tokens)
 
     def answer_text(self, tokens: Sequence[int], strip: bool = True) -> str:
         """The text of answer ``tokens``: EOS dropped, special tokens skipped; stripped unless ``strip`` is False."""
-        return decoding.answer_text(self, list(tokens), strip)
+        return sampling.answer_text(self, list(tokens), strip)
 
     def decode_tokens(self, pre: Prefill, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                       seed: int = 0, decode: str | DecodePolicy = "dense", kv_budget: int | None = None,
@@ -381,7 +367,7 @@ class Engine:
         yielded as `DecodeStep`s whose logits the consumer sends back (`decode_batch`). ``min_new_tokens``: EOS
         is masked (and a base model's line break does not end the answer) until the answer has that many
         tokens (vLLM's ``min_tokens``; tokens an adaptive prefill already computed are kept as they are)."""
-        return decoding.decode_tokens(self, pre, max_new_tokens, temperature, top_p, seed, decode, kv_budget,
+        return answer.decode_tokens(self, pre, max_new_tokens, temperature, top_p, seed, decode, kv_budget,
                                       decode_options, plan, batch_steps, min_new_tokens)
 
     @torch.no_grad()
@@ -396,17 +382,7 @@ class Engine:
         ``cache.length``, dense over ``cache`` or, with ``decoder`` (from `make_decoder`), sparse through
         it (the decoder then owns the K/V: ``cache`` only counts the length, see
         `StitchCache.for_decoder`). Returns the next-token logits ``[1, V]`` (float32)."""
-        return decoding.decode_step(self, cache, token, decoder)
-
-    def new_decoder(self, policy: str | DecodePolicy, kv_budget: int | None, options: dict | None = None):
-        """An empty `SparseDecoder` sized for this model (``options``: `GenerationRequest.decode_options`)."""
-        return decoding.new_decoder(self, policy, kv_budget, options)
-
-    def observation_queries(self, cache: StitchCache, prompt_ids: torch.Tensor, window: int = 32) -> dict:
-        """Post-RoPE queries ``{layer: [Hq, w, D]}`` of the last ``window`` prompt tokens (the observation
-        window of static decode policies), taken by re-running those tokens out of place (the cache is
-        left untouched)."""
-        return decoding.observation_queries(self, cache, prompt_ids, window)
+        return answer.decode_step(self, cache, token, decoder)
 
     def make_decoder(self, cache: StitchCache, policy: str | DecodePolicy, kv_budget: int | None = None, *,
                      prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None,
@@ -414,24 +390,17 @@ class Engine:
                      **options):
         """Hand the prefilled ``cache`` to a sparse decoder (PRKV & co.): every layer's K/V are copied to its
         host pool, so the cache itself is not modified and can seed several decoders. Static policies
-        score with the observation window: ``obs_queries`` (from `observation_queries`), else computed
+        score with the observation window: ``obs_queries`` (`kvstitch.engine.answer.observation_queries`), else computed
         from ``prompt_ids`` (the prompt's token ids). ``diagnostic``: record the attention recall of every
         step (``decoder.recall``); ``options``: `GenerationRequest.decode_options`. ``reserve_tokens``: room
         for that many decoded tokens in the decoder's pools (a server's memory accounting counts them).
         ``release``: the cache gives up its K/V layer by layer as the decoder takes them (it then only
         counts the length; the K/V of a request are never held twice: the batching server)."""
-        return decoding.make_decoder(self, cache, policy, kv_budget, prompt_ids=prompt_ids, obs_queries=obs_queries,
+        return answer.make_decoder(self, cache, policy, kv_budget, prompt_ids=prompt_ids, obs_queries=obs_queries,
                                      diagnostic=diagnostic, reserve_tokens=reserve_tokens, release=release,
                                      **options)
 
     # ---- verification (`kvstitch.engine.verify`) -------------------------------------------------
-    def verify_against_full(self, layout: PromptLayout, tokens: list[int], max_new_tokens: int):
-        """Check a greedy answer against full prefill: teacher-force ``tokens`` after a full prefill of ``layout``
-        (one pass); when full prefill's argmax reproduces every token, full prefill's greedy answer IS
-        ``tokens`` (same conditioning at every step). Otherwise full prefill's own greedy answer is decoded
-        from the first divergence. -> (full prefill's greedy answer, {"agreed", "first_divergence"})."""
-        return verify.verify_against_full(self, layout, tokens, max_new_tokens)
-
     def teacher_force(self, pre: Prefill, answer_ids: torch.Tensor, plan: ForwardPlan | None = None) -> torch.Tensor:
         """Logits ``[T, V]`` (float32, cpu) predicting each of ``answer_ids`` after ``pre`` (one pass of the
         first T-1 answer tokens; the cache keeps their K/V)."""

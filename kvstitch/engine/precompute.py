@@ -146,7 +146,7 @@ def _ensure(engine: ChunkComputer, chunk_ids: list[torch.Tensor], prefix: torch.
     for b in range(0, len(todo), batch_size):
         part = todo[b:b + batch_size]
         with torch.no_grad():
-            fresh = engine.compute_chunks(prefix, [chunk_ids[first[k]] for k in part], batch_size=batch_size)
+            fresh = forward_chunks(engine, prefix, [chunk_ids[first[k]] for k in part], batch_size)
         for key, kv in zip(part, fresh):
             if anchors is not None:  # scored on the stored form: the same anchors as a later on-demand pass
                 t1 = time.perf_counter()

@@ -21,7 +21,8 @@ from kvstitch.select import SelectionContext, make_selector
 from .batch import RecomputeStep, can_batch
 from .budget import AUTO, AutoBudget, adaptive_prefill
 from .cold import take_full_prefill
-from .decoding import sync
+from .precompute import load_chunk_kvs
+from .answer import sync
 from .request import Prefill
 from .stitch import stitch, with_adapter
 
@@ -88,7 +89,7 @@ def prefill_steps(engine, layout: PromptLayout, selector, ratio, max_new_tokens:
 def stitched_steps(engine, layout: PromptLayout, selector, ratio: float, max_new_tokens: int, stats: dict,
                    batch: bool = False):
     """Stitch, select ``ratio`` of the context, recompute (module doc) -> `Prefill`."""
-    kvs = engine.chunk_kvs(layout, stats, anchors=selector.chunk_anchors())
+    kvs = load_chunk_kvs(engine, layout, stats, anchors=selector.chunk_anchors())
     t1 = time.perf_counter()
     layout, adapted = with_adapter(engine, layout, 0.0 if selector.zero_budget else ratio, stats)
     cache = stitch(engine, layout, kvs, extra=max_new_tokens, adapted=adapted)

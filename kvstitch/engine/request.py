@@ -4,16 +4,19 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstitch.core.cache import StitchCache
-from kvstitch.core.errors import InputError, PromptTooLong
+from kvstitch.core.errors import BadMethodOption, InputError, KVStitchDeprecationWarning, PromptTooLong
+from kvstitch.core.options import option_fields
 from kvstitch.core.prompt import PromptBuilder, PromptLayout
 from kvstitch.decode.policies import DecodePolicy, make_policy, policy_budget
 from kvstitch.select import Selector, make_selector
-from .budget import AutoBudget, split_ratio
+from .budget import AutoBudget, join_ratio, split_ratio
 from .stats import GenerationStats
 
 # kvstitch's own method over InfoFlow's selection: on the tuning splits it recovers more of the gap to full prefill
@@ -34,8 +37,8 @@ class GenerationRequest:
     # `kvstitch.select`
     method: str | Selector = DEFAULT_METHOD
     # the fraction of the context tokens to recompute, or "auto": rounds of growing budget until the answer is
-    # stable (options in ``auto``, or the ratio is them: ``AutoBudget(tol=0.05)`` / "auto(tol=0.05)", see
-    # `kvstitch.engine.budget`)
+    # stable, with the engine's default options, or with these: ``AutoBudget(tol=0.05)`` / "auto(tol=0.05)"
+    # (see `kvstitch.engine.budget`)
     recompute_ratio: float | str | AutoBudget = 0.2
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
@@ -44,20 +47,25 @@ class GenerationRequest:
     # "dense" (alias "full") or a sparse policy over ``kv_budget`` tokens: a name (prkv, quest, snapkv, arkvale,
     # shadowkv), a spec ("prkv(static_ratio=0.5)") or an object (``PRKV(kv_budget=512)``), see `kvstitch.decode`
     decode: str | DecodePolicy = "dense"
-    kv_budget: int | None = None  # None: the policy's own ``kv_budget``, else 1024
-    auto: AutoBudget | dict | None = None  # options of recompute_ratio="auto" (None: the engine's default_auto)
+    # the budget of a policy whose spec gives none (one budget for several policies; None: 1024); a policy's own
+    # ``kv_budget`` wins, and the two differing is an error
+    kv_budget: int | None = None
+    auto: AutoBudget | dict | None = None  # deprecated: recompute_ratio=AutoBudget(...) (None once built)
     # "full": verify the greedy answer against full prefill (full prefill's answer is returned when they differ)
     guard: str | None = None
-    method_options: dict | None = None  # options merged into ``method`` (kept for callers that name it)
-    # of the sparse decoder: ``diagnostic=True`` records attention recall (``stats.decode_recall``);
-    # ``page_size``, ``device_pages`` (and fields of the policy, merged into it) go to `kvstitch.decode.make_decoder`
+    method_options: dict | None = None  # deprecated: the options in the method spec (None once built)
+    # of the sparse decoder: ``diagnostic=True`` records attention recall (``stats.decode_recall``), ``page_size``,
+    # ``device_pages`` (`kvstitch.decode.make_decoder`); fields of the policy here are deprecated (the decode spec)
     decode_options: dict | None = None
     min_new_tokens: int = 0  # EOS is masked until the answer has this many tokens (vLLM's min_tokens; benches)
     layout: PromptLayout | None = None  # a prompt laid out already (`Engine.layout`) instead of question + chunks
     # True: the caller validated every field into its object (``method`` a `Selector`, ``decode`` a
-    # `DecodePolicy`, ``recompute_ratio`` a fraction or "auto", see `kvstitch.serve.schema`); `check_request`
-    # then runs only the checks that need the engine
+    # `DecodePolicy`, ``recompute_ratio`` a fraction, "auto" or an `AutoBudget`, see `kvstitch.serve.schema`);
+    # `check_request` then runs only the checks that need the engine
     checked: bool = field(default=False, metadata={"internal": True})  # not a user's option: generate() omits it
+
+    def __post_init__(self):
+        one_spelling(self)
 
 
 @dataclass
@@ -121,13 +129,10 @@ def check_request(engine, req: GenerationRequest, selector: Selector | None = No
     object to use instead of parsing ``req.method`` (the eval harness memoises its scores). A ``checked``
     request's fields are taken as they are: only the prompt and what depends on the engine are checked."""
     layout = req.layout or build_layout(engine.builder, req.question, req.chunks, req.messages)
-    if req.checked:
-        selector, ratio, auto = selector or req.method, req.recompute_ratio, req.auto
-        policy = check_decode(engine, req.decode, req.kv_budget, req.decode_options, budget_checked=True)
-    else:
-        selector = selector or make_selector(req.method, **(req.method_options or {}))
-        ratio, auto = split_ratio(req.recompute_ratio, req.auto)
-        policy = check_decode(engine, req.decode, req.kv_budget, req.decode_options)
+    selector = selector or (req.method if req.checked else make_selector(req.method))
+    ratio, auto = split_ratio(req.recompute_ratio)  # an auto budget: "auto" and its options
+    policy = check_decode(engine, req.decode, req.kv_budget, req.decode_options, budget_checked=req.checked)
+    if not req.checked:
         _check_fields(req)
     limit = engine.adapter.max_positions
     if layout.n_total + req.max_new_tokens > limit:
@@ -137,6 +142,40 @@ def check_request(engine, req: GenerationRequest, selector: Selector | None = No
         raise InputError(f"method {selector.label!r} changes decode attention (APE scaling / A3 eviction); a "
                          f"sparse decoder ({policy.spec!r}) would silently drop that: use decode='dense'")
     return CheckedRequest(layout, selector, ratio, auto, policy)
+
+
+def one_spelling(req: GenerationRequest) -> None:
+    """The deprecated keywords of a request converted, where it is built, into the one spelling of each setting,
+    each with a `KVStitchDeprecationWarning`: ``auto`` into ``recompute_ratio`` (an `AutoBudget`),
+    ``method_options`` into ``method`` (the method object), fields of the policy in ``decode_options`` into
+    ``decode``."""
+    if req.auto is not None:
+        _deprecated("auto=", "recompute_ratio=AutoBudget(...) or 'auto(tol=0.05)'")
+        req.recompute_ratio, req.auto = join_ratio(req.recompute_ratio, req.auto), None
+    if req.method_options is not None:
+        _deprecated("method_options=", "the options in the method spec, e.g. method='deltaprop(alpha_k=0.5)'")
+        if not isinstance(req.method_options, dict):
+            raise BadMethodOption(f"method_options must be a dict, got {req.method_options!r:.60}")
+        req.method, req.method_options = make_selector(req.method, **req.method_options), None
+    if isinstance(req.decode_options, dict) and req.decode_options:
+        policy = make_policy(req.decode)
+        fields = {f.name for f in option_fields(type(policy))} & set(req.decode_options)
+        if fields and not policy.select_all():  # dense takes no decode_options at all (`check_decode`)
+            _deprecated("decode_options with fields of the decode policy", "them in the decode spec, e.g. "
+                        "decode='prkv(window=32)'")
+            req.decode = make_policy(policy, **{k: req.decode_options[k] for k in fields})
+            req.decode_options = {k: v for k, v in req.decode_options.items() if k not in fields} or None
+
+
+def _deprecated(old: str, new: str) -> None:
+    """A `KVStitchDeprecationWarning` attributed to the first caller outside kvstitch (where the keyword was written:
+    Python shows it there by default)."""
+    depth, frame = 1, sys._getframe(1)
+    # frames of kvstitch, of the dataclass's generated __init__ and of torch.no_grad's wrapper of `Engine.generate`
+    while frame.f_back is not None and (frame.f_globals.get("__name__", "").startswith(("kvstitch.", "torch."))
+                                        or frame.f_code.co_filename == "<string>"):
+        depth, frame = depth + 1, frame.f_back
+    warnings.warn(f"{old} is deprecated: pass {new}", KVStitchDeprecationWarning, stacklevel=depth + 1)
 
 
 def _check_fields(req: GenerationRequest) -> None:
@@ -149,6 +188,20 @@ def _check_fields(req: GenerationRequest) -> None:
         raise InputError(f"min_new_tokens must be an integer >= 0, got {req.min_new_tokens!r}")
 
 
+def new_decoder(engine, policy: str | DecodePolicy, kv_budget: int | None, options: dict | None = None):
+    """An empty `SparseDecoder` sized for the engine's model (``options``: `GenerationRequest.decode_options`;
+    the budget: `kvstitch.decode.policy_budget`)."""
+    from kvstitch.decode import make_decoder
+
+    options = dict(options or {})
+    if not isinstance(options.pop("diagnostic", False), bool):
+        raise InputError("decode option 'diagnostic' must be true or false")
+    ad = engine.adapter
+    return make_decoder(policy, kv_budget, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
+                        num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device, dtype=engine.dtype,
+                        **options)
+
+
 def check_decode(engine, decode, kv_budget: int | None, decode_options: dict | None,
                  budget_checked: bool = False) -> DecodePolicy:
     """The decode policy (a name, spec or object -> the object), its budget (unless ``budget_checked``) and
@@ -159,5 +212,5 @@ def check_decode(engine, decode, kv_budget: int | None, decode_options: dict | N
     if decode_options is not None and (policy.select_all() or not isinstance(decode_options, dict)):
         raise InputError("decode_options (a dict) configure a sparse decoder; decode='dense' takes none")
     if not policy.select_all():
-        engine.new_decoder(policy, kv_budget, decode_options)  # bad options / a too-small budget fail here
+        new_decoder(engine, policy, kv_budget, decode_options)  # bad options / a too-small budget fail here
     return policy

@@ -1,6 +1,6 @@
 """The adaptive budget's verification (`kvstitch.engine.budget`, ``verify_chunks`` > 0): a short prompt, the
 question over only the few chunks most relevant to it, prefilled in full once, whose greedy answer a round's probe
-must reproduce; and the greedy probe itself, which both the rounds and the short prompt decode."""
+must reproduce (read teacher-forced: `forcing.force_greedy`)."""
 
 from __future__ import annotations
 
@@ -8,29 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class Probe:
-    """A round's greedy answer start: ``tokens`` and the next-token logits ``[len(tokens), V]`` that chose them."""
-
-    tokens: list[int]
-    logits: torch.Tensor
-
-
-def greedy_probe(engine, cache, start_slot: int, first_logits: torch.Tensor, tokens: list[int],
-                 logits: list[torch.Tensor], n_probe: int) -> Probe:
-    """Extend ``tokens`` greedily (their K/V but the last's are in the cache) to ``n_probe`` tokens or EOS.
-    ``first_logits`` chose ``tokens[-1]`` (or, with ``tokens`` empty, are the logits of the first token)."""
-    tokens, logits = list(tokens), list(logits)
-    if not tokens:
-        tokens.append(int(torch.argmax(first_logits)))
-        logits.append(first_logits.float().cpu())
-    while len(tokens) < n_probe and not engine.finished(tokens):
-        slot = start_slot + len(tokens) - 1
-        out = engine.forward(cache, torch.tensor([tokens[-1]]), torch.tensor([slot]))[-1]
-        tokens.append(int(torch.argmax(out)))
-        logits.append(out.float().cpu())
-    return Probe(tokens, torch.stack(logits))
+from .forcing import force_greedy
+from .sampling import answer_text
 
 
 @dataclass
@@ -71,8 +50,8 @@ class ShortPrompt:
 
     `greedy_given(guess)` is its greedy answer (``n_probe`` tokens or EOS). The guess (a round's probe) is read
     teacher-forced in one pass, and step-by-step decoding starts only where the short prompt's argmax leaves
-    it: when a round says what the short prompt says, checking it costs one forward of its few tokens instead
-    of decoding the short prompt's answer token by token."""
+    it (`force_greedy`): when a round says what the short prompt says, checking it costs one forward of its few
+    tokens instead of decoding the short prompt's answer token by token."""
 
     @torch.no_grad()
     def __init__(self, engine, layout, m: int, n_probe: int, chunks: list[int] | None = None):
@@ -88,26 +67,10 @@ class ShortPrompt:
 
     @torch.no_grad()
     def greedy_given(self, guess: list[int]) -> list[int]:
-        N, eng, first = self.layout.n_total, self.engine, self.first
         guess = list(guess[:self.n_probe])
-        self.cache.truncate(N)
-        if not guess or int(torch.argmax(first)) != guess[0]:
-            return greedy_probe(eng, self.cache, N, first, [], [], self.n_probe).tokens
-        out = [] if len(guess) == 1 else list(eng.forward(self.cache, torch.tensor(guess[:-1]),
-                                                         torch.arange(N, N + len(guess) - 1),
-                                                         logits_to_keep=len(guess) - 1).float().cpu())
-        logits = [first] + out  # logits[i] chose the short prompt's token i; guess[:k] is its own so far
-        k = 1
-        while True:
-            if eng.finished(guess[:k]) or k == self.n_probe:
-                return guess[:k]
-            if k == len(guess):  # all of the guess is its own: continue after it (its last K/V not written yet)
-                return greedy_probe(eng, self.cache, N, first, guess, logits[:k], self.n_probe).tokens
-            own = int(torch.argmax(logits[k]))
-            if own != guess[k]:  # it leaves the guess here: its own token, then step by step
-                self.cache.truncate(N + k)
-                return greedy_probe(eng, self.cache, N, first, guess[:k] + [own], logits[:k + 1], self.n_probe).tokens
-            k += 1
+        if guess and int(torch.argmax(self.first)) != guess[0]:
+            guess = []  # it leaves the guess at its first token: not worth a forward
+        return force_greedy(self.engine, self.cache, self.layout.n_total, guess, self.n_probe, first=self.first).tokens
 
     @torch.no_grad()
     def probs_given(self, guess: list[int]) -> torch.Tensor:
@@ -115,17 +78,13 @@ class ShortPrompt:
         N, guess = self.layout.n_total, list(guess[:self.n_probe])
         if not guess:
             return torch.empty(0)
+        rows = force_greedy(self.engine, self.cache, N, guess, first=self.first).forced
         self.cache.truncate(N)
-        rows = [self.first]
-        if len(guess) > 1:
-            rows += list(self.engine.forward(self.cache, torch.tensor(guess[:-1]), torch.arange(N, N + len(guess) - 1),
-                                             logits_to_keep=len(guess) - 1).float().cpu())
-        self.cache.truncate(N)
-        return torch.softmax(torch.stack(rows), -1).gather(1, torch.tensor(guess).view(-1, 1)).flatten()
+        return torch.softmax(rows, -1).gather(1, torch.tensor(guess).view(-1, 1)).flatten()
 
     def answer_given(self, guess: list[int]) -> str:
         """`greedy_given` as text."""
-        return self.engine.answer_text(self.greedy_given(guess), strip=False)
+        return answer_text(self.engine, self.greedy_given(guess), strip=False)
 
 
 def reference_answer(engine, layout, m: int, n_probe: int) -> Reference:

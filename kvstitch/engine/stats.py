@@ -66,7 +66,7 @@ class GenerationStats(MutableMapping):
     auto_skipped: str | None = None  # why no round ran: "short_context" or "few_chunks"
     verify: dict | None = None  # verified rounds: {"chunks", "answer" (the short prompt's), "seconds"}
     auto_spec: str | None = None  # the options the rounds ran with, as a spec ("auto", "auto(tol=0.05)")
-    # ---- the guard (guard="full", `Engine.verify_against_full`) ---------------------------------------
+    # ---- the guard (guard="full", `kvstitch.engine.verify`) ---------------------------------------
     guard: dict | None = None  # {"agreed", "first_divergence", "check_s"}
     # ---- decoding ------------------------------------------------------------------------------------
     decode_tokens: int = 0  # answer tokens (EOS included when produced)

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstitch.core.errors import InputError
-from kvstitch.engine.budget import AUTO
+from kvstitch.engine.budget import AUTO, join_ratio
 from kvstitch.engine.engine import cpu_name
-from kvstitch.tasks.agreement import agreeing_prefix, first_token_agree, first_words_agree
+from kvstitch.engine.forcing import force_greedy
+from kvstitch.tasks.agreement import first_token_agree, first_words_agree
 from kvstitch.tasks.grading import (abstains, answer_correct, exact_match, qa_f1, scorer_for, squad_correct, squad_em,
                                      squad_f1)
 from kvstitch.tasks.metrics import answer_nll, kl_full_vs_method, nll_gap_recovery, overlap_ratio
@@ -151,8 +152,8 @@ def _score_memo(method: str, cache: dict | None, full: SampleFullPrefill | None 
             saved[0] = dt
             return scores
         reused = 0.0
-        if full is not None and full.cache is not None and hasattr(selector, "exact_cache"):
-            selector.exact_cache, reused = full.cache, full.seconds
+        if full is not None and full.cache is not None and selector.needs_full_prefill:
+            ctx.exact_cache, reused = full.cache, full.seconds  # this request's context: the oracle scores over it
         t0 = time.perf_counter()
         scores = compute(ctx)
         cache[method] = (scores, time.perf_counter() - t0 + reused)
@@ -173,6 +174,7 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     from kvstitch.select import make_selector
 
     selector = make_selector(method, **(method_options or {}))
+    budget = join_ratio(0.0 if ratio is None else ratio, auto)  # "auto" with options: its `AutoBudget`
     score_hook, cached_select_s = _score_memo(method, score_cache, full)
     target_t = torch.zeros(0, dtype=torch.long) if target is None else torch.as_tensor(target, dtype=torch.long).flatten()
     T = target_t.numel()
@@ -180,9 +182,7 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
     t0 = time.perf_counter()
     with full.replaying() if full is not None and not selector.full_prefill else nullcontext(), \
             engine.hooked(score=score_hook) if score_hook is not None else nullcontext():
-        pre = engine.prefill(layout, method, 0.0 if ratio is None else ratio, max(max_new_tokens, T),
-                             selector=selector, auto=auto)
-    first = int(torch.argmax(pre.logits[-1]))
+        pre = engine.prefill(layout, method, budget, max(max_new_tokens, T), selector=selector)
     ttft = time.perf_counter() - t0
     stats, cache, used = pre.stats, pre.cache, pre.layout
     if full is not None and (fallback := full.take_charge()):  # `auto` fell back: the sample's full prefill
@@ -196,32 +196,12 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
         stats["select_cached"] = True
     order = list(used.order)
     dplan = selector.decode_plan(engine, cache, used, stats)
-    tf_logits = engine.teacher_force(pre, target_t, dplan) if T else None
-
-    # greedy answer: as far as the teacher-forced argmax agrees with the target, it IS the greedy answer
-    tokens = [first]
-    k = 0
-    if T:
-        pred = tf_logits.argmax(dim=-1).tolist()
-        k = agreeing_prefix(pred, target_t.tolist())
-        if k == T:
-            tokens = target_t.tolist()
-        else:
-            tokens = target_t[:k].tolist() + [pred[k]]
-    reused = len(tokens)
-    if len(tokens) < max_new_tokens and not engine.finished(tokens):
-        cache.truncate(n + len(tokens) - 1)  # K/V of the agreeing target prefix are valid, drop the rest
-        pre.greedy = list(tokens)
-        tokens = list(engine.decode_tokens(pre, max_new_tokens, plan=dplan))
-    if T and k == T:
-        reused = T
-    for j in range(1, len(tokens)):  # base models stop at a line break (engine rule over the whole answer)
-        if engine.finished(tokens[:j]) and tokens[j - 1] not in engine.eos_ids:
-            tokens = tokens[:j]
-            break
+    # greedy answer: the target as far as the teacher-forced argmax reproduces it, then decoded from there
+    run = force_greedy(engine, cache, n, target_t.tolist(), max_new_tokens, first=pre.logits[-1], plan=dplan)
+    tokens, tf_logits = run.tokens, run.forced
+    reused = min(run.agreed + 1, max(T, 1))  # answer tokens read off the teacher-forced pass
     if not T:  # the reference itself: logits of its own answer, teacher-forced in one pass like the others
-        target_t = torch.tensor(tokens, dtype=torch.long)
-        tf_logits = engine.teacher_force(pre, target_t, dplan)
+        tf_logits = force_greedy(engine, cache, n, tokens, first=pre.logits[-1], plan=dplan).forced
     text = engine.answer_text(tokens)
     idx = to_original_order(pre.indices.cpu(), order, [c.numel() for c in layout.chunk_ids])
     stats.pop("order", None)

@@ -29,11 +29,9 @@ def _reordered_positions(order: Sequence[int], lens: Sequence[int]) -> torch.Ten
 def oracle_sets(engine, layout, ratios: Sequence[float], exact_cache=None) -> dict[float, torch.Tensor]:
     """G per ratio: the `oracle` selection (top-k of full-prefill query attention) at each budget,
     from one scoring pass (over ``exact_cache``, a full prefill of this prompt, when the caller has one)."""
-    from kvstitch.select import make_selector, top_k_indices
+    from kvstitch.select import top_k_indices
 
-    oracle = make_selector("oracle")
-    oracle.exact_cache = exact_cache
-    indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, selector=oracle)
+    indices, scores, _ = select_tokens(engine, layout, "oracle", 1.0, keep_scores=True, exact_cache=exact_cache)
     out = {}
     for r in ratios:
         k = round(r * layout.n_context)
@@ -43,11 +41,12 @@ def oracle_sets(engine, layout, ratios: Sequence[float], exact_cache=None) -> di
 
 @torch.no_grad()
 def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool = False, selector=None,
-                  method_options: dict | None = None):
+                  method_options: dict | None = None, exact_cache=None):
     """Selection only (no recompute, no decode): -> (indices in original order, scores [n_context] or None,
     stats). For pictures and the oracle reference set; scores are mapped back to the original order too.
     With ``keep_scores`` and ratio 1, the selector's scores are computed even though the budget covers
-    everything (the base class would skip scoring)."""
+    everything (the base class would skip scoring). ``exact_cache``: a full prefill of this prompt the caller
+    has (`SelectionContext.exact_cache`)."""
     from kvstitch.select import SelectionContext, make_selector
 
     selector = selector or make_selector(method, **(method_options or {}))
@@ -58,7 +57,8 @@ def select_tokens(engine, layout, method: str, ratio: float, keep_scores: bool =
     cache = engine.stitch(layout, kvs, extra=0)
     budget = round(ratio * layout.n_context)
     ctx = SelectionContext(engine, cache, layout, budget, stats,
-                           precompute=getattr(engine, "precompute_mode", "shared_prefix"), chunks=kvs)
+                           precompute=getattr(engine, "precompute_mode", "shared_prefix"), chunks=kvs,
+                           exact_cache=exact_cache)
     if keep_scores and budget >= layout.n_context and not selector.zero_budget and method != "naive":
         scores = selector.score(ctx).float().cpu()
         indices = torch.arange(layout.n_context)

@@ -11,7 +11,7 @@ from . import qcfuse  # noqa: F401  (query-aware selection through per-passage a
 from . import deltaprop  # noqa: F401  (kvstitch's own: recompute + propagated correction of the stale K/V)
 from .a3 import A3
 from .ape import Ape
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import (ALIASES, SELECTORS, Selector, Wrapper, format_spec, make_selector, method_label, methods,
                      register, top_k_indices, with_options)
 from .basic import Full, Naive, Random
@@ -24,7 +24,7 @@ from .infoflow import InfoFlow
 from .oracle import Oracle
 from .prophet import Prophet
 from .qcfuse import QCFuse
-from .registry import check_method, check_methods, from_mapping, method_options, resolve_methods
+from .validation import check_method, check_methods, from_mapping, method_options, resolve_methods
 from kvstitch.core.spec import BadSpec, parse_call, split_specs
 
 __all__ = ["SELECTORS", "ALIASES", "SelectionContext", "Selector", "Wrapper", "check_method", "check_methods",

@@ -33,7 +33,7 @@ import time
 
 from kvstitch.core.attention import ForwardPlan, attention_probs
 from kvstitch.core.errors import BadMethodOption
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 from .attention_scores import group_mean, head_mean
 

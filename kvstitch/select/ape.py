@@ -17,7 +17,7 @@ import torch
 
 from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.errors import BadMethodOption
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 
 

@@ -26,7 +26,7 @@ def query_attention(engine, cache, layout, layers: Iterable[int] | None = None, 
     """{layer: [Hq, n_context] float32}: suffix-averaged attention of each query head to each context token
     (`SelectionContext.query_attention` over ``engine``'s model; for callers holding an engine, e.g. A3's
     decode plan)."""
-    from .base import SelectionContext
+    from .context import SelectionContext
 
     return SelectionContext(engine, cache, layout, 0).query_attention(layers, key_keep=key_keep)
 

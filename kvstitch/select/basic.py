@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 
 

@@ -54,7 +54,7 @@ import torch
 
 from kvstitch.core.errors import InputError
 from kvstitch.core.prompt import PromptLayout
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 from .grouping import grouped_top_k
 from .attention_scores import head_mean

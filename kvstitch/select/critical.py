@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .base import SelectionContext, top_k_indices
+from .context import SelectionContext, top_k_indices
 from .qcfuse import QCFuse, anchor_probe, critical_scores, probe_queries
 
 

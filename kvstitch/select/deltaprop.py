@@ -35,8 +35,9 @@ through every layer, since its layer-l input is its own layer-(l-1) output. So t
 set: tokens ranked by their best rank over the base's layers (ties by the fused score), i.e. every layer's top r
 tokens for the largest r the budget holds - the union of per-layer sets, the budget split evenly across the
 layers' own choices - rather than the top of the mean, where a few layers of peaked attention decide. Needs a base
-with per-layer scores (`layer_scores`: prophet, infoflow, qcfuse). A correction strength per layer was the other
-candidate; it changes how stale tokens are corrected, not which tokens a layer wants, so it is not this idea.
+with per-layer scores (`Selector.has_layer_scores`: prophet, infoflow, qcfuse, or grouped over one of them). A
+correction strength per layer was the other candidate; it changes how stale tokens are corrected, not which tokens
+a layer wants, so it is not this idea.
 
 ``attend_top=k`` (off by default: None) limits what the recomputed context tokens attend to in the recompute pass
 (RelaxKV's other idea): the shared prefix (and a conversation's pinned system segment), their own passage and the k
@@ -74,7 +75,7 @@ from kvstitch.core.attention import ForwardPlan
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import BadMethodOption
 from kvstitch.core.rope import rotate_half
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, Wrapper, register
 from .prophet import Prophet
 
@@ -297,9 +298,9 @@ class DeltaProp(Wrapper):
                 raise BadMethodOption(f"deltaprop: {k} must be an integer >= 0, got {getattr(self, k)!r}")
         if self.probe_first and not self.probe_stride:
             raise BadMethodOption("deltaprop: probe_first needs probes (probe_stride > 0)")
-        if self.fusion == "union" and not callable(getattr(self.base, "layer_scores", None)):
+        if self.fusion == "union" and not self.base.has_layer_scores():
             raise BadMethodOption(f"deltaprop: fusion=union needs a base with per-layer scores (prophet, infoflow, "
-                                  f"qcfuse), got {self.base.name!r}")
+                                  f"qcfuse, or a wrapper over one), got {self.base.spec!r}")
         if self.attend_top is not None and self.attend_top < 0:
             raise BadMethodOption(f"deltaprop: attend_top must be an integer >= 0 or none, got {self.attend_top!r}")
 

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from kvstitch.core.attention import attention_probs
-from .base import FreshPass, SelectionContext
+from .context import FreshPass, SelectionContext
 from .method import Selector, register
 
 SCORE_LAYER = 1  # "the second layer" of CacheBlend: the first whose V depends on cross-chunk attention

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 
 

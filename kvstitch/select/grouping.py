@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext, top_k_indices
+from .context import SelectionContext, top_k_indices
 from .method import Selector, Wrapper, register
 from .deviation import CacheBlend
 

@@ -45,7 +45,7 @@ import torch
 
 from kvstitch.core.cache import StitchCache
 from kvstitch.core.errors import BadMethodOption
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 from .attention_scores import band_layers, head_mean, layer_mean
 

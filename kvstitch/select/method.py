@@ -3,9 +3,10 @@ method names and aliases, and the building of an object from its spec (`kvstitch
 
 A method is a `Selector` subclass registered under a name (`register`); its options are its fields, typed
 and defaulted (``InfoFlow(reorder="max")``, ``DeltaProp(base=InfoFlow(), alpha_k=0.5)``), checked and
-converted against their annotations at construction (`check_fields`): an ``int`` given to a ``float``
-option becomes a float, a list a tuple, a spec (or a name) given to a ``Selector`` option that method
-object; a value outside a ``Literal`` is an error naming the allowed ones. Adding a method is one class::
+converted against their annotations at construction (`kvstitch.core.options`, shared with decode policies and
+the adaptive budget): an ``int`` given to a ``float`` option becomes a float, a list a tuple, a spec (or a
+name) given to a ``Selector`` option that method object (`Selector.coerce_option`); a value outside a
+``Literal`` is an error naming the allowed ones. Adding a method is one class::
 
     @register
     @dataclass
@@ -34,20 +35,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
-import typing
 from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvstitch.core.errors import BadMethodOption, InputError, UnknownMethod
-from .base import top_k_indices
-from kvstitch.core.spec import Call, format_value, parse_call
+from kvstitch.core.options import check_options, format_options, type_hints
+from kvstitch.core.options import option_fields as spec_fields
+from .context import top_k_indices
+from kvstitch.core.spec import Call, parse_call
 
 if TYPE_CHECKING:
     from kvstitch.core.attention import ForwardPlan
-    from .base import EngineView, SelectionContext
+    from .context import EngineView, SelectionContext
     from kvstitch.core.cache import StitchCache
     from kvstitch.core.prompt import PromptLayout
 
@@ -86,9 +87,21 @@ class Selector:
     # False: `select` may return FEWER than ``budget`` indices (CacheClip's grouping drops sparse windows,
     # as the paper does); the engine reports the tokens actually recomputed (``recomputed_tokens``)
     exact_budget: ClassVar[bool] = True
+    option_kind: ClassVar[str] = "a method spec"  # an option typed as a method (`kvstitch.core.options`)
 
     def __post_init__(self):
-        check_fields(self)  # every option against its annotation: a typed error naming what it accepts
+        check_options(self, BadMethodOption)  # every option against its annotation: a typed error naming what it takes
+
+    @classmethod
+    def coerce_option(cls, value, where: str) -> "Selector | None":
+        """The value of an option typed as this class (a wrapper's ``base``): a spec, a parsed spec or config
+        table (a `Call`) or a method object -> the method object; None when it is not one of ``cls``."""
+        if isinstance(value, (str, Call)):
+            try:
+                value = build(value)
+            except UnknownMethod as e:
+                raise BadMethodOption(f"{where}: {e}") from None
+        return value if isinstance(value, cls) else None
 
     @property
     def spec(self) -> str:
@@ -122,6 +135,16 @@ class Selector:
     def decode_plan(self, engine: EngineView, cache: "StitchCache", layout: "PromptLayout",
                     stats: dict) -> "ForwardPlan | None":
         """Plan for the decode steps after the first token (APE's attention, A3's eviction); None = plain."""
+        return None
+
+    def has_layer_scores(self) -> bool:
+        """True when `layer_scores` gives per-layer scores: the method defines it (a wrapper: its base does)."""
+        return type(self).layer_scores is not Selector.layer_scores
+
+    def layer_scores(self, ctx: SelectionContext) -> "dict[int, torch.Tensor] | None":
+        """{layer: [n_context]} the per-layer scores the method fuses into `score` (prophet, infoflow, qcfuse:
+        their mean), what deltaprop's ``fusion="union"`` ranks by; None (the default): a method that has none,
+        so callers check `has_layer_scores` first."""
         return None
 
     def prepare(self, ctx: SelectionContext) -> None:
@@ -217,108 +240,16 @@ class Wrapper(Selector):
     def decode_plan(self, engine, cache, layout, stats: dict):
         return self.base.decode_plan(engine, cache, layout, stats)
 
+    def has_layer_scores(self) -> bool:  # e.g. grouped over prophet: its scores are the base's
+        return self.base.has_layer_scores()
+
+    def layer_scores(self, ctx: SelectionContext):
+        return self.base.layer_scores(ctx)
+
 
 # what a `Wrapper` forwards (the wrapper test checks each reaches the engine through every wrapper)
 WRAPPED_HOOKS = ("prepare", "score", "pick", "chunk_anchors", "recompute_plan", "adjusts_decode", "decode_plan")
 WRAPPED_FLAGS = ("needs_full_prefill", "zero_budget", "exact_budget")
-
-
-# ---- values against their annotations ---------------------------------------------------------------------
-@functools.cache
-def type_hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def spec_fields(cls) -> list[dataclasses.Field]:
-    """The options of a method class: its init fields that are part of its identity (``compare``); a field such
-    as CacheClip's ``aux_engine`` (an object, not an option) is settable from Python only."""
-    return [f for f in dataclasses.fields(cls) if f.init and f.compare]
-
-
-def field_default(f: dataclasses.Field):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def describe_type(hint) -> str:
-    """An option's type in words (error messages, `kvstitch methods`)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        arms = [describe_type(a) for a in args if a is not type(None)]
-        return " or ".join(arms + (["none"] if type(None) in args else []))
-    if origin is Literal:
-        return "one of " + ", ".join(format_value(a) for a in args)
-    if origin is tuple:
-        inner = [a for a in args if a is not Ellipsis]
-        plural = {"an integer": "integers", "a number": "numbers", "a string": "strings"}
-        one = describe_type(inner[0]) if inner else "values"
-        return "a list of " + plural.get(one, one)
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
-    if hint in names:
-        return names[hint]
-    return "a method spec" if _is_selector_type(hint) else getattr(hint, "__name__", str(hint))
-
-
-def _is_selector_type(hint) -> bool:
-    return isinstance(hint, type) and issubclass(hint, Selector)
-
-
-def coerce(value, hint, where: str):
-    """``value`` checked against ``hint`` (converted where the meaning is unambiguous) or `BadMethodOption`
-    naming what ``where`` accepts."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    bad = BadMethodOption(f"{where} must be {describe_type(hint)}, got {value!r:.60}")
-    if hint in (Any, object):
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arm in (a for a in args if a is not type(None)):
-            try:
-                return coerce(value, arm, where)
-            except InputError:
-                continue
-        raise bad
-    if origin is Literal:
-        if any(value == a and type(value) is type(a) for a in args):
-            return value
-        raise bad
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        inner = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
-        if args and len(inner) != len(value):
-            raise bad
-        return tuple(coerce(v, h, where) for v, h in zip(value, inner)) if args else tuple(value)
-    if hint is bool or hint is int or hint is str or hint is dict or origin is dict:
-        ok = isinstance(value, origin or hint) and not (hint is int and isinstance(value, bool))
-        if not ok:
-            raise bad
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if _is_selector_type(hint):
-        if isinstance(value, (str, Call)):
-            try:
-                value = build(value)
-            except UnknownMethod as e:
-                raise BadMethodOption(f"{where}: {e}") from None
-        if not isinstance(value, hint):
-            raise bad
-        return value
-    return value
-
-
-def check_fields(obj) -> None:
-    """Every option of ``obj`` (a method object) checked against its annotation, converted in place
-    (`Selector.__post_init__` runs it)."""
-    hints = type_hints(type(obj))
-    for f in spec_fields(type(obj)):
-        value = getattr(obj, f.name)
-        new = coerce(value, hints.get(f.name, Any), f"{obj.name}: {f.name}")
-        if new is not value:
-            object.__setattr__(obj, f.name, new)
 
 
 # ---- Call -> object, object -> text -----------------------------------------------------------------------
@@ -333,18 +264,13 @@ def build(spec):
 
 def format_spec(obj) -> str:
     """The canonical spec of a method object (module doc)."""
-    opts = [f"{f.name}={format_value(getattr(obj, f.name))}" for f in spec_fields(type(obj))
-            if getattr(obj, f.name) != field_default(f)]
-    return obj.name + (f"({','.join(opts)})" if opts else "")
+    return format_options(obj)
 
 
 def full_spec(obj) -> str:
     """Every option of a method object spelled out, defaults included (nested methods too): what a label meant
     when rows were written, so that a changed default cannot pass for the same method (`kvstitch eval`'s resume)."""
-    def value(v):
-        return full_spec(v) if isinstance(v, Selector) else format_value(v)
-
-    return obj.name + "(" + ",".join(f"{f.name}={value(getattr(obj, f.name))}" for f in spec_fields(type(obj))) + ")"
+    return format_options(obj, full=True)
 
 
 def unknown_method(name) -> UnknownMethod:

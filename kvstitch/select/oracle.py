@@ -12,18 +12,18 @@ the l2 norm taken per token.
 
 Cost: a prefill of prefix + context (the query rows are one more |Q|-token pass over that exact cache,
 identical to the suffix rows of a full prefill without materialising N x N probabilities). A caller that has
-just run a full prefill of the same prompt (the eval does, for every sample) hands its cache over as
-``exact_cache`` and the oracle only runs the query rows.
+just run a full prefill of the same prompt (the eval does, for every sample) gives it to the request's context
+(`SelectionContext.exact_cache`) and the oracle only runs the query rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 from .attention_scores import layer_mean
 
@@ -34,12 +34,10 @@ class Oracle(Selector):
     name: ClassVar[str] = "oracle"
     needs_full_prefill: ClassVar[bool] = True
     mode: Literal["attention", "ideal"] = "attention"  # G of Fig. 3, or Eq. 5 / App. F (alias `oracle_ideal`)
-    # a full prefill of this same prompt (prefix and context slots exact), when the caller already has one
-    exact_cache: object = field(default=None, init=False, repr=False, compare=False)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         layout, nkv = ctx.layout, ctx.num_kv_heads
-        exact = ctx.exact_context_cache() if self.exact_cache is None else self.exact_cache
+        exact = ctx.exact_context_cache()
         full_att = ctx.query_attention(cache=exact)
         if self.mode == "attention":
             return layer_mean(full_att, nkv)

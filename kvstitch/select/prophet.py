@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 from .attention_scores import head_mean, layer_mean
 

@@ -42,7 +42,7 @@ import torch
 from kvstitch.core.attention import ForwardPlan, attention_probs
 from kvstitch.core.errors import BadMethodOption
 from kvstitch.core.anchors import DEFAULT_SINKS, REPEAT_PROMPT, AnchorSpec
-from .base import SelectionContext
+from .context import SelectionContext
 from .method import Selector, register
 
 DEFAULT_CRITICAL = 3  # blend/qcfuse_config.py: DEFAULT_CRITICAL_LAYERS

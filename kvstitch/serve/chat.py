@@ -19,7 +19,7 @@ from kvstitch.engine import GenerationResult
 from kvstitch.select import methods as registered_methods
 from kvstitch.store.resilient import resilient
 from kvstitch.engine.request import DEFAULT_METHOD
-from .core import ApiError, ClientGone, Job, QueueFull
+from .jobs import ApiError, ClientGone, Job, QueueFull
 from .documents import DocumentService, resolve_document_ids
 from .prometheus import Metrics
 from .defaults import DEFAULT_MAX_TOKENS, ChatDefaults, decode_policies

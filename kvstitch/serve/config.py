@@ -19,13 +19,16 @@ or a table naming the method and its options::
 
 ``decode`` likewise: a policy spec (``decode = "prkv(static_ratio=0.5)"``, see `kvstitch.decode`) or a table
 (``[decode]`` with ``name = "prkv"`` and its fields). ``ratio`` is a number, ``"auto"`` or an auto spec
-(``ratio = "auto(tol=0.05)"``); an ``[auto]`` table holds the options of a plain ``"auto"``.
+(``ratio = "auto(tol=0.05)"``); an ``[auto]`` table (or an auto spec) holds the options of a plain ``"auto"``.
+Every table is read by the one reader of option objects (`kvstitch.core.options.read_table`) and becomes the
+object's canonical spec.
 ``[tenants.NAME]`` tables (``keys``, ``shared``) partition the store by API key (`kvstitch.serve.tenants`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from kvstitch.core.errors import InputError
@@ -39,8 +42,8 @@ ANSWER_SETTINGS = ("method", "ratio", "auto", "model", "decode")  # what `kvstit
 
 
 def read_config(path: str | Path, known: set[str]) -> dict:
-    """The file's serve options (unknown names are an error). An ``auto`` table (options of ratio "auto") is
-    passed on as JSON, the ``[calibration]`` record is skipped."""
+    """The file's serve options (unknown names are an error): ``method``, ``decode`` and ``auto`` as their
+    canonical specs, a ``[tenants]`` table as JSON; the ``[calibration]`` record is skipped."""
     p = Path(path).expanduser()
     data = load_toml(p)
     if isinstance(data.get("serve"), dict):
@@ -52,28 +55,54 @@ def read_config(path: str | Path, known: set[str]) -> dict:
             continue
         if name not in known:
             raise InputError(f"{p}: unknown option {k!r}; known: {', '.join(sorted(known))}")
-        out[name] = json.dumps(v) if name in ("auto", "tenants") and isinstance(v, dict) else v
+        out[name] = json.dumps(v) if name == "tenants" and isinstance(v, dict) else v
+    return _option_settings(out, p)
+
+
+def _option_settings(out: dict, path) -> dict:
+    """``method``, ``decode`` and ``auto`` of ``out`` (specs or tables) as their canonical specs, checked."""
     if "method" in out:
-        out["method"] = method_setting(out["method"], p)
+        out["method"] = method_setting(out["method"], path)
     if "decode" in out:
-        out["decode"] = decode_setting(out["decode"], p)
+        out["decode"] = decode_setting(out["decode"], path)
+    if "auto" in out:
+        out["auto"] = auto_setting(out["auto"], path).spec
     return out
 
 
 def decode_setting(value, path) -> str:
     """A config file's ``decode`` (a spec string or a table with ``name``) -> the policy's canonical spec."""
+    from kvstitch.core.errors import BadDecodeOption
+    from kvstitch.core.options import read_table
     from kvstitch.decode import make_policy, policies
 
     try:
-        if isinstance(value, dict):
-            opts = dict(value)
-            name = opts.pop("name", None)
-            if not isinstance(name, str):
-                raise InputError(f"a decode table needs a 'name' (one of {', '.join(policies())})", param="decode")
-            return make_policy(name, **opts).spec
-        return make_policy(value).spec
+        return make_policy(read_table(value, "decode", BadDecodeOption, policies())
+                           if isinstance(value, dict) else value).spec
     except InputError as e:
         raise type(e)(f"{path}: decode: {e}") from None
+
+
+def auto_setting(value, path):
+    """A config file's ``auto`` (an ``[auto]`` table of options, or an auto spec) -> the `AutoBudget`."""
+    from kvstitch.core.errors import BadAutoOption
+    from kvstitch.core.options import read_table
+    from kvstitch.engine.budget import AUTO, AutoBudget
+
+    try:
+        return AutoBudget.of(read_table(value, "auto", BadAutoOption, name=AUTO) if isinstance(value, dict)
+                             else auto_spec(value))
+    except InputError as e:
+        raise type(e)(f"{path}: auto: {e}") from None
+
+
+def auto_spec(text) -> str:
+    """An auto spec as a setting may write it: ``auto(tol=0.05)``, ``auto:tol=0.05`` or just ``tol=0.05``."""
+    if not isinstance(text, str):
+        from kvstitch.core.errors import BadAutoOption
+
+        raise BadAutoOption(f"auto options must be an auto spec such as 'auto(tol=0.05)', got {text!r:.60}")
+    return text if re.match(r"\s*auto\s*(\(|:|$)", text, re.IGNORECASE) else f"auto:{text}"
 
 
 def method_setting(value, path) -> str:
@@ -87,19 +116,13 @@ def method_setting(value, path) -> str:
 
 
 def read_answer_settings(path: str | Path) -> dict:
-    """``method``, ``ratio``, ``auto`` (a dict), ``model`` and ``decode`` from a config file (`kvstitch ask --config`): the
-    keys it has among those, at the top level or under ``[serve]``; other keys are not ask's and are left alone."""
+    """``method``, ``ratio``, ``auto`` (its spec), ``model`` and ``decode`` from a config file (`kvstitch ask
+    --config`): the keys it has among those, at the top level or under ``[serve]``; other keys are not ask's and
+    are left alone."""
     data = load_toml(Path(path).expanduser())
     if isinstance(data.get("serve"), dict):
         data = {**data, **data["serve"]}
-    out = {k: data[k] for k in ANSWER_SETTINGS if k in data}
-    if "method" in out:
-        out["method"] = method_setting(out["method"], path)
-    if "decode" in out:
-        out["decode"] = decode_setting(out["decode"], path)
-    if "auto" in out and not isinstance(out["auto"], dict):
-        raise InputError(f"{path}: 'auto' must be a table of options of ratio 'auto'")
-    return out
+    return _option_settings({k: data[k] for k in ANSWER_SETTINGS if k in data}, path)
 
 
 def load_toml(path: str | Path) -> dict:

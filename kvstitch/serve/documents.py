@@ -26,7 +26,7 @@ import re
 import time
 
 from kvstitch.core.errors import InputError, StoreError
-from .core import ApiError, Job, QueueFull
+from .jobs import ApiError, Job, QueueFull
 
 _ID_RE = re.compile(r"doc-[0-9a-f]{32}")
 MAX_DOCUMENTS_PER_POST = 256

@@ -20,7 +20,7 @@ from typing import Callable
 from kvstitch.route.live import request_chunks
 from kvstitch.route.view import BloomFilter
 
-from .core import Job, QueueFull
+from .jobs import Job, QueueFull
 
 CHAT_PATH = "/v1/chat/completions"
 DIGEST_EXACT_MAX = 50_000  # passage keys sent as a set up to this; a Bloom filter above

@@ -43,7 +43,7 @@ class NoReplica(Exception):
 
 
 def _error(status: int, message: str, code: str, headers: dict | None = None):
-    from .core import ApiError
+    from .jobs import ApiError
 
     return ApiError(status, message, "server_error" if status >= 500 else "invalid_request_error", code,
                     headers=headers).response()

@@ -14,10 +14,10 @@ from pydantic_core import PydanticCustomError
 from kvstitch.core.errors import InputError
 from kvstitch.core.prompt import normalize_messages
 from kvstitch.decode.policies import DecodePolicy, make_policy, policy_budget
-from kvstitch.engine.budget import AutoBudget, split_ratio
+from kvstitch.engine.budget import AUTO, AutoBudget, split_ratio
 from kvstitch.engine.request import GenerationRequest
 from kvstitch.select import Selector, make_selector
-from .core import ApiError, input_error
+from .jobs import ApiError, input_error
 from .defaults import ChatDefaults
 
 MAX_TOP_K = 64
@@ -250,11 +250,14 @@ class ChatBody(BaseModel):
 
     def generation(self, chunks: list[str] | None, guard: str | None = None) -> GenerationRequest:
         """The engine's request over ``chunks`` (the passages given or retrieved), its fields the validated
-        objects (``checked``: the engine does not check them again); ``guard`` as the server decided it."""
+        objects (``checked``: the engine does not check them again); ``guard`` as the server decided it. The
+        body's ``auto`` and ``method_options`` are in ``recompute_ratio`` and ``method`` already, as
+        `GenerationRequest` converts them (`kvstitch.engine.request.one_spelling`)."""
+        ratio = self.auto if self.ratio == AUTO and self.auto is not None else self.ratio
         return GenerationRequest(
-            messages=self.messages, chunks=chunks, method=self.method, recompute_ratio=self.ratio,
+            messages=self.messages, chunks=chunks, method=self.method, recompute_ratio=ratio,
             max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-            decode=self.decode, kv_budget=self.kv_budget, auto=self.auto, guard=guard or self.guard,
+            decode=self.decode, kv_budget=self.kv_budget, guard=guard or self.guard,
             min_new_tokens=self.min_tokens, checked=True)
 
 

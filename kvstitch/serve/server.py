@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # fastapi is imported by create_app: `kvstitch` commands othe
 from kvstitch.engine.request import DEFAULT_METHOD
 
 from .chat import ChatService
-from .core import ApiError, Job, QueueFull
+from .jobs import ApiError, Job, QueueFull
 from .documents import documents_router
 from .defaults import DEFAULT_MAX_TOKENS, ChatDefaults
 from .prometheus import Metrics, StatusCounter

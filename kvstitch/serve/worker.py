@@ -15,7 +15,7 @@ from kvstitch.engine import STOP, GenerationResult
 from kvstitch.engine.batch import DecodeStep, RecomputeStep
 from kvstitch.store.tenants import tenant_scope
 from .admission import KVPool, kv_shape
-from .core import ApiError, Job, QueueFull, input_error
+from .jobs import ApiError, Job, QueueFull, input_error
 from .prometheus import Metrics
 from .stops import StopScanner
 

@@ -5,8 +5,8 @@ options of each method."""
 from __future__ import annotations
 
 from kvstitch.core.errors import BadMethodOption, UnknownMethod
-from .method import (ALIASES, SELECTORS, Selector, describe_type, field_default, make_selector, method_label,
-                     methods, resolve_name, spec_fields, type_hints)
+from .method import ALIASES, SELECTORS, Selector, build, make_selector, method_label, methods, spec_fields
+from kvstitch.core.options import describe_type, field_default, read_table, type_hints
 from kvstitch.core.spec import format_value, split_specs
 
 
@@ -42,13 +42,8 @@ def resolve_methods(spec: str, exclude: str = "") -> list[str]:
 
 def from_mapping(table: dict) -> Selector:
     """A method given as a mapping (a TOML table): ``{"name": "deltaprop", "alpha_k": 0.5, "base": "infoflow"}``;
-    an option may itself be such a mapping."""
-    opts = dict(table)
-    name = opts.pop("name", None)
-    if not isinstance(name, str):
-        raise BadMethodOption(f"a method table needs a 'name' (one of {', '.join(methods())}), got {table!r:.80}")
-    opts = {k: from_mapping(v) if isinstance(v, dict) and "name" in v else v for k, v in opts.items()}
-    return resolve_name(name, opts)
+    an option may itself be such a mapping (`kvstitch.core.options.read_table`, the reader of every kind)."""
+    return build(read_table(table, "method", BadMethodOption, methods()))
 
 
 def method_options(name: str) -> list[tuple[str, str, str]]:

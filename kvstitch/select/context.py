@@ -83,6 +83,9 @@ class SelectionContext:
     # the engine's score seam (`kvstitch.engine.hooks.EngineHooks.score`): (selector, ctx, compute) -> scores;
     # None: the selector scores itself
     score_hook: "Callable | None" = None
+    # a full prefill of this same prompt the caller already ran (the eval's reference), so that
+    # `exact_context_cache` need not prefill the context again; None: it does. Per request: never on a selector
+    exact_cache: "StitchCache | None" = None
 
     @property
     def n_context(self) -> int:
@@ -257,9 +260,12 @@ class SelectionContext:
         return rerotate(keys, positions, self.engine.inv_freq[layer])
 
     def exact_context_cache(self) -> "StitchCache":
-        """Prefix + context prefilled jointly (what a full prefill holds there), suffix slots empty (oracle)."""
+        """Prefix + context prefilled jointly (what a full prefill holds there), suffix slots empty (oracle); the
+        caller's full prefill (`exact_cache`) when it gave one."""
         from kvstitch.core.cache import StitchCache
 
+        if self.exact_cache is not None:
+            return self.exact_cache
         eng, lay = self.engine, self.layout
         cache = StitchCache.empty(eng.adapter, lay.n_total, eng.device, eng.dtype)
         eng.forward(cache, lay.ids[:lay.context_end], torch.arange(lay.context_end))

@@ -17,7 +17,8 @@ from kvstitch.decode.policies import DecodePolicy, make_policy
 from kvstitch.models import cache_kwargs
 from kvstitch.models.stitch_adapter import gate_of, gated
 from .batch import DecodeStep
-from .request import STOP, GenerationRequest, GenerationResult, Prefill
+from .sampling import answer_text, finished, sample
+from .request import STOP, GenerationRequest, GenerationResult, Prefill, new_decoder
 from .stats import GenerationStats
 
 
@@ -25,42 +26,6 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (stage times measure the work, not its launch)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ---- sampling and stop rules -------------------------------------------------------------------------------
-def sample(engine, logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int = 0,
-           no_eos: bool = False) -> int:
-    """The next token: argmax at temperature 0, else nucleus sampling seeded by (seed, step)."""
-    if no_eos:  # the answer is shorter than its min_new_tokens: EOS cannot be chosen
-        logits = logits.clone()
-        logits[..., sorted(engine.eos_ids)] = float("-inf")
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sp, 0) - sp < top_p
-        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
-    g = torch.Generator(device="cpu").manual_seed(seed * 100003 + step)
-    return int(torch.multinomial(probs.cpu(), 1, generator=g))
-
-
-def stop_text(engine, tokens: list[int]) -> bool:
-    """Base models (no chat template) keep writing after the answer: stop at the first line break."""
-    if getattr(engine.tokenizer, "chat_template", None):
-        return False
-    return "\n" in engine.tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
-
-
-def finished(engine, tokens: list[int]) -> bool:
-    """True when an answer is complete: it ends with EOS, or a base model wrote its line (`stop_text`)."""
-    return bool(tokens) and (tokens[-1] in engine.eos_ids or stop_text(engine, tokens))
-
-
-def answer_text(engine, tokens: list[int], strip: bool = True) -> str:
-    """The answer's text: its tokens without EOS, special tokens skipped; stripped unless ``strip`` is False."""
-    text = engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
-    return text.strip() if strip else text
 
 
 def make_result(engine, pre: Prefill, tokens: list[int], tpot: float) -> GenerationResult:
@@ -104,7 +69,7 @@ def decode_plan(engine, pre: Prefill, decode: str | DecodePolicy, kv_budget: int
     if not policy.select_all():
         options = dict(decode_options or {})
         diagnostic = options.pop("diagnostic", False)
-        plan.decoder = engine.make_decoder(cache, policy, kv_budget, prompt_ids=pre.layout.ids,
+        plan.decoder = make_decoder(engine, cache, policy, kv_budget, prompt_ids=pre.layout.ids,
                                            diagnostic=diagnostic, reserve_tokens=reserve,
                                            release=batch_steps, **options)
         stats["decode_policy"] = plan.decoder.policy.spec  # decode_options may set policy fields
@@ -181,20 +146,6 @@ def decode_step(engine, cache: StitchCache, token: int, decoder=None) -> torch.T
     return logits
 
 
-def new_decoder(engine, policy: str | DecodePolicy, kv_budget: int | None, options: dict | None = None):
-    """An empty `SparseDecoder` sized for the engine's model (``options``: `GenerationRequest.decode_options`;
-    the budget: `kvstitch.decode.policy_budget`)."""
-    from kvstitch.decode import make_decoder
-
-    options = dict(options or {})
-    if not isinstance(options.pop("diagnostic", False), bool):
-        raise InputError("decode option 'diagnostic' must be true or false")
-    ad = engine.adapter
-    return make_decoder(policy, kv_budget, num_layers=ad.num_layers, num_q_heads=ad.num_q_heads,
-                        num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, device=engine.device, dtype=engine.dtype,
-                        **options)
-
-
 @torch.no_grad()
 def observation_queries(engine, cache: StitchCache, prompt_ids: torch.Tensor, window: int = 32) -> dict:
     """Post-RoPE queries ``{layer: [Hq, w, D]}`` of the last ``window`` prompt tokens, re-run out of place."""
@@ -212,13 +163,13 @@ def make_decoder(engine, cache: StitchCache, policy: str | DecodePolicy, kv_budg
                  prompt_ids: torch.Tensor | None = None, obs_queries: dict | None = None, diagnostic: bool = False,
                  reserve_tokens: int | None = None, release: bool = False, **options):
     """Hand the prefilled ``cache`` to a sparse decoder (see `Engine.make_decoder`)."""
-    dec = engine.new_decoder(policy, kv_budget, {**options, "diagnostic": diagnostic})
+    dec = new_decoder(engine, policy, kv_budget, {**options, "diagnostic": diagnostic})
     if reserve_tokens is not None:
         dec.reserve_tokens = reserve_tokens
     if obs_queries is None:
         if prompt_ids is None:
             raise InputError("make_decoder needs the prompt's token ids (prompt_ids) or obs_queries")
-        obs_queries = engine.observation_queries(cache, prompt_ids, window=dec.window)  # = the local window
+        obs_queries = observation_queries(engine, cache, prompt_ids, window=dec.window)  # = the local window
     n = cache.length
     ad = engine.adapter
     layers = ad.backbone.layers
