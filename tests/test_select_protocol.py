@@ -48,10 +48,10 @@ def test_select_never_imports_the_engine_nor_private_attention():
 
 
 def test_selectors_use_the_context_not_engine_internals():
-    """Outside base.py (the seam) no selector touches the engine's model adapter, its forward pass, its
+    """Outside context.py (the seam) no selector touches the engine's model adapter, its forward pass, its
     store or an underscore member of anything."""
     for path in SELECT_DIR.glob("*.py"):
-        if path.name == "base.py":
+        if path.name == "context.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \

@@ -222,7 +222,7 @@ def test_shipped_adapters_name_their_model_and_how_they_were_made():
     from kvstitch.models.loader import _GGUF_SHA256
     from kvstitch.models.stitch_adapter import SHIPPED_DIR, shipped_adapters
 
-    assert "smollm2" in shipped_adapters()
+    assert {"smollm2", "qwen2.5-0.5b"} <= set(shipped_adapters())
     for name in shipped_adapters():
         ad = resolve_adapter("default", name)
         ad.check_model(f"gguf:{_GGUF_SHA256[name]}", name)  # trained for this embedded model's weights
