@@ -239,6 +239,42 @@ def test_auto_fallback_reuses_the_samples_full_prefill(engine):
     assert "fallback_reused" not in a.stats and full.take_charge() == 0.0
 
 
+def test_rows_timed_while_paused_are_timed_again(engine, monkeypatch):
+    """A prefill whose process got almost no CPU while the wall clock ran (a paused job) is measured again: the
+    same answer, logits and set, the row marked ``retimed`` with the new run's CPU share; other rows untouched."""
+    import time
+
+    from kvstitch.eval import sample as sample_mod
+    from kvstitch.eval import timing
+
+    s = generate("niah_single_essay", 1, 160, 64, 0, lambda t: len(engine.tokenizer.encode(t)))[0]
+    cfg = _cfg(methods=["random"], ratios=[0.2, 0.4])
+    todo = combos(cfg.methods, cfg.ratios)
+    frozen = [0]
+
+    def clock():  # a frozen clock while a pause is armed, else the wall clock (so every other run reads busy)
+        if frozen[0]:
+            frozen[0] -= 1
+            return 0.0
+        return time.perf_counter()
+
+    monkeypatch.setattr(sample_mod, "cpu_clock", clock)
+    calm = {(r["method"], r["ratio"]): r for r in sample_mod.eval_sample(engine, s, todo, {}, cfg)}
+    assert not any(r.get("retimed") for r in calm.values()) and all(r["cpu_share"] >= 1.0 for r in calm.values())
+
+    monkeypatch.setattr(timing, "PAUSED_MIN_S", 0.0)  # the tiny model's prefills take milliseconds
+    pause = {("full", None), ("random", 0.4)}
+    arm = lambda _s, m, r: frozen.__setitem__(0, 2 if (m, r) in pause else 0)  # the first run's two clock reads
+    paused = {(r["method"], r["ratio"]): r for r in sample_mod.eval_sample(engine, s, todo, {}, cfg, on_start=arm)}
+    assert paused.keys() == calm.keys()
+    for key, row in paused.items():
+        assert bool(row.get("retimed")) == (key in pause), key
+        assert row["cpu_share"] >= 1.0  # the kept run's, not the paused one's
+        for f in ("pred", "kl", "nll", "recomputed", "score"):
+            assert row[f] == calm[key][f], (key, f)
+    assert paused[("full", None)]["answer_ids"] == calm[("full", None)]["answer_ids"]
+
+
 def test_to_original_order_maps_reordered_chunks():
     lens = [3, 2, 4]  # original chunks: 0 -> [0,1,2], 1 -> [3,4], 2 -> [5,6,7,8]
     order = [2, 0, 1]  # reordered context: chunk 2, chunk 0, chunk 1

@@ -366,3 +366,24 @@ def test_every_method_reads_through_the_adapter_at_its_ratio_strength(eng, metho
         assert pre.cache.adapt_from == pre.layout.context_end and pre.layout.links == 4
     finally:
         eng.use_stitch_adapter(None)
+
+
+@pytest.mark.parametrize("method,ratio", [("naive", None), ("random", 0.3)])
+def test_the_eval_reads_an_adapted_prompt_as_generate_does(eng, method, ratio):
+    """The eval's one-prefill run over a prompt that gained link tokens: the greedy answer `generate` gives and the
+    logits `answer_logits` gives (the answer starts after the link tokens, not where the plain prompt ends)."""
+    from kvstitch.eval.runner import run_method, sample_layout
+    from kvstitch.tasks.tasks import Sample
+
+    eng.use_stitch_adapter(active_adapter(eng))
+    try:
+        layout = sample_layout(eng, Sample(task="t", chunks=SAMPLE_CHUNKS, question=SAMPLE_QUESTION, answers=["x"],
+                                           meta={}))
+        target = torch.tensor(eng.generate("", [], method="full", max_new_tokens=8, layout=layout).token_ids)
+        run = run_method(eng, layout, method, ratio, 8, target)
+        got = eng.generate("", [], method=method, recompute_ratio=ratio or 0.0, max_new_tokens=8, layout=layout)
+        assert run.stats.get("stitch_adapter") and run.tokens == got.token_ids
+        logits, _, _ = eng.answer_logits(layout, target, method, ratio or 0.0)
+        torch.testing.assert_close(run.logits, logits.float(), rtol=1e-4, atol=1e-4)
+    finally:
+        eng.use_stitch_adapter(None)

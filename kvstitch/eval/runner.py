@@ -35,7 +35,8 @@ from .config import DEFAULT_TASKS, PROTOCOL_VERSION, ordered_methods  # noqa: F4
 from .report import write_reports
 from .rows import REFERENCES, append_jsonl, has_jsonl, norm_ratio, read_jsonl, sample_key
 from .sample import eval_sample  # the run calls it through this module (tests replace it here)
-from .sample import MethodRun, SampleFullPrefill, answer_budget, run_method, sample_layout  # noqa: F401  (API)
+from .sample import MethodRun, answer_budget, run_method, sample_layout  # noqa: F401  (API)
+from .timing import SampleFullPrefill  # noqa: F401  (API)
 from .selection import to_original_order  # noqa: F401  (part of this module's API)
 
 RESULTS = "results.jsonl"

@@ -15,8 +15,8 @@ Per sample (one prompt layout, chunk caches precomputed once into the engine's s
    ``overlap`` = |S ∩ G| / |G| with G the ``oracle`` selection at the same budget (when `oracle` is
    registered). Methods that reorder chunks (``infoflow_reorder``) have their indices mapped back to the
    original token order first.
-4. What would redo the reference's full prefill reuses it (`SampleFullPrefill`): the oracles' exact context
-   and `auto`'s fallback get the same K/V and logits, and are charged its measured time.
+4. What would redo the reference's full prefill reuses it and is charged its measured time; a prefill timed
+   while the process was paused is timed again (`eval/timing.py`).
 
 The run over all samples (resume, shards, progress, reports) is `eval/runner.py`.
 """
@@ -43,6 +43,7 @@ from kvstitch.tasks.tasks import Sample
 from .config import EvalConfig
 from .rows import REFERENCES
 from .selection import oracle_sets, select_tokens, to_original_order
+from .timing import SampleFullPrefill, cpu_clock, paused, score_memo, timed_again
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,83 +85,8 @@ class MethodRun:
     reused_tokens: int = 0  # answer tokens read off the teacher-forced pass (not decoded step by step)
 
 
-# Scorers whose per-token scores depend on the prompt only (not on the budget) and are expensive enough to
-# compute once per sample for all ratios: the oracles run a full prefill to score.
-SCORE_CACHED = ("oracle", "oracle_ideal")
 # Methods that keep chunk caches of their own (CacheClip's auxiliary model): warmed with the store, untimed.
 OWN_CHUNK_CACHES = ("cacheclip",)
-
-
-class SampleFullPrefill:
-    """The sample's full prefill (the reference row's), kept for what would compute the very same thing again:
-    the oracles' exact context K/V and `auto`'s fallback to full prefill. Same prompt, same computation, so the
-    same K/V and logits; the time it took is charged to whoever reuses it, so TTFTs stay what a lone request
-    measures. The engine's full prefills reach it only inside `recording` / `replaying` (its ``full_prefill``
-    hook, `Engine.hooked`)."""
-
-    def __init__(self, engine, layout):
-        self.engine, self.layout = engine, layout
-        self.cache = self.logits = None
-        self.seconds = 0.0
-        self.charged = 0.0  # reused seconds not yet charged (`take_charge`)
-
-    def _same(self, layout, plan, logits_to_keep) -> bool:
-        return layout is self.layout and plan is None and logits_to_keep == 1
-
-    def recording(self):
-        """Keep the sample's full prefill as the engine computes it."""
-
-        def full_prefill(layout, extra, plan, logits_to_keep, compute):
-            t0 = time.perf_counter()
-            cache, logits = compute(layout, extra, plan, logits_to_keep)
-            if self._same(layout, plan, logits_to_keep):
-                self.cache, self.logits, self.seconds = cache, logits, time.perf_counter() - t0
-            return cache, logits
-
-        return self.engine.hooked(full_prefill=full_prefill)
-
-    def replaying(self):
-        """Hand the kept full prefill to whatever asks the engine for the same one (charging its time)."""
-
-        def full_prefill(layout, extra, plan, logits_to_keep, compute):
-            if (self.cache is None or not self._same(layout, plan, logits_to_keep)
-                    or self.cache.layers[0].capacity < layout.n_total + extra):
-                return compute(layout, extra, plan, logits_to_keep)
-            self.cache.truncate(layout.n_total)  # drop the answer a previous user decoded into it
-            self.charged += self.seconds
-            return self.cache, self.logits
-
-        return self.engine.hooked(full_prefill=full_prefill)
-
-    def take_charge(self) -> float:
-        charged, self.charged = self.charged, 0.0
-        return charged
-
-
-def _score_memo(method: str, cache: dict | None, full: SampleFullPrefill | None = None):
-    """A score hook (`EngineHooks.score`) memoising the scores of `SCORE_CACHED` methods without options in
-    `cache` (per sample); they score over the sample's full prefill (``full``) instead of prefilling the
-    context again. -> (the hook, or None for other methods; a function giving the scoring time reused,
-    0.0 when everything was computed here: the caller charges it)."""
-    saved = [0.0]
-    if cache is None or method not in SCORE_CACHED:
-        return None, lambda: saved[0]
-
-    def score(selector, ctx, compute):
-        if method in cache:
-            scores, dt = cache[method]
-            saved[0] = dt
-            return scores
-        reused = 0.0
-        if full is not None and full.cache is not None and selector.needs_full_prefill:
-            ctx.exact_cache, reused = full.cache, full.seconds  # this request's context: the oracle scores over it
-        t0 = time.perf_counter()
-        scores = compute(ctx)
-        cache[method] = (scores, time.perf_counter() - t0 + reused)
-        saved[0] = reused
-        return scores
-
-    return score, lambda: saved[0]
 
 
 @torch.no_grad()
@@ -175,16 +101,17 @@ def run_method(engine, layout, method: str, ratio: float | None, max_new_tokens:
 
     selector = make_selector(method, **(method_options or {}))
     budget = join_ratio(0.0 if ratio is None else ratio, auto)  # "auto" with options: its `AutoBudget`
-    score_hook, cached_select_s = _score_memo(method, score_cache, full)
+    score_hook, cached_select_s = score_memo(method, score_cache, full)
     target_t = torch.zeros(0, dtype=torch.long) if target is None else torch.as_tensor(target, dtype=torch.long).flatten()
     T = target_t.numel()
-    n = layout.n_total
-    t0 = time.perf_counter()
+    c0, t0 = cpu_clock(), time.perf_counter()
     with full.replaying() if full is not None and not selector.full_prefill else nullcontext(), \
             engine.hooked(score=score_hook) if score_hook is not None else nullcontext():
         pre = engine.prefill(layout, method, budget, max(max_new_tokens, T), selector=selector)
     ttft = time.perf_counter() - t0
     stats, cache, used = pre.stats, pre.cache, pre.layout
+    n = used.n_total  # the prompt as prefilled: a stitch adapter's link tokens are part of it
+    stats["timed_s"], stats["cpu_share"] = ttft, (cpu_clock() - c0) / ttft if ttft > 0 else None
     if full is not None and (fallback := full.take_charge()):  # `auto` fell back: the sample's full prefill
         ttft += fallback
         for k in ("fallback_s", "recompute_s"):
@@ -294,13 +221,13 @@ def precompute(engine, sample: Sample, layout, budget: int, methods: set[str]) -
     return time.perf_counter() - t0
 
 
-def run_reference(engine, layout, budget: int, full: SampleFullPrefill, full_row: dict | None) -> tuple[MethodRun, list[int]]:
-    """The full-prefill reference, recorded into `full`; its target ids are the logged ones on resume.
-    -> (its run, the target ids)."""
+def run_reference(engine, layout, budget: int, full: SampleFullPrefill,
+                  target: list[int] | None) -> tuple[MethodRun, list[int]]:
+    """The full-prefill reference, recorded into `full`; its target ids are ``target`` when given (logged, on
+    resume), else its own greedy answer. -> (its run, the target ids)."""
     with full.recording():
-        if full_row is not None and full_row.get("answer_ids"):
-            target = [int(t) for t in full_row["answer_ids"]]
-            return run_method(engine, layout, "full", None, budget, target), target
+        if target:
+            return run_method(engine, layout, "full", None, budget, target), list(target)
         ref = run_method(engine, layout, "full", None, budget)
         return ref, ref.tokens
 
@@ -353,6 +280,8 @@ class SampleRows:
         G = self.reference_set(run.ratio) if run.method not in REFERENCES else None
         overlap = overlap_ratio(run.indices, G) if G is not None and G.numel() else None
         extra = {"select_cached": True} if run.stats.get("select_cached") else {}
+        if run.stats.get("retimed"):
+            extra["retimed"] = True
         score, grades = self.grades(run.text)
         extra.update(grades)
         return {**self.base, **extra, "method": run.method, "method_spec": method_spec(run.method), "ratio": run.ratio,
@@ -360,7 +289,7 @@ class SampleRows:
                 "pred": run.text[:300], "answers": list(self.sample.answers), "recomputed": int(run.indices.numel()),
                 "kl": _clean(kl), "kl_first": _clean(kl_first), "nll": _clean(nll), "nll_full": _clean(self.nll_full),
                 "nll_recovery": _clean(rec), "overlap": _clean(overlap), "ttft_s": run.ttft_s,
-                **_stage_fields(run.stats), **_method_fields(run.stats), "answer_tokens": len(target),
+                "cpu_share": _clean(run.stats.get("cpu_share")), **_stage_fields(run.stats), **_method_fields(run.stats), "answer_tokens": len(target),
                 "max_new_tokens": self.budget, "reused_tokens": run.reused_tokens, "precompute_s": self.precompute_s,
                 # agreement with full prefill's own answer, and what it cost
                 "agree_words": first_words_agree(run.text, ref.text), "agree_first": first_token_agree(run.tokens, ref.tokens),
@@ -390,7 +319,11 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
     # the reference: target ids, its logits and NLL
     start("full", None)
     full = SampleFullPrefill(engine, layout)  # kept for the oracles' scores and auto's fallback
-    ref, target = run_reference(engine, layout, budget, full, done.get(("full", None)))
+    where = f"{sample.task}#{sample.meta.get('index')}"
+    logged = (done.get(("full", None)) or {}).get("answer_ids")
+    ref, target = run_reference(engine, layout, budget, full, [int(t) for t in logged] if logged else None)
+    if paused(ref):  # on the same target, so the same answer
+        ref = timed_again(lambda: run_reference(engine, layout, budget, full, target)[0], ref, f"{where} full")
     rows = SampleRows(engine, sample, layout, budget, precompute_s, ref, target, full, cfg.overlap)
     naive_row = done.get(("naive", None))
     if naive_row is not None and naive_row.get("nll") is not None:
@@ -401,6 +334,9 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
     if rows.nll_naive is None:
         start("naive", None)
         naive = run_method(engine, layout, "naive", None, budget, target)
+        if paused(naive):
+            naive = timed_again(lambda: run_method(engine, layout, "naive", None, budget, target), naive,
+                                f"{where} naive")
         rows.runs[("naive", None)] = naive
         rows.nll_naive = answer_nll(naive.logits, torch.tensor(target))
     if pending_full is not None:
@@ -414,7 +350,14 @@ def eval_sample(engine, sample: Sample, todo: Sequence[tuple[str, float | None]]
         if m in REFERENCES:
             continue
         start(m, r)
-        run = run_method(engine, layout, m, r, budget, target, score_cache=score_cache, auto=cfg.auto, full=full)
+
+        def measure(m=m, r=r):
+            return run_method(engine, layout, m, r, budget, target, score_cache=score_cache, auto=cfg.auto, full=full)
+
+        run = measure()
+        if paused(run):
+            score_cache.pop(m, None)  # scores a paused run kept would be charged at their paused time
+            run = timed_again(measure, run, f"{where} {m} at {r}")
         rows.runs[(m, r)] = run
         emit(rows.row(run))
     return new_rows
