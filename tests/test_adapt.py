@@ -147,6 +147,11 @@ def test_the_strength_sweep_keeps_the_lowest_validation_kl_and_resumes(tmp_path,
     tr.save()
     saved = StitchAdapter.load(tmp_path / "adapter.safetensors")
     assert saved.schedule == [tuple(p) for p in out["schedule"]] and (tmp_path / STRENGTH_FILE).exists()
+    # on other questions (the tuning split's): every cell measured again, over those questions
+    calls.clear()
+    monkeypatch.setattr(Trainer, "loss_of", counted)
+    other = tune_strength(tr, (0.0, 0.3), (0.0, 1.0), progress=False, contexts=CONTEXTS[:1], on="tuning")
+    assert len(calls) == 4 and other["on"] == "tuning" and other["questions"] == len(CONTEXTS[0].questions)
 
 
 def test_a_writer_adapter_trains_through_its_passages(tmp_path, smollm_tokenizer):
@@ -190,6 +195,25 @@ def test_training_data_is_disjoint_from_every_report_split_and_evaluation_set():
     assert {s.meta["qid"] for s in load_dataset("squad", 0, 400)} - {s.meta["qid"] for s in v1} == dropped
 
 
+def test_the_strength_is_tuned_on_held_out_tuning_questions_as_the_eval_asks_them():
+    """--tune-on tuning: SQuAD tuning-split questions of held-out articles only, each over the passages the eval
+    gives it, none of them a training passage or a report question."""
+    from kvstitch.adapt import tuning_contexts
+
+    tuning = tuning_contexts(10, 1000)
+    cfg = EvalConfig(tasks=[], lengths=[], methods=[], ratios=[], dataset="squad", heldout=True)
+    as_eval = {s.meta["raw_question"]: s for s in heldout_samples(cfg, load_dataset("squad", 0, 100, passages=10))}
+    assert len(tuning) == len(as_eval) > 50
+    train = {p for c in squad_contexts(10, 1000) + squad_contexts(10, 1000, validation=True) for p in c.passages}
+    report = {s.meta["qid"] for s in load_dataset("squad", 100, None, passages=10)}
+    for c in tuning:
+        (q,) = c.questions
+        s = as_eval[q.split("\n")[0]]
+        assert list(c.passages) == s.chunks and q == s.question and c.key == f"squad-tuning:{s.meta['qid']}"
+        assert not train & set(c.passages) and s.meta["qid"] not in report
+    assert len(tuning_contexts(10, 5)) == 5
+
+
 def test_training_and_validation_contexts_do_not_share_an_article():
     train, val = squad_contexts(10, 4), squad_contexts(10, 4, validation=True)
     assert train and val
@@ -204,6 +228,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert res.exit_code == 2 and "ratios must be in [0, 1)" in res.output
     res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--strengths", "0,2"])
     assert res.exit_code == 2 and "strengths lie in [0, 1]" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--tune-on", "report"])
+    assert res.exit_code == 2 and "--tune-on takes validation or tuning" in res.output
     res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--tune-ratios", "x"])
     assert res.exit_code == 2 and "--tune-ratios takes comma-separated numbers" in res.output
     bad = tmp_path / "bad.safetensors"

@@ -1,6 +1,7 @@
 """Training stitch adapters (`kvstitch.models.stitch_adapter`): the data (`data`) and the run (`train`)."""
 
-from .data import VALIDATION_ARTICLE, Context, document_contexts, squad_contexts
+from .data import VALIDATION_ARTICLE, Context, document_contexts, squad_contexts, tuning_contexts
 from .train import AdaptConfig, Trainer
 
-__all__ = ["AdaptConfig", "Context", "Trainer", "VALIDATION_ARTICLE", "document_contexts", "squad_contexts"]
+__all__ = ["AdaptConfig", "Context", "Trainer", "VALIDATION_ARTICLE", "document_contexts", "squad_contexts",
+           "tuning_contexts"]

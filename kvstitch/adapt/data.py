@@ -5,7 +5,9 @@ The built-in corpus is SQuAD dev v1.1, split **by article**: adapters train on t
 with fewest questions among the tuning and report samples). Their questions are never reported: evaluation of
 an adapter keeps only the other articles' questions (`SquadSet.heldout`, `kvstitch eval --heldout`), and the
 whole of SQuAD v2.0, NIAH and MuSiQue stay out of training. The last training article (`VALIDATION_ARTICLE`)
-gives the validation loss only.
+gives the validation loss only. The reader's strength may instead be tuned on the tuning split's held-out questions
+(`tuning_contexts`): each over the passages the evaluation gives it, so like the reported questions, yet never
+reported.
 
 A context is ``passages`` paragraphs of one article; its questions are SQuAD's questions of those paragraphs
 (human-written), prompted as the evaluation prompts them. A user's own documents (`document_contexts`)
@@ -18,7 +20,7 @@ import random
 from dataclasses import dataclass
 
 from kvstitch.core.errors import InputError
-from kvstitch.tasks.squad import ADAPTER_ARTICLES, INSTRUCTION, SquadSet, read_squad
+from kvstitch.tasks.squad import ADAPTER_ARTICLES, INSTRUCTION, TUNING_SPLIT, SquadSet, passages_for, read_squad
 
 VALIDATION_ARTICLE = ADAPTER_ARTICLES[-1]
 QUESTION_PROMPT = ("Write one question that the passage below answers with a short fact (a name, a number, a "
@@ -62,6 +64,21 @@ def squad_contexts(passages: int, per_context: int, seed: int = 0, validation: b
             out.append(Context(f"squad:{titles[a]}:{g // passages}", tuple(squad.articles[a][p] for p in group),
                                tuple(prompt_question(t) for t in qs[:per_context])))
     rng.shuffle(out)
+    return out
+
+
+def tuning_contexts(passages: int, n: int, seed: int = 0) -> list[Context]:
+    """The first ``n`` held-out questions of SQuAD's tuning split (`TUNING_SPLIT`; articles no adapter trains on),
+    one context each: the ``passages`` paragraphs `kvstitch eval --dataset squad --passages N` gives it (``seed``:
+    the eval's)."""
+    if passages < 1 or n < 1:
+        raise InputError("passages and tuning questions must be >= 1")
+    squad = read_squad("squad")
+    out = []
+    for q in squad.questions[slice(*TUNING_SPLIT)]:
+        if squad.heldout(q) and len(out) < n:
+            paras, _ = passages_for(squad, q, passages, seed)
+            out.append(Context(f"squad-tuning:{q.qid}", tuple(paras), (prompt_question(q.text),)))
     return out
 
 

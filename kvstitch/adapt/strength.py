@@ -3,7 +3,8 @@
 An adapter trained where nobody recomputed corrects a stitched cache fully; once a method has recomputed part of
 the context, the same correction overshoots (SmolLM2's pilot: it halves naive reuse's KL to full prefill, yet at
 20% recompute its KL is above no adapter's). So after training, each ratio in ``ratios`` gets the strength in
-``strengths`` whose validation KL (the validation article's questions: never a report split) is lowest; 0 means
+``strengths`` whose KL is lowest on questions never reported (the validation article's, or the tuning split's
+held-out ones: `kvstitch.adapt.data.tuning_contexts`); 0 means
 the adapter stays off there. The table of every (ratio, strength) cell is kept in ``strength.json`` and filled
 cell by cell, so a stopped sweep resumes where it stopped.
 """
@@ -17,7 +18,7 @@ from kvstitch.core.errors import InputError
 STRENGTH_FILE = "strength.json"
 
 
-def _key(trainer, ratios, strengths, n: int) -> dict:
+def _key(trainer, ratios, strengths, n: int, on: str) -> dict:
     ad = trainer.adapter
     saved = ad.info.pop("strength", None)
     try:
@@ -25,7 +26,7 @@ def _key(trainer, ratios, strengths, n: int) -> dict:
     finally:
         if saved is not None:
             ad.info["strength"] = saved
-    return {"adapter": digest, "ratios": list(ratios), "strengths": list(strengths), "questions": n}
+    return {"adapter": digest, "ratios": list(ratios), "strengths": list(strengths), "questions": n, "on": on}
 
 
 def check_sweep(ratios, strengths) -> None:
@@ -36,18 +37,23 @@ def check_sweep(ratios, strengths) -> None:
                          f"ratios {list(ratios)}")
 
 
-def tune_strength(trainer, ratios: tuple[float, ...], strengths: tuple[float, ...], progress: bool = True) -> dict:
-    """Sweep ``strengths`` at each of ``ratios`` over ``trainer``'s validation questions; set and return the schedule
-    (``{"schedule": [[ratio, strength], ...], "kl": {ratio: {strength: KL}}, "questions": n}``)."""
+def tune_strength(trainer, ratios: tuple[float, ...], strengths: tuple[float, ...], progress: bool = True,
+                  contexts=None, on: str = "validation") -> dict:
+    """Sweep ``strengths`` at each of ``ratios`` over ``trainer``'s validation questions (or every question of
+    ``contexts``, named ``on``); set and return the schedule (``{"schedule": [[ratio, strength], ...], "kl": {ratio:
+    {strength: KL}}, "questions": n, "on": ...}``)."""
     from rich.progress import Progress
 
     check_sweep(ratios, strengths)
-    items = trainer.val_items()
+    if contexts is None:
+        contexts, items = trainer.val, trainer.val_items()
+    else:
+        items = [(c, q) for c, ctx in enumerate(contexts) for q in range(len(ctx.questions))]
     if not items:
-        raise InputError("no validation questions to tune the adapter's strength on")
+        raise InputError("no questions to tune the adapter's strength on")
     ratios, strengths = tuple(sorted(set(ratios))), tuple(sorted(set(strengths)))
     path = trainer.run_dir / STRENGTH_FILE
-    key = _key(trainer, ratios, strengths, len(items))
+    key = _key(trainer, ratios, strengths, len(items), on)
     done = json.loads(path.read_text()) if path.exists() else {}
     kl = done.get("kl", {}) if done.get("key") == key else {}
     ad = trainer.adapter
@@ -57,7 +63,7 @@ def tune_strength(trainer, ratios: tuple[float, ...], strengths: tuple[float, ..
                             completed=len(ratios) * len(strengths) - len(cells))
         for r, s in cells:
             ad.info["strength"] = [[0.0, s]]  # the method's own selection pass reads through it as the student does
-            kl.setdefault(str(r), {})[str(s)] = trainer.loss_of(items, trainer.val, r, grad=False, strength=s)
+            kl.setdefault(str(r), {})[str(s)] = trainer.loss_of(items, contexts, r, grad=False, strength=s)
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps({"key": key, "kl": kl}, indent=1))
             tmp.replace(path)
@@ -65,6 +71,6 @@ def tune_strength(trainer, ratios: tuple[float, ...], strengths: tuple[float, ..
     schedule = [[r, min(strengths, key=lambda s: (kl[str(r)][str(s)], -s))] for r in ratios]
     ad.info["strength"] = schedule
     trainer.schedule = schedule
-    out = {"key": key, "kl": kl, "schedule": schedule, "questions": len(items)}
+    out = {"key": key, "kl": kl, "schedule": schedule, "questions": len(items), "on": on}
     path.write_text(json.dumps(out, indent=1))
     return out

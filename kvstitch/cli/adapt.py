@@ -42,16 +42,26 @@ def adapt_command(
                                       "each --tune-ratios ratio on the validation questions; the best is kept in the "
                                       "adapter (0: off there; '' skips the sweep, full strength everywhere)"),
         tune_ratios: str = typer.Option("0,0.1,0.2", "--tune-ratios", help="recompute ratios the strength is "
-                                        "tuned at (between them it is interpolated)")) -> None:
+                                        "tuned at (between them it is interpolated)"),
+        tune_on: str = typer.Option("validation", "--tune-on", help="where the strength is tuned: validation (the "
+                                    "validation contexts) or tuning (with --corpus squad: the first "
+                                    "--tune-questions held-out questions of SQuAD's tuning split, each over the "
+                                    "--passages the evaluation gives it; never reported)"),
+        tune_questions: int = typer.Option(32, "--tune-questions", help="questions of the tuning split (--tune-on "
+                                           "tuning)")) -> None:
     """Learn a stitch adapter for MODEL by distillation from full prefill: the model's own full-prefill answers
     are the teacher, the stitched cache read through the adapter the student. Runs on a CPU, checkpoints as it
     goes and resumes when rerun with the same command."""
-    from kvstitch.adapt import AdaptConfig, Trainer, document_contexts, squad_contexts
+    from kvstitch.adapt import AdaptConfig, Trainer, document_contexts, squad_contexts, tuning_contexts
 
     set_threads(threads)
     ratio_list, strength_list, tune_list = (_numbers(v, flag) for v, flag in
                                             ((ratios, "--ratios"), (strengths, "--strengths"),
                                              (tune_ratios, "--tune-ratios")))
+    if tune_on not in ("validation", "tuning"):
+        raise InputError(f"--tune-on takes validation or tuning, got {tune_on!r}")
+    if tune_on == "tuning" and corpus != "squad":
+        raise InputError("--tune-on tuning needs --corpus squad (it tunes on SQuAD's tuning split)")
     if strength_list:
         from kvstitch.adapt.strength import check_sweep
 
@@ -88,10 +98,11 @@ def adapt_command(
     if strength_list and (cfg.links or cfg.rank):  # (a writer alone reads nothing through a strength)
         from kvstitch.adapt.strength import tune_strength
 
-        tuned = tune_strength(trainer, tune_list, strength_list)
+        tuning = tuning_contexts(passages, tune_questions) if tune_on == "tuning" else None
+        tuned = tune_strength(trainer, tune_list, strength_list, contexts=tuning, on=tune_on)
         trainer.save()
-        console.print("reader LoRA strength by ratio (validation KL, n = {}): {}".format(
-            tuned["questions"], ", ".join(f"{r:g}: {s:g}" for r, s in tuned["schedule"])), highlight=False)
+        console.print("reader LoRA strength by ratio ({} KL, n = {}): {}".format(
+            tune_on, tuned["questions"], ", ".join(f"{r:g}: {s:g}" for r, s in tuned["schedule"])), highlight=False)
     size = (out / "adapter.safetensors").stat().st_size
     console.print(f"stitch adapter {cfg.adapter.form}: {info['parameters']:,} parameters, {size / 1e6:.2f} MB, "
                   f"{info['steps']} steps, {info['cpu_hours']:.2f} CPU-hours; loss {info['final_loss']:.4f}; "
