@@ -59,6 +59,14 @@ def tune_strength(trainer, ratios: tuple[float, ...], strengths: tuple[float, ..
     ad = trainer.adapter
     cells = [(r, s) for r in ratios for s in strengths if str(s) not in kl.get(str(r), {})]
     with Progress(disable=not progress) as bar:
+        if cells:  # the teacher's targets first (a full prefill per context, kept on disk): minutes of their own
+            from .distill import cached_targets
+
+            need = sorted({c for c, _ in items})
+            teach = bar.add_task("teacher targets", total=len(need))
+            for c in need:
+                cached_targets(trainer.engine, trainer.teacher_dir, contexts[c], trainer.cfg)
+                bar.advance(teach)
         task = bar.add_task("strength", total=len(ratios) * len(strengths),
                             completed=len(ratios) * len(strengths) - len(cells))
         for r, s in cells:
