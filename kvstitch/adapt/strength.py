@@ -26,7 +26,8 @@ def _key(trainer, ratios, strengths, n: int, on: str) -> dict:
     finally:
         if saved is not None:
             ad.info["strength"] = saved
-    return {"adapter": digest, "ratios": list(ratios), "strengths": list(strengths), "questions": n, "on": on}
+    key = {"adapter": digest, "ratios": list(ratios), "strengths": list(strengths), "questions": n}
+    return key if on == "validation" else {**key, "on": on}  # (validation sweeps written before keep their key)
 
 
 def check_sweep(ratios, strengths) -> None:
