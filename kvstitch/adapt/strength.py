@@ -27,7 +27,7 @@ def _key(trainer, ratios, strengths, n: int, on: str) -> dict:
         if saved is not None:
             ad.info["strength"] = saved
     key = {"adapter": digest, "ratios": list(ratios), "strengths": list(strengths), "questions": n}
-    return key if on == "validation" else {**key, "on": on}  # (validation sweeps written before keep their key)
+    return key if on == "validation" else {**key, "on": on}  # a validation key names no source: its files stay valid
 
 
 def check_sweep(ratios, strengths) -> None:
