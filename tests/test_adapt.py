@@ -236,6 +236,8 @@ def test_cli_errors_are_one_line(tmp_path):
     bad.write_text("nope")
     res = runner.invoke(app, ["ask", "Who?", "--chunk", str(bad), "--stitch-adapter", str(bad)])
     assert res.exit_code == 2 and "not a readable stitch adapter" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--init", str(bad)])
+    assert res.exit_code == 2 and "--init:" in res.output and "not a readable stitch adapter" in res.output
 
 
 def test_an_adapter_run_has_its_own_protocol_and_old_logs_stay_valid():
@@ -247,3 +249,59 @@ def test_an_adapter_run_has_its_own_protocol_and_old_logs_stay_valid():
     assert p["stitch_adapter"] == {"form": "links=8", "sha256": "ab"} and p["heldout"] is True
     with pytest.raises(Exception, match="--heldout"):
         heldout_samples(EvalConfig(tasks=[], lengths=[], methods=[], ratios=[], dataset="musique", heldout=True), [])
+
+
+def test_a_run_can_start_from_another_adapter_of_the_same_form(tmp_path, smollm_tokenizer):
+    """``--init``: the run starts from the given weights (not a fresh adapter), records their digest, and refuses
+    an adapter of another form."""
+    from kvstitch.core.errors import InputError
+
+    Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2), CONTEXTS, [], tmp_path / "a").run(progress=False)
+    start = StitchAdapter.load(tmp_path / "a" / "adapter.safetensors")
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2, init=start.digest()), CONTEXTS, [], tmp_path / "b",
+                 init=start)
+    tr.setup()
+    assert tr.adapter.digest() == start.digest() and tr.adapter is not start
+    assert any(float(v.abs().sum()) > 0 for k, v in tr.adapter.state_dict().items() if k.startswith("lora_b"))
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["config"]["init"] == start.digest()
+    tr.run(progress=False)
+    assert tr.adapter.digest() != start.digest()
+    with pytest.raises(InputError, match="digest"):
+        Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2), CONTEXTS, [], tmp_path / "c", init=start)
+    with pytest.raises(InputError, match="same form"):
+        Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2, rank=3, init=start.digest()), CONTEXTS, [],
+                tmp_path / "d", init=start).setup()
+
+
+def test_a_checkpointed_writer_pass_gives_one_passs_values_and_gradients(tmp_path, smollm_tokenizer):
+    """Training writes passages a group at a time, each group recomputed in the backward: the same K/V and the
+    same gradients as one pass over all passages that keeps its activations."""
+    from kvstitch.adapt.distill import _written, written_chunks
+
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(links=0, rank=0, writer=2), CONTEXTS, [], tmp_path)
+    tr.setup()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for b in tr.adapter.writer_b.values():
+            b.normal_(0, 0.05)  # B starts at zero: A would get no gradient
+    eng = tr.engine
+    layout = eng.layout(CONTEXTS[0].questions[0], list(CONTEXTS[0].passages) + list(CONTEXTS[1].passages))
+    pk, pv = eng.prefix_kv(layout.prefix_ids)
+
+    def grads(kvs):
+        loss = sum((c.keys.float() ** 2).mean() + (c.values.float() ** 2).mean() for c in kvs)
+        params = list(tr.adapter.parameters())
+        for q in params:
+            q.grad = None
+        loss.backward()
+        return [kv for c in kvs for kv in (c.keys.detach(), c.values.detach())], \
+            [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
+
+    grouped_kv, grouped = grads(written_chunks(eng, layout, group=1))
+    one_kv, one = grads(_written(eng, layout.chunk_ids, pk, pv, layout.prefix_ids.numel()))
+    assert len(grouped_kv) == 2 * len(layout.chunk_ids)
+    for a, b in zip(grouped_kv, one_kv):
+        assert (a - b).abs().max() < 1e-4
+    assert sum(float(g.abs().sum()) for g in one) > 0
+    for a, b in zip(grouped, one):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-6)

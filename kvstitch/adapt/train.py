@@ -67,6 +67,7 @@ class AdaptConfig:
     val_questions: int = 16
     eval_every: int = 25
     save_every: int = 10
+    init: str = ""  # digest of the adapter training starts from ("": fresh)
 
     def __post_init__(self):
         for name in ("steps", "batch", "passages", "per_context", "top_k", "max_answer", "save_every", "eval_every"):
@@ -93,8 +94,9 @@ class AdaptConfig:
     def identity(self) -> dict:
         """The settings a run directory records (a writer-less run reads as it did before writers existed)."""
         d = json.loads(json.dumps(asdict(self)))
-        if not self.writer:
-            d.pop("writer")
+        for name in ("writer", "init"):
+            if not d[name]:
+                d.pop(name)
         return d
 
 
@@ -111,9 +113,13 @@ class Trainer:
     """One training run over ``contexts`` (train) and ``val`` (validation), in ``run_dir``."""
 
     def __init__(self, engine, cfg: AdaptConfig, contexts: list[Context], val: list[Context], run_dir: Path,
-                 command: str = "", corpus_note: str = "", teacher_dir: Path | None = None):
+                 command: str = "", corpus_note: str = "", teacher_dir: Path | None = None,
+                 init: StitchAdapter | None = None):
         if not contexts:
             raise InputError("no training contexts: the corpus gave no passages with questions")
+        if (init is None) != (not cfg.init) or (init is not None and init.digest() != cfg.init):
+            raise InputError("AdaptConfig.init must be the digest of the adapter passed as init")
+        self.init = init
         self.engine, self.cfg, self.contexts, self.val = engine, cfg, contexts, val
         self.run_dir = Path(run_dir)
         self.teacher_dir = Path(teacher_dir) if teacher_dir is not None else self.run_dir / "teacher"
@@ -146,6 +152,9 @@ class Trainer:
         ckpt = self.run_dir / STATE_FILE
         if ckpt.exists():
             self.adapter = StitchAdapter.load(self.run_dir / ADAPTER_FILE)
+        elif self.init is not None:
+            eng.use_stitch_adapter(None)
+            self.adapter = self._check_init(self.init)
         else:
             eng.use_stitch_adapter(None)
             self.adapter = StitchAdapter.for_model(eng.model, eng.weights_id, cfg.adapter, eng.model_name)
@@ -156,6 +165,22 @@ class Trainer:
             st = torch.load(ckpt, weights_only=False)
             self.opt.load_state_dict(st["optimizer"])
             self.state = TrainState(**st["state"])
+
+    def _check_init(self, init: StitchAdapter) -> StitchAdapter:
+        """A copy of the adapter training starts from, once it is known to fit this model and these settings."""
+        from kvstitch.models.stitch_adapter import StitchAdapterError
+
+        try:
+            init.check_model(self.engine.weights_id, self.engine.model_name)
+        except StitchAdapterError as e:
+            raise InputError(f"--init: {e}") from None
+        if init.config.identity() != self.cfg.adapter.identity():
+            raise InputError(f"--init holds a {init.config.form} adapter (alpha {init.config.alpha:g}); this run "
+                             f"trains {self.cfg.adapter.form} (alpha {self.cfg.alpha:g}): pass the same form")
+        ad = StitchAdapter.for_model(self.engine.model, self.engine.weights_id, self.cfg.adapter,
+                                     self.engine.model_name)
+        ad.load_state_dict({k: v.float() for k, v in init.state_dict().items()}, strict=True)
+        return ad
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then linear decay to a tenth."""

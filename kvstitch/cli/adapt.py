@@ -34,6 +34,8 @@ def adapt_command(
         method: str = typer.Option("deltaprop(base=infoflow)", help="picks the recomputed tokens at a ratio > 0"),
         question_weight: float = typer.Option(0.5, help="weight of question positions in the loss (answers: 1)"),
         seed: int = typer.Option(0, help="data order and passage grouping"),
+        init: Optional[str] = typer.Option(None, "--init", help="start from this adapter's weights: a file, or "
+                                           "'default' (the one kvstitch ships for the model); same form"),
         model: Model = None, dtype: Dtype = None, threads: Threads = None,
         store: Optional[str] = typer.Option(None, "--store", help="passage cache store (default: OUT/store)"),
         teacher_dir: Optional[Path] = typer.Option(None, "--teacher-dir", help="the teacher's targets (default: "
@@ -66,9 +68,11 @@ def adapt_command(
         from kvstitch.adapt.strength import check_sweep
 
         check_sweep(tune_list, strength_list)  # before hours of training, not after
-    cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, steps=steps, batch=batch, lr=lr, passages=passages,
-                      per_context=questions, ratios=ratio_list or (0.0,), method=method,
-                      question_weight=question_weight, seed=seed, corpus=corpus)
+    start = _start_from(init, model)
+    cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, steps=steps, batch=batch, lr=lr,
+                      passages=passages, per_context=questions, ratios=ratio_list or (0.0,), method=method,
+                      question_weight=question_weight, seed=seed, corpus=corpus,
+                      init=start.digest() if start is not None else "")
     docs = None
     if corpus != "squad":
         docs = Path(corpus).expanduser()
@@ -93,7 +97,7 @@ def adapt_command(
         train, val = contexts[n_val:], contexts[:n_val]
         note = f"{docs}: {len(texts)} passages, questions written by the model"
     command = " ".join(["kvstitch"] + [shlex.quote(a) for a in sys.argv[1:]])
-    trainer = Trainer(eng, cfg, train, val, out, command=command, corpus_note=note, teacher_dir=teacher_dir)
+    trainer = Trainer(eng, cfg, train, val, out, command=command, corpus_note=note, teacher_dir=teacher_dir, init=start)
     info = trainer.run()
     if strength_list and (cfg.links or cfg.rank):  # (a writer alone reads nothing through a strength)
         from kvstitch.adapt.strength import tune_strength
@@ -108,6 +112,21 @@ def adapt_command(
                   f"{info['steps']} steps, {info['cpu_hours']:.2f} CPU-hours; loss {info['final_loss']:.4f}; "
                   f"{out / 'adapter.safetensors'} (use it: --stitch-adapter {out / 'adapter.safetensors'})",
                   highlight=False)
+
+
+def _start_from(init: str | None, model: str | None):
+    """The adapter ``--init`` names (None: a fresh start)."""
+    if init is None:
+        return None
+    from kvstitch.models.stitch_adapter import StitchAdapterError, resolve_adapter
+
+    try:
+        start = resolve_adapter(init, model)
+    except StitchAdapterError as e:
+        raise InputError(f"--init: {e}") from None
+    if start is None:
+        raise InputError("--init takes an adapter file or 'default'; to start fresh, leave it out")
+    return start
 
 
 def _numbers(value: str, flag: str) -> tuple[float, ...]:
