@@ -369,6 +369,10 @@ def test_open_store_specs(tmp_path):
     (tmp_path / "notastore" / "precious.txt").write_text("x")
     with pytest.raises(StoreError, match="non-empty directory"):
         open_store(tmp_path / "notastore")
+    # two processes opening one new store at once: the second sees only the first's marker being written
+    (tmp_path / "racing").mkdir()
+    (tmp_path / "racing" / f".{disk.MARKER}.123.abcd").write_text("{}")
+    assert isinstance(open_store(tmp_path / "racing"), DiskStore) and (tmp_path / "racing" / disk.MARKER).is_file()
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="not a directory"):
         open_store(tmp_path / "file")

@@ -109,7 +109,8 @@ class DiskStore(ChunkStore):
             raise StoreError(f"store path {self.root} exists and is not a directory")
         if not create:
             raise StoreError(f"{self.root} is not a kvstitch store (no {MARKER})")
-        if self.root.is_dir() and any(self.root.iterdir()):
+        # another process creating the same new store leaves only its marker's temp file: not foreign content
+        if self.root.is_dir() and any(not e.name.startswith(f".{MARKER}.") for e in self.root.iterdir()):
             raise StoreError(f"{self.root} is a non-empty directory without {MARKER}: "
                              "refusing to use it as a store (pick a new or empty directory)")
         try:
