@@ -465,7 +465,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = None if args.report_only else Engine.load(args.model)
+    engine = None if args.report_only else Engine.load(args.model, stitch_adapter=None)
     if args.report_only or args.verify_chunks:  # the verification runs over the samples already logged
         rows = [json.loads(x) for x in Path(args.out, "rounds.jsonl").read_text().splitlines()]
     else:

@@ -62,7 +62,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    eng = Engine.load(a.model) if a.model else Engine.load()
+    eng = Engine.load(a.model, stitch_adapter=None)
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     samples = generate(a.task, a.n, a.length, a.chunk_tokens, 0, count)
     methods = [m for m in a.methods.split(",") if m]

@@ -74,7 +74,7 @@ def main() -> None:
     names = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(";")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    eng = Engine.load(args.model)
+    eng = Engine.load(args.model, stitch_adapter=None)
     cfg = EvalConfig(tasks=[], lengths=[args.length], methods=[], ratios=[])
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     log = out / "rows.jsonl"

@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    eng = Engine.load(args.model)
+    eng = Engine.load(args.model, stitch_adapter=None)
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     samples = list(generate(args.task, args.n, args.length, 256, args.seed, count, haystack="essays"))
     cfg = EvalConfig(tasks=[], lengths=[args.length], methods=[], ratios=[])

@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    eng = Engine.load(args.model)
+    eng = Engine.load(args.model, stitch_adapter=None)
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     total: dict = {}
     energy: dict = {}

@@ -37,7 +37,7 @@ def main() -> None:
     src = open(args.candidates) if args.candidates else resources.files("kvstitch").joinpath(
         "data/samples/demo.json").open()
     demo = json.load(src)
-    eng = Engine.load(args.model, dtype=args.dtype)
+    eng = Engine.load(args.model, dtype=args.dtype, stitch_adapter=None)
     passages = demo["passages"]
     print(f"{len(passages)} passages, {eng.layout('q', passages).n_context} context tokens", flush=True)
     eng.generate(demo["questions"][0]["question"], passages, method="naive", max_new_tokens=1)  # warm + precompute

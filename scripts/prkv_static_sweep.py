@@ -68,7 +68,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     command = "python scripts/prkv_static_sweep.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
 
-    eng = Engine.load(a.model) if a.model else Engine.load()
+    eng = Engine.load(a.model, stitch_adapter=None)
     length = min(a.context, eng.adapter.max_positions - 256)
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     sample = generate("niah_multikey", 1, length, 256, 0, count)[0]

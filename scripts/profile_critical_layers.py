@@ -38,7 +38,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     start, stop = parse_range(args.samples)
     samples = load_dataset(args.dataset, start, stop)
-    eng = Engine.load(args.model, cold_path="stitched")
+    eng = Engine.load(args.model, cold_path="stitched", stitch_adapter=None)
     layouts = [eng.layout(s.question, s.chunks[:args.max_chunks]) for s in samples]
     t0 = time.perf_counter()
     got = profile_critical_layers(eng, layouts, args.ratio)

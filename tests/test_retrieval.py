@@ -189,7 +189,7 @@ def test_index_and_ask_commands(engine, docs_dir, tmp_path, monkeypatch, offline
 
     from kvstitch.cli import retrieval as retrieval_cli
 
-    monkeypatch.setattr(retrieval_cli, "_load_engine", lambda model, store: engine)
+    monkeypatch.setattr(retrieval_cli, "_load_engine", lambda model, store, stitch_adapter: engine)
     app = typer.Typer()
     app.command("index")(retrieval_cli.index_command)
     app.command("ask")(retrieval_cli.ask_collection_command)

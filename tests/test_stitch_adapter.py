@@ -3,6 +3,8 @@ leaves passage caches and full prefill alone, survives a file round trip and ref
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -178,6 +180,9 @@ def test_a_packed_recompute_pass_gates_each_segment_by_its_own_cache(eng):
         eng.use_stitch_adapter(None)
 
 
+SHIPPED = Path(__file__).resolve().parent.parent / "kvstitch" / "data" / "adapters"
+
+
 def test_file_round_trip_is_bit_identical(eng, tmp_path):
     ad = active_adapter(eng)
     path = ad.save(tmp_path / "a.safetensors")
@@ -206,6 +211,27 @@ def test_bad_files_and_other_models_are_one_clear_error(eng, tmp_path, smollm_to
     assert eng.stitch_adapter is None
     with pytest.raises(StitchAdapterError, match="ships no stitch adapter for gemma3"):
         resolve_adapter("default", "gemma3")
+
+
+def test_auto_is_the_shipped_adapter_only_where_its_card_turns_it_on(tmp_path, monkeypatch):
+    import inspect
+    import json
+
+    from kvstitch.models import stitch_adapter as sa
+
+    assert inspect.signature(Engine.load).parameters["stitch_adapter"].default == "auto"
+    assert sa.on_by_default("qwen2.5-0.5b") and not sa.on_by_default("smollm2")
+    assert resolve_adapter("auto", "qwen2.5-0.5b").digest() == resolve_adapter("default", "qwen2.5-0.5b").digest()
+    assert resolve_adapter("auto", "smollm2") is None  # shipped, but not measured better on its report runs
+    assert resolve_adapter("auto", "gemma3") is None and resolve_adapter("auto", str(tmp_path / "m.gguf")) is None
+    assert resolve_adapter("auto") is None  # the default model (SmolLM2)
+    # the card alone decides: turn SmolLM2's on in a copy of the shipped directory
+    monkeypatch.setattr(sa, "SHIPPED_DIR", tmp_path)
+    for f in ("smollm2.safetensors", "smollm2.json"):
+        (tmp_path / f).write_bytes((SHIPPED / f).read_bytes())
+    card = json.loads((tmp_path / "smollm2.json").read_text())
+    (tmp_path / "smollm2.json").write_text(json.dumps({**card, "on_by_default": True}))
+    assert resolve_adapter("auto", "smollm2").digest() == resolve_adapter("default", "smollm2").digest()
 
 
 def test_config_checks():
@@ -238,11 +264,16 @@ def test_every_generating_command_and_the_server_config_take_a_stitch_adapter(tm
     from kvstitch.serve.config import read_config
 
     root = typer.main.get_command(app)
-    names = {"ask": root.commands["ask"], "demo": root.commands["demo"], "eval": root.commands["eval"],
-             "serve": root.commands["serve"], "calibrate": root.commands["calibrate"],
-             **{f"bench {k}": v for k, v in root.commands["bench"].commands.items() if k in ("ttft", "serve", "decode")}}
-    for name, cmd in names.items():
-        assert "stitch_adapter" in {p.name for p in cmd.params}, name
+    serving = {k: root.commands[k] for k in ("ask", "demo", "serve", "precompute", "index", "viz")}
+    measuring = {"eval": root.commands["eval"], "calibrate": root.commands["calibrate"],
+                 **{f"bench {k}": v for k, v in root.commands["bench"].commands.items()
+                    if k in ("ttft", "serve", "decode")}}
+    defaults = {name: {p.name: p.default for p in cmd.params}
+                for name, cmd in {**serving, **measuring}.items()}
+    for name in serving:  # what a user gets: the shipped adapter where it measured better
+        assert defaults[name].get("stitch_adapter", "missing") == "auto", name
+    for name in measuring:  # a recorded measurement command keeps measuring the same thing
+        assert defaults[name].get("stitch_adapter", "missing") is None, name
     cfg = tmp_path / "kvstitch.toml"
     cfg.write_text('stitch_adapter = "default"\n')
     known = {p.name for p in root.commands["serve"].params if p.name != "config"}

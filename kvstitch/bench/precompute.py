@@ -49,7 +49,7 @@ def bench_precompute(model: str | None, workers: list[int], n_docs: int = 16, wo
                 prev = torch.get_num_threads()
                 torch.set_num_threads(threads)
                 try:
-                    eng = Engine.load(model, store=str(store))
+                    eng = Engine.load(model, store=str(store), stitch_adapter=None)
                     rep, _ = precompute_directory(eng, docs, chunk_tokens, batch_size=batch_size, progress=False)
                 finally:
                     torch.set_num_threads(prev)

@@ -41,7 +41,8 @@ def load_replica_engine(model, shared_dir: str, memory_bytes: int, dtype=None):
     from kvstitch.store import open_store
 
     store = open_store(f"tiered:{shared_dir}", memory_bytes=memory_bytes)
-    eng = Engine.load(model, store=store, cold_path="stitched", dtype=dtype)  # every chunk through the store
+    # every chunk through the store
+    eng = Engine.load(model, store=store, cold_path="stitched", dtype=dtype, stitch_adapter=None)
     if eng.store.compute_dtype is None:
         eng.store.compute_dtype = eng.dtype
     return eng

@@ -33,7 +33,7 @@ def demo_command(method: str = typer.Option("deltaprop", help="stitched method t
          model: str = typer.Option(DEMO_MODEL, "--model", "-m", help=MODEL_HELP),
          dtype: str = typer.Option("fast", help="model dtype: fast (bfloat16 where the CPU or GPU multiplies it "
                                                  "natively, else float32), float32 or bfloat16"),
-         store: Store = None, stitch_adapter: StitchAdapterOpt = None) -> None:
+         store: Store = None, stitch_adapter: StitchAdapterOpt = "auto") -> None:
     """The main job in one command: bundled passages and questions, answered with `full` prefill and with
     stitched reuse (by default kvstitch's own method with the adaptive budget, each round checked against a
     full prefill of the question over its two best-matching passages), answers, the budget each used and TTFT
@@ -64,9 +64,10 @@ def demo_command(method: str = typer.Option("deltaprop", help="stitched method t
                   f"prefill")
     else:
         budget = "an adaptive budget of recomputed tokens"
+    adapted = f", stitch adapter {eng.stitch_adapter.config.form}" if eng.stitch_adapter else ""
     console.print(f"[bold]{model} ({str(eng.dtype).removeprefix('torch.')}): {len(passages)} passages, "
                   f"{eng.layout('q', passages).n_context} context tokens[/]; each question answered by full prefill "
-                  f"and by {label} (stitched caches + {budget}).\n",
+                  f"and by {label} (stitched caches{adapted} + {budget}).\n",
                   highlight=False)
     same, speedups, right = 0, [], {"full": 0, "stitched": 0}
     fixed_same, fixed_speedups = 0, []  # the same method at a fixed 20%, for contrast

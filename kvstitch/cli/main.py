@@ -83,7 +83,7 @@ def ask(question: Optional[str] = typer.Argument(None, help="the question (the l
                                                           "prefill; returns full prefill's answer if they differ)"),
         compare: Optional[str] = typer.Option(None, help="also answer with this method (e.g. full)"),
         max_new_tokens: int = typer.Option(32, help="answer length cap"),
-        model: Model = None, store: Store = None, dtype: Dtype = None, stitch_adapter: StitchAdapterOpt = None,
+        model: Model = None, store: Store = None, dtype: Dtype = None, stitch_adapter: StitchAdapterOpt = "auto",
         config: Optional[Path] = typer.Option(None, "--config", help="a TOML config (`kvstitch calibrate` writes "
                                               "one): its method, ratio, auto and model unless given here")) -> None:
     """Answer QUESTION over passage files (--chunk) or the top-k chunks of an indexed collection (--collection).
@@ -190,7 +190,7 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
                overlap: int = typer.Option(0, help="tokens of trailing sentences repeated in the next chunk"),
                batch_size: int = typer.Option(8, help="chunks per forward"),
                storage_dtype: str = typer.Option("float16", help="float16, bfloat16, float32 or int8"),
-               model: Model = None,
+               model: Model = None, stitch_adapter: StitchAdapterOpt = "auto",
                ray: bool = typer.Option(False, "--ray", help="shard the chunks across Ray workers (one model each) "
                                                           "writing into the shared --store; pip install "
                                                           "'kvstitch[ray]'"),
@@ -212,13 +212,13 @@ def precompute(docs_dir: Path = typer.Argument(..., help="folder of .txt/.md doc
         rep = precompute_ray(docs_dir, store, model=model, workers=ray_workers, address=ray_address,
                              chunk_tokens=chunk_tokens, overlap=overlap, batch_size=batch_size,
                              storage_dtype=storage_dtype, threads_per_worker=threads_per_worker,
-                             gpus_per_worker=gpus_per_worker)
+                             gpus_per_worker=gpus_per_worker, stitch_adapter=stitch_adapter)
         console.print(f"{rep.chunks} chunks ({rep.distinct} distinct): {rep.computed} computed, {rep.skipped} already "
                       f"stored, {rep.retried_batches} batches retried; {rep.tokens} tokens in {rep.seconds:.1f} s "
                       f"({rep.tokens_per_s:,.0f} tok/s) on {rep.workers} Ray workers", highlight=False)
         return
     with console.status("loading model ..."):
-        eng = Engine.load(model, store=store, storage_dtype=storage_dtype)
+        eng = Engine.load(model, store=store, storage_dtype=storage_dtype, stitch_adapter=stitch_adapter)
     rep, _ = precompute_directory(eng, docs_dir, chunk_tokens, overlap, batch_size)
     console.print(f"{rep.chunks} chunks: {rep.computed} computed, {rep.skipped} already stored; "
                   f"{rep.tokens} tokens in {rep.seconds:.1f} s ({rep.tokens_per_s:,.0f} tok/s)", highlight=False)

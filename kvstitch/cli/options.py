@@ -22,8 +22,10 @@ DTYPE_HELP = ("model dtype: float32 (CPU default), bfloat16 (CUDA default; on a 
               "prefill) or fast (bfloat16 where native, else float32)")
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help=DTYPE_HELP)]
 
-STITCH_ADAPTER_HELP = ("stitch adapter: default (the one kvstitch ships for this embedded model), a file from "
-                       "`kvstitch adapt`, or none")
+STITCH_ADAPTER_HELP = ("stitch adapter: auto (the one kvstitch ships for this embedded model where it measured "
+                       "better than none, else none; what run, demo and serve use by default), default (the "
+                       "shipped one), a file from `kvstitch adapt`, or none (what eval, calibrate and bench use "
+                       "by default, so a recorded command keeps measuring the same thing)")
 StitchAdapterOpt = Annotated[Optional[str], typer.Option("--stitch-adapter", help=STITCH_ADAPTER_HELP)]
 
 Threads = Annotated[Optional[int], typer.Option("--threads", help="torch CPU threads (default: torch's, one per core)")]

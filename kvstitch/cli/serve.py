@@ -110,7 +110,7 @@ def serve_command(
                                             help="store budget: unpinned chunk caches are evicted above it (the "
                                                  "memory tier: S3-FIFO, a reused set survives a scan of one-off "
                                                  "chunks; directory and Redis stores: least recently used)"),
-    stitch_adapter: StitchAdapterOpt = None,
+    stitch_adapter: StitchAdapterOpt = "auto",
     replicas: Optional[int] = typer.Option(None, "--replicas", help="run N model replicas on Ray Serve behind one "
                                                                    "endpoint, routed by chunk affinity (needs the "
                                                                    "'ray' extra; default: one process)"),

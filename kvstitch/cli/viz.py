@@ -11,6 +11,8 @@ import typer
 from kvstitch.core.errors import InputError
 from kvstitch.eval.viz import selection_picture, write_picture
 
+from .options import StitchAdapterOpt
+
 
 def viz_command(
         method: str = typer.Option("naive,random,prophet,oracle", "--method", "--methods",
@@ -28,6 +30,7 @@ def viz_command(
         png: Optional[Path] = typer.Option(None, help="PNG output (default: next to the HTML)"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="model (default: embedded SmolLM2)"),
         store: Optional[str] = typer.Option(None, "--store", help="chunk store"),
+        stitch_adapter: StitchAdapterOpt = "auto",
 ) -> None:
     """The prompt's tokens with each method's recomputed tokens highlighted, side by side (ProphetKV Fig. 2):
     a self-contained HTML page plus a PNG."""
@@ -46,7 +49,7 @@ def viz_command(
         raise InputError(f"--ratio must be in [0, 1], got {ratio}")
     names = resolve_methods(method)
     with console.status("loading the model ..."):
-        engine = Engine.load(model, store=store)
+        engine = Engine.load(model, store=store, stitch_adapter=stitch_adapter)
     count = lambda s: len(engine.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     sample = generate(task, index + 1, length, chunk_tokens, seed, count, depth=depth)[index]
     pic = selection_picture(engine, sample.question, sample.chunks, names, ratio, sample.answers, task,

@@ -45,11 +45,13 @@ def _is_shared_store(store: str) -> bool:
 class PrecomputeWorker:
     """One model per Ray actor; wrapped with ``ray.remote`` by `RayPrecompute`."""
 
-    def __init__(self, model: str | None, store: str, storage_dtype: str, threads: int, device: str | None):
+    def __init__(self, model: str | None, store: str, storage_dtype: str, threads: int, device: str | None,
+                 stitch_adapter: str | None = "auto"):
         torch.set_num_threads(max(1, threads))
         from kvstitch.engine import Engine
 
-        self.engine = Engine.load(model, store=store, storage_dtype=storage_dtype, device=device)
+        self.engine = Engine.load(model, store=store, storage_dtype=storage_dtype, device=device,
+                                  stitch_adapter=stitch_adapter)
         self.batches = 0
 
     def info(self) -> dict:
@@ -107,7 +109,7 @@ class RayPrecompute:
     def __init__(self, docs_dir, store: str, model: str | None = None, workers: int = 2, address: str | None = None,
                  chunk_tokens: int = DOCUMENT_CHUNK_TOKENS, overlap: int = 0, batch_size: int = 8, storage_dtype: str = "float16",
                  threads_per_worker: int = 1, gpus_per_worker: float = 0.0, max_restarts: int = 3,
-                 max_attempts: int = 4):
+                 max_attempts: int = 4, stitch_adapter: str | None = "auto"):
         self.ray = require_ray()
         if not _is_shared_store(store):
             raise InputError("--ray writes from several processes: give a shared --store (redis://host:port/db or "
@@ -121,6 +123,9 @@ class RayPrecompute:
             store = os.path.abspath(os.path.expanduser(str(store).removeprefix("file://")))
         if model is not None and os.path.exists(os.path.expanduser(model)):
             model = os.path.abspath(os.path.expanduser(model))
+        if stitch_adapter is not None and os.path.exists(os.path.expanduser(stitch_adapter)):
+            stitch_adapter = os.path.abspath(os.path.expanduser(stitch_adapter))
+        self.stitch_adapter = stitch_adapter
         self.docs_dir, self.store, self.model, self.n_workers = docs_dir, store, model, workers
         self.address, self.chunk_tokens, self.overlap, self.batch_size = address, chunk_tokens, overlap, batch_size
         self.storage_dtype, self.threads, self.gpus = storage_dtype, threads_per_worker, gpus_per_worker
@@ -161,7 +166,8 @@ class RayPrecompute:
         actor_cls = ray.remote(PrecomputeWorker).options(
             num_cpus=self.threads, num_gpus=self.gpus, max_restarts=self.max_restarts, max_task_retries=2)
         device = "cuda" if self.gpus else "cpu"
-        self.actors = [actor_cls.remote(self.model, self.store, self.storage_dtype, self.threads, device)
+        self.actors = [actor_cls.remote(self.model, self.store, self.storage_dtype, self.threads, device,
+                                        self.stitch_adapter)
                        for _ in range(self.n_workers)]
 
     # -- the job -------------------------------------------------------------------------------

@@ -108,14 +108,15 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, store=None, device: str | None = None,
              dtype: str | torch.dtype | None = None, storage_dtype: str = "float16",
-             stitch_adapter: str | StitchAdapter | None = None, **kwargs) -> "Engine":
+             stitch_adapter: str | StitchAdapter | None = "auto", **kwargs) -> "Engine":
         """``model``: None (embedded SmolLM2-135M-Instruct), "gemma3", "qwen2.5-0.5b" (the reference model), "qwen2.5-1.5b", an HF
         directory or a .gguf file.
         ``store``: None (in-memory), a directory path, "redis://host:port/db" or "tiered:A,B"; chunk K/V
         are kept in ``storage_dtype`` (float16, bfloat16, float32 or int8).
         ``dtype``: the model's; default float32 on CPU, bfloat16 on CUDA; "fast" = `fast_dtype` of the device.
-        ``stitch_adapter``: None (no adapter), "default" (the one kvstitch ships for this embedded model), a
-        file path or a `StitchAdapter` (`kvstitch.models.stitch_adapter`)."""
+        ``stitch_adapter``: "auto" (the one kvstitch ships for this embedded model where it measured better than
+        none, today Qwen2.5 0.5B's; else none), None (no adapter), "default" (the shipped one, whatever it
+        measured), a file path or a `StitchAdapter` (`kvstitch.models.stitch_adapter`)."""
         dev = torch.device(device) if device else default_device()
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -12,18 +12,15 @@ Two parts, either or both (`StitchAdapterConfig`):
   recomputed passage tokens, at precompute or in full prefill. Which tokens read through it, and how strongly, is
   the *gate* (`gated`), set per forward from the caches (`StitchCache.reader_gate`).
 
-How strongly depends on the recompute ratio (`StitchAdapter.strength_at`): a cache whose passages are partly fresh
-needs less correction than a cache nobody recomputed, and a LoRA trained on the latter over-corrects the former.
-The schedule is measured on validation questions after training (`kvstitch.adapt.strength`) and kept in the file;
-strength 0 turns the adapter off (no link tokens either).
+How strongly depends on the recompute ratio (`StitchAdapter.strength_at`, measured after training by
+`kvstitch.adapt.strength`): a partly fresh cache needs less correction than one nobody recomputed; 0 turns it off.
 
-Both leave precompute untouched, so passage caches are shared with and without the adapter (the store key is
-unchanged). With the gate off and no link tokens in the prompt, the model computes exactly what it did before.
+Both leave precompute untouched, so passage caches are shared with and without the adapter (same store key).
+With the gate off and no link tokens in the prompt, the model computes exactly what it did before.
 
-A third part changes precompute instead (SemPIC's idea): a **writer LoRA** (``writer`` > 0) on the same projections,
-applied only while passages are precomputed (`writing`), so each passage writes K/V meant to be stitched. It costs
-nothing at query time, but its caches differ from plain ones: its digest enters the store key
-(`StitchAdapter.precompute_tag`), and caches written with and without it never mix.
+A third part changes precompute instead (SemPIC's idea): a **writer LoRA** (``writer`` > 0) applied only while
+passages are precomputed (`writing`): free at query time, but its digest enters the store key
+(`StitchAdapter.precompute_tag`), so caches written with and without it never mix.
 
 Files are safetensors with a JSON header naming the model (`weights_id`) they were trained for.
 """
@@ -412,6 +409,7 @@ def _parent(model, module):
 # the adapters kvstitch ships, one per embedded model (with the command and data that made each: <name>.json)
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "adapters"
 OFF = ("none", "off")  # what a command line or config says for "no adapter"
+AUTO = "auto"  # the shipped adapter where its card says it measured better than none (`on_by_default`), else none
 
 
 def shipped_adapters() -> list[str]:
@@ -419,19 +417,28 @@ def shipped_adapters() -> list[str]:
     return sorted(p.stem for p in SHIPPED_DIR.glob("*.safetensors"))
 
 
+def on_by_default(model: str) -> bool:
+    """Whether the adapter kvstitch ships for the embedded model ``model`` is used when none is asked for (its
+    card's ``on_by_default``: set where it measured better than no adapter on the report runs)."""
+    card = SHIPPED_DIR / f"{model}.json"
+    return card.is_file() and bool(json.loads(card.read_text(encoding="utf-8")).get("on_by_default", False))
+
+
 def resolve_adapter(spec, model: str | None = None) -> "StitchAdapter | None":
-    """``spec``: None / "none" (no adapter), "default" (the shipped adapter of the embedded model ``model``;
-    None = the default model), a file path or a `StitchAdapter` -> the adapter (read, not yet checked against
-    the model: `StitchAdapter.check_model`)."""
+    """``spec``: None / "none" (no adapter), "auto" (the shipped adapter where it is on by default: `on_by_default`,
+    else none), "default" (the shipped adapter of the embedded model ``model``; None = the default model), a file
+    path or a `StitchAdapter` -> the adapter (read, not yet checked against the model: `StitchAdapter.check_model`)."""
     from .loader import DEFAULT_MODEL
 
     if spec is None or isinstance(spec, StitchAdapter):
         return spec
     if not isinstance(spec, (str, Path)):
-        raise StitchAdapterError(f"stitch_adapter must be None, 'default', a file path or a StitchAdapter, "
+        raise StitchAdapterError(f"stitch_adapter must be None, 'auto', 'default', a file path or a StitchAdapter, "
                                  f"got {type(spec).__name__}")
     if str(spec).lower() in OFF:
         return None
+    if spec == AUTO:
+        return resolve_adapter("default", model) if on_by_default(model or DEFAULT_MODEL) else None
     if spec == "default":
         name = model or DEFAULT_MODEL
         path = SHIPPED_DIR / f"{name}.safetensors"
