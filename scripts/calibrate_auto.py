@@ -394,7 +394,7 @@ def signal_section(mrows: list[dict], m: str, out: Path) -> list[str]:
 def report(rows: list[dict], args, verify_rows: list[dict] | None = None, tokenizer=None,
            prob_rows: list[dict] | None = None) -> str:
     lines = ["# auto: convergence-signal calibration", "",
-             f"`python scripts/calibrate_auto.py "
+             "`python scripts/calibrate_auto.py "
              + (f"--model {args.model} " if args.model else "")
              + (f"--haystack {args.haystack} " if args.haystack != "synthetic" else "")
              + f"--seed {args.seed} --n {args.n} --length {args.length} "

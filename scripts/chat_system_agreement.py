@@ -101,7 +101,7 @@ def main() -> None:
            "seconds": round(time.perf_counter() - t0, 1)}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "chat_system_agreement.json").write_text(json.dumps(out, indent=2))
-    md = [f"# System prompt as a stitched segment vs inside the shared prefix\n",
+    md = ["# System prompt as a stitched segment vs inside the shared prefix\n",
           f"`scripts/chat_system_agreement.py --task {a.task} --length {a.length} --n {a.n} --methods {a.methods} "
           f"--ratio {a.ratio}`; {len(systems)} system prompts x {a.n} samples; teacher-forced on the "
           f"full-prefill answer ({a.new_tokens} tokens). Chunk caches needed: segment "

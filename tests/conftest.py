@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
 
 import pytest
 import torch
@@ -122,10 +126,77 @@ def qwen():
     return Engine.load("qwen2.5-0.5b", cold_path="stitched")
 
 
-# ---- the servers' tests: the tiny llama over its own directory store, and a chat body ----
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A loopback redis-server (no persistence) for the session; without redis-server the tests FAIL."""
+    from kvstitch.core.errors import StoreError
+    from kvstitch.store import RedisStore
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed: `apt-get install -y redis-server` (required, not skipped)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--protected-mode", "yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                RedisStore(url, check=True, connect_timeout=0.2).close()
+                break
+            except StoreError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"redis-server did not start on port {port} (exit {proc.poll()})")
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ---- the servers' tests: the tiny llama served on a loopback port, over its own directory store ----
+MAX_QUEUE = 8
+
+
 @pytest.fixture(scope="module")
-def tiny(smollm_tokenizer):
+def engine(smollm_tokenizer):
     return make_tiny_engine("llama", smollm_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def collections_dir(tmp_path_factory, engine):
+    from kvstitch.corpus.retrieval import build_index
+
+    docs = tmp_path_factory.mktemp("server_docs")
+    (docs / "carol.txt").write_text("The special magic number for Carol is 74123. Carol keeps it in a red notebook.")
+    (docs / "weather.txt").write_text("It rained all week in Rome. The forecast says sun on Sunday.")
+    (docs / "coffee.md").write_text("A new coffee shop opened near the central park; it also sells green tea.")
+    root = tmp_path_factory.mktemp("collections")
+    build_index(engine, docs, "facts", root, chunk_tokens=64, block_chunks=1, embedder="bm25", precompute=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(engine, collections_dir):
+    from kvstitch.serve.server import create_app
+    from kvstitch.serve.testing import ServerThread
+
+    app = create_app(engine, default_method="random", default_ratio=0.2, max_queue=MAX_QUEUE,
+                     collections_dir=collections_dir, model_name="tiny-llama")
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tiny(engine):
+    return engine
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from kvstitch.serve.defaults import ChatDefaults, decode_policies
 from kvstitch.serve.schema import parse_chat_body
 from kvstitch.serve.stops import TextStream
 
-from .conftest import SAMPLE_CHUNKS, TINY, make_tiny_engine
-from .test_server import collections_dir, engine, read_sse, server  # noqa: F401 - fixtures reused
+from .conftest import SAMPLE_CHUNKS, TINY
+from .test_server import read_sse
 
 ATOL = 1e-3
 SYSTEM = "You are a terse assistant. Answer in a few words."
@@ -108,14 +108,14 @@ def test_bad_conversations_are_input_errors(builder, messages, chunks, message):
 
 
 # ---- the engine ---------------------------------------------------------------------------------------
-def test_question_or_messages_exactly_one(engine):  # noqa: F811
+def test_question_or_messages_exactly_one(engine):
     with pytest.raises(InputError, match="not both"):
         engine.generate("q?", SAMPLE_CHUNKS, messages=HISTORY)
     with pytest.raises(InputError, match="pass a question or messages"):
         engine.generate(chunks=SAMPLE_CHUNKS)
 
 
-def test_system_prompt_is_a_cached_segment_and_chunks_are_shared_across_system_prompts(engine):  # noqa: F811
+def test_system_prompt_is_a_cached_segment_and_chunks_are_shared_across_system_prompts(engine):
     tag = uuid.uuid4().hex
     docs = [f"{d} (Edition {tag}.)" for d in SAMPLE_CHUNKS]
     sys_a = [{"role": "system", "content": f"You are app A ({tag})."}]
@@ -148,7 +148,7 @@ def test_multi_turn_full_recompute_equals_full_prefill(tiny_engine):
         len(template_ids(tiny_engine.tokenizer, tiny_engine.builder.conversation_messages(HISTORY, SAMPLE_CHUNKS)))
 
 
-def test_system_segment_cache_is_exact(engine):  # noqa: F811
+def test_system_segment_cache_is_exact(engine):
     """Segment 0 sits right after the prefix it was precomputed against: naive stitching of the system
     prompt alone (no passages) equals full prefill."""
     msgs = [{"role": "system", "content": "You are a pirate. Speak like one."}, {"role": "user", "content": "Hi!"}]
@@ -158,7 +158,7 @@ def test_system_segment_cache_is_exact(engine):  # noqa: F811
     assert (full.first_logits - naive.first_logits).abs().max().item() <= ATOL
 
 
-def test_stream_stops_when_the_consumer_sends_stop(engine):  # noqa: F811
+def test_stream_stops_when_the_consumer_sends_stop(engine):
     ref = engine.generate(messages=HISTORY, chunks=SAMPLE_CHUNKS, method="naive", max_new_tokens=6)
     gen = engine.stream(messages=HISTORY, chunks=SAMPLE_CHUNKS, method="naive", max_new_tokens=6)
     a, b = next(gen), next(gen)
@@ -193,7 +193,7 @@ def _body(**kw):
     return {k: v for k, v in body.items() if v is not None}
 
 
-def test_server_prompt_ids_are_the_chat_template_and_usage_counts_every_message(server, engine):  # noqa: F811
+def test_server_prompt_ids_are_the_chat_template_and_usage_counts_every_message(server, engine):
     body = _body()
     req = parse_chat_body(body, ChatDefaults.of("random", 0.2, "full", policies=decode_policies()))
     assert req.question == HISTORY[-1]["content"] and req.stop == []
@@ -210,7 +210,7 @@ def test_server_prompt_ids_are_the_chat_template_and_usage_counts_every_message(
         messages=HISTORY, chunks=SAMPLE_CHUNKS, method="random", recompute_ratio=0.5, max_new_tokens=8).text
 
 
-def test_server_plain_chat_is_full_prefill(server, engine):  # noqa: F811
+def test_server_plain_chat_is_full_prefill(server, engine):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         r = c.post("/v1/chat/completions", json=_body(documents=None, method=None, ratio=None))
     assert r.status_code == 200, r.text
@@ -230,7 +230,7 @@ def _stop_for(text: str) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_server_stop_cuts_the_text_with_finish_reason_stop(server, stream):  # noqa: F811
+def test_server_stop_cuts_the_text_with_finish_reason_stop(server, stream):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         free = c.post("/v1/chat/completions", json=_body(max_tokens=16)).json()
         text = free["choices"][0]["message"]["content"]
@@ -253,7 +253,7 @@ def test_server_stop_cuts_the_text_with_finish_reason_stop(server, stream):  # n
     assert usage["completion_tokens"] < free["usage"]["completion_tokens"]  # generation really ended early
 
 
-def test_text_stream_never_sends_text_past_a_stop_string(engine):  # noqa: F811
+def test_text_stream_never_sends_text_past_a_stop_string(engine):
     tok = engine.tokenizer
     text = "The answer is 42.\nUser: and now something else"
     ids = tok.encode(text, add_special_tokens=False)
@@ -271,7 +271,7 @@ def test_text_stream_never_sends_text_past_a_stop_string(engine):  # noqa: F811
 @pytest.mark.parametrize("param,value", [("presence_penalty", 0.5), ("frequency_penalty", 1.0),
                                          ("best_of", 2), ("logit_bias", {"1": 3}), ("n", 3),
                                          ("response_format", {"type": "json_object"})])
-def test_server_unsupported_parameter_is_a_400_naming_it(server, param, value):  # noqa: F811
+def test_server_unsupported_parameter_is_a_400_naming_it(server, param, value):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         r = c.post("/v1/chat/completions", json=_body(**{param: value}))
         ok = c.post("/v1/chat/completions", json=_body(max_tokens=1, presence_penalty=0, frequency_penalty=0.0,

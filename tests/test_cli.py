@@ -95,7 +95,7 @@ def test_demo_answers_bundled_questions_with_full_and_stitched():
     full_right = int(line.split("answers containing the expected text: full ")[1].split("/")[0])
     assert 0 <= full_right <= n
     agree = int(line.split("deltaprop auto says what full prefill says (first 12 words) in ")[1].split("/")[0])
-    assert 0 <= agree <= n and f"at a fixed 20%: says what full prefill says in " in line
+    assert 0 <= agree <= n and "at a fixed 20%: says what full prefill says in " in line
     assert line.count("same answer") + line.count("DIFFERENT answer") == n
     assert r.output.count("✓") + r.output.count("✗") == 2 * n
     # every stitched answer was decided by the verification: confirmed (a round) or overruled (full prefill)

@@ -9,11 +9,10 @@ import pytest
 
 from .conftest import SAMPLE_CHUNKS
 from .test_chat import HISTORY, SYSTEM, template_ids, with_passages
-from .test_server import collections_dir, engine, server  # noqa: F401 - fixtures reused
 
 
 @pytest.fixture(scope="module")
-def client(server):  # noqa: F811
+def client(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
         yield c
 
@@ -25,7 +24,7 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list()] == ["tiny-llama"]
 
 
-def test_system_prompt_history_and_documents(client, engine):  # noqa: F811
+def test_system_prompt_history_and_documents(client, engine):
     r = client.chat.completions.create(model="tiny-llama", messages=HISTORY, max_tokens=8, extra_body=DOCS)
     ref = engine.generate(messages=HISTORY, chunks=SAMPLE_CHUNKS, method="random", recompute_ratio=0.5,
                           max_new_tokens=8)
@@ -38,7 +37,7 @@ def test_system_prompt_history_and_documents(client, engine):  # noqa: F811
     assert r.model_extra["kvstitch"]["method"] == "random"
 
 
-def test_plain_chat(client, engine):  # noqa: F811
+def test_plain_chat(client, engine):
     r = client.chat.completions.create(model="tiny-llama", messages=HISTORY, max_tokens=6)
     assert r.choices[0].message.content == engine.generate(messages=HISTORY, method="full", max_new_tokens=6).text
     assert r.usage.prompt_tokens == len(template_ids(engine.tokenizer, HISTORY))

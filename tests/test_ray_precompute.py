@@ -20,7 +20,6 @@ from kvstitch.corpus.ray_precompute import RayPrecompute
 from kvstitch.store import RedisStore
 
 from .conftest import make_tiny_engine
-from .test_store_redis import redis_url  # noqa: F401 - the loopback redis-server fixture
 
 CHUNK_TOKENS, BATCH = 32, 2
 PREFIX = "kvstitch:chunk:"
@@ -72,7 +71,7 @@ def _entries(url: str) -> dict[str, bytes]:
 
 
 @pytest.mark.long
-def test_two_ray_workers_match_a_single_process_precompute(ray_cluster, redis_url, tiny_dir, docs):  # noqa: F811
+def test_two_ray_workers_match_a_single_process_precompute(ray_cluster, redis_url, tiny_dir, docs):
     single, dist = _db(redis_url, 4), _db(redis_url, 5)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the workers: same kernels, same bits
@@ -127,7 +126,7 @@ class SetCounter:
 
 
 @pytest.mark.long
-def test_a_killed_worker_loses_only_its_batch_and_the_job_completes(ray_cluster, redis_url, tiny_dir,  # noqa: F811
+def test_a_killed_worker_loses_only_its_batch_and_the_job_completes(ray_cluster, redis_url, tiny_dir,
                                                                       docs, smollm_tokenizer):
     url = _db(redis_url, 6)
     eng = Engine.load(str(tiny_dir))
@@ -205,7 +204,7 @@ def test_store_lost_mid_run_fails_the_job_with_a_clear_message(ray_cluster, tiny
 
     from kvstitch.core.errors import KVStitchError
 
-    from .test_store_redis import free_port
+    from .conftest import free_port
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"

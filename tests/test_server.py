@@ -14,38 +14,11 @@ import uuid
 import httpx
 import pytest
 
-from kvstitch.corpus.retrieval import build_index
 from kvstitch.serve.server import create_app
 from kvstitch.serve.stops import TextStream
 from kvstitch.serve.testing import ServerThread
 
-from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
-
-MAX_QUEUE = 8
-
-
-@pytest.fixture(scope="module")
-def engine(smollm_tokenizer):
-    return make_tiny_engine("llama", smollm_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def collections_dir(tmp_path_factory, engine):
-    docs = tmp_path_factory.mktemp("server_docs")
-    (docs / "carol.txt").write_text("The special magic number for Carol is 74123. Carol keeps it in a red notebook.")
-    (docs / "weather.txt").write_text("It rained all week in Rome. The forecast says sun on Sunday.")
-    (docs / "coffee.md").write_text("A new coffee shop opened near the central park; it also sells green tea.")
-    root = tmp_path_factory.mktemp("collections")
-    build_index(engine, docs, "facts", root, chunk_tokens=64, block_chunks=1, embedder="bm25", precompute=True)
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(engine, collections_dir):
-    app = create_app(engine, default_method="random", default_ratio=0.2, max_queue=MAX_QUEUE,
-                     collections_dir=collections_dir, model_name="tiny-llama")
-    with ServerThread(app) as srv:
-        yield srv
+from .conftest import MAX_QUEUE, SAMPLE_CHUNKS, SAMPLE_QUESTION
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_redis_stopped_and_restarted_mid_stream_loses_no_request(tiny):
     from kvstitch.store import RedisStore
     from kvstitch.store.resilient import ResilientStore
 
-    from .test_store_redis import free_port
+    from .conftest import free_port
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"

@@ -6,9 +6,7 @@ redis-server must be installed (CI: `apt-get install -y redis-server`): without 
 from __future__ import annotations
 
 import logging
-import shutil
 import socket
-import subprocess
 import threading
 import time
 
@@ -18,6 +16,8 @@ import torch
 from kvstitch.core.errors import StoreError
 from kvstitch.store import DiskStore, MemoryStore, RedisStore, TieredStore, chunk_key, open_store
 from kvstitch.store import codec
+
+from .conftest import free_port
 
 FP = "model-A"
 
@@ -32,37 +32,6 @@ def make_kv(seed=0, n=16, fingerprint=FP):
 
 def key_of(i, dtype="float16"):
     return chunk_key(FP, [1], [i], dtype)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def redis_url():
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed: `apt-get install -y redis-server` (required, not skipped)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--protected-mode", "yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                RedisStore(url, check=True, connect_timeout=0.2).close()
-                break
-            except StoreError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"redis-server did not start on port {port} (exit {proc.poll()})")
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from kvstitch.core.identity import tokenizer_fingerprint
 from kvstitch.store import MemoryStore, RedisStore, chunk_key
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tiny_engine
-from .test_store_redis import redis_url  # noqa: F401 - the loopback redis-server fixture
 
 
 def test_chunk_key_names_the_tokenizer(smollm_tokenizer):
@@ -53,7 +52,7 @@ def _spy_gets(store):
 
 
 @pytest.mark.slow
-def test_two_models_share_one_redis_without_reading_each_other(redis_url, smollm, smollm_tokenizer):  # noqa: F811
+def test_two_models_share_one_redis_without_reading_each_other(redis_url, smollm, smollm_tokenizer):
     from kvstitch import Engine
 
     url = redis_url.rsplit("/", 1)[0] + "/3"
@@ -83,7 +82,7 @@ def test_two_models_share_one_redis_without_reading_each_other(redis_url, smollm
     assert "by model" in out.output and big.fingerprint[:16] in out.output and tiny.fingerprint[:16] in out.output
 
 
-def test_redis_budget_evicts_unpinned_lru_and_keeps_pins(redis_url):  # noqa: F811
+def test_redis_budget_evicts_unpinned_lru_and_keeps_pins(redis_url):
     import time
 
     from kvstitch.core.chunk import ChunkKV

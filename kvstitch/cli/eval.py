@@ -290,7 +290,7 @@ def _retrieval(dataset: Optional[str], retrieve: Optional[int], chunk_tokens: in
     from kvstitch.eval.squad_retrieval import check_retrieval
 
     if dataset not in FILES:
-        raise InputError(f"--retrieve retrieves from SQuAD's dev set: use it with --dataset squad or squad2")
+        raise InputError("--retrieve retrieves from SQuAD's dev set: use it with --dataset squad or squad2")
     check_retrieval(retrieve, chunk_tokens, block_chunks)
     return {"context_tokens": retrieve, "chunk_tokens": chunk_tokens, "block_chunks": block_chunks}
 

@@ -17,7 +17,6 @@ after a layer (CacheBlend/KVShare/A3 need only the first layers), observation-wi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
