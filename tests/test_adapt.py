@@ -154,6 +154,32 @@ def test_the_strength_sweep_keeps_the_lowest_validation_kl_and_resumes(tmp_path,
     assert len(calls) == 4 and other["on"] == "tuning" and other["questions"] == len(CONTEXTS[0].questions)
 
 
+def test_the_answer_cross_entropy_adds_to_the_kl_in_training_only(tmp_path, smollm_tokenizer):
+    """--answer-ce: the loss is the KL plus the weight x the cross-entropy of the teacher's answer tokens (computed
+    here from the student's logits); validation (no gradients) stays the KL; the setting is recorded only when set."""
+    from kvstitch.adapt.distill import cached_targets, questions_loss, student_logits
+    from kvstitch.core.errors import InputError
+
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(answer_ce=2.0), CONTEXTS, [], tmp_path)
+    tr.setup()
+    ctx = CONTEXTS[0]
+    t = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)[0]
+    layout = tr.engine.layout(ctx.questions[0], list(ctx.passages))
+    cache, linked = tr._stitched(ctx, layout), tr._linked(layout, 1.0)
+    with torch.no_grad():
+        kl = float(questions_loss(tr.engine, cache, linked, [t], 0.5))
+        both = float(questions_loss(tr.engine, cache, linked, [t], 0.5, answer_ce=2.0))
+        logits = student_logits(tr.engine, cache, linked, [torch.cat([t.suffix, t.answer[:-1]])])[0]
+    logq = torch.log_softmax(logits.float(), -1)[t.suffix.numel() - 1:]
+    ce = float(-logq.gather(-1, t.answer.view(-1, 1)).mean())
+    assert ce > 0.01 and abs(both - (kl + 2.0 * ce)) < 1e-4 * max(1.0, both)
+    assert abs(tr.loss_of([(0, 0)], CONTEXTS, 0.0, grad=False) - kl) < 1e-4 * max(1.0, kl)
+    assert abs(tr.loss_of([(0, 0)], CONTEXTS, 0.0, grad=True) - both) < 1e-4 * max(1.0, both)
+    assert "answer_ce" not in _cfg().identity() and _cfg(answer_ce=2.0).identity()["answer_ce"] == 2.0
+    with pytest.raises(InputError, match="answer_ce must be >= 0"):
+        _cfg(answer_ce=-1.0)
+
+
 def test_a_writer_adapter_trains_through_its_passages(tmp_path, smollm_tokenizer):
     """The writer's gradient comes through the passages' K/V (nothing else reads it), and a step lowers the loss."""
     tr, items, before = _backward_first_batch(smollm_tokenizer, tmp_path, links=0, rank=0, writer=2)

@@ -8,7 +8,9 @@ and the loss between them.
   tokens + the question + the teacher's answer (teacher-forced) over it, out of place. An adapter with a writer
   LoRA also writes the passages' K/V with gradients (`written_chunks`), as precompute would with it.
 - **loss** (`sparse_kl`, `questions_loss`): KL(teacher || student) over the top-k tokens plus the tail's mass,
-  per position; answer positions weigh 1, question positions ``question_weight``.
+  per position; answer positions weigh 1, question positions ``question_weight``. Optionally plus ``answer_ce``
+  times the cross-entropy of the teacher's answer tokens: the KL moves the whole distribution, while what is scored
+  is the argmax, which a near tie flips.
 """
 
 from __future__ import annotations
@@ -136,15 +138,21 @@ def student_logits(engine, cache: StitchCache, layout, tails: list[torch.Tensor]
 
 
 def questions_loss(engine, cache: StitchCache, layout, targets: list[Targets], question_weight: float,
-                   recompute: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:
-    """The mean over ``targets`` (questions over one context) of each one's weighted KL, in one pass."""
+                   recompute: torch.Tensor | None = None, strength: float = 1.0,
+                   answer_ce: float = 0.0) -> torch.Tensor:
+    """The mean over ``targets`` (questions over one context) of each one's weighted KL, plus ``answer_ce`` x the
+    mean cross-entropy of the teacher's answer tokens, in one pass."""
     tails = [torch.cat([t.suffix, t.answer[:-1]]) for t in targets]
     losses = []
     for logits, t in zip(student_logits(engine, cache, layout, tails, recompute, strength), targets):
         kl = sparse_kl(logits, t.top_ids.to(logits.device), t.top_logp.to(logits.device))
         w = torch.ones_like(kl)
         w[:t.suffix.numel() - 1] = question_weight  # positions that predict the question's own next token
-        losses.append((kl * w).sum() / w.sum())
+        loss = (kl * w).sum() / w.sum()
+        if answer_ce:
+            answer_logits = logits[t.suffix.numel() - 1:].float()
+            loss = loss + answer_ce * torch.nn.functional.cross_entropy(answer_logits, t.answer.to(logits.device))
+        losses.append(loss)
     return torch.stack(losses).mean()
 
 

@@ -61,6 +61,7 @@ class AdaptConfig:
     method: str = "deltaprop(base=infoflow)"  # picks the recomputed tokens at a ratio > 0
     top_k: int = 64
     question_weight: float = 0.5
+    answer_ce: float = 0.0  # weight of the teacher's answer tokens' cross-entropy, beside the KL (training only)
     max_answer: int = 16
     seed: int = 0
     corpus: str = "squad"  # "squad" (built-in) or a folder of the user's documents
@@ -76,6 +77,8 @@ class AdaptConfig:
                 raise InputError(f"adapt {name} must be a positive integer, got {v!r}")
         if not self.lr > 0:
             raise InputError(f"adapt lr must be > 0, got {self.lr}")
+        if not self.answer_ce >= 0:
+            raise InputError(f"adapt answer_ce must be >= 0, got {self.answer_ce}")
         for r in self.ratios:
             if not 0 <= r < 1:
                 raise InputError(f"adapt ratios must be in [0, 1), got {r}")
@@ -92,9 +95,10 @@ class AdaptConfig:
         return StitchAdapterConfig(self.links, self.rank, self.alpha, writer=self.writer)
 
     def identity(self) -> dict:
-        """The settings a run directory records (a writer-less run reads as it did before writers existed)."""
+        """The settings a run directory records (an option left at its default of 0 or "" is not recorded, so runs
+        written before it existed still resume)."""
         d = json.loads(json.dumps(asdict(self)))
-        for name in ("writer", "init"):
+        for name in ("writer", "init", "answer_ce"):
             if not d[name]:
                 d.pop(name)
         return d
@@ -249,7 +253,7 @@ class Trainer:
                     current = ((c, tuple(used.order)), self._stitched(ctx, used, strength))
             with torch.set_grad_enabled(grad):
                 loss = questions_loss(eng, current[1], self._linked(used, strength), [targets[q]],
-                                      cfg.question_weight, recompute, strength)
+                                      cfg.question_weight, recompute, strength, cfg.answer_ce if grad else 0.0)
                 if grad:
                     pending.append(loss / len(items))
                     if not self.adapter.writes:

@@ -33,6 +33,8 @@ def adapt_command(
         ratios: str = typer.Option("0", help="recompute ratios the student trains at, comma-separated, cycled"),
         method: str = typer.Option("deltaprop(base=infoflow)", help="picks the recomputed tokens at a ratio > 0"),
         question_weight: float = typer.Option(0.5, help="weight of question positions in the loss (answers: 1)"),
+        answer_ce: float = typer.Option(0.0, "--answer-ce", help="weight of the cross-entropy of full prefill's "
+                                        "answer tokens, added to the KL (validation stays the KL)"),
         seed: int = typer.Option(0, help="data order and passage grouping"),
         init: Optional[str] = typer.Option(None, "--init", help="start from this adapter's weights: a file, or "
                                            "'default' (the one kvstitch ships for the model); same form"),
@@ -71,7 +73,7 @@ def adapt_command(
     start = _start_from(init, model)
     cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, steps=steps, batch=batch, lr=lr,
                       passages=passages, per_context=questions, ratios=ratio_list or (0.0,), method=method,
-                      question_weight=question_weight, seed=seed, corpus=corpus,
+                      question_weight=question_weight, answer_ce=answer_ce, seed=seed, corpus=corpus,
                       init=start.digest() if start is not None else "")
     docs = None
     if corpus != "squad":
