@@ -223,6 +223,8 @@ def test_auto_is_the_shipped_adapter_only_where_its_card_turns_it_on(tmp_path, m
     assert sa.on_by_default("qwen2.5-0.5b") and not sa.on_by_default("smollm2")
     assert resolve_adapter("auto", "qwen2.5-0.5b").digest() == resolve_adapter("default", "qwen2.5-0.5b").digest()
     assert resolve_adapter("auto", "smollm2") is None  # shipped, but not measured better on its report runs
+    assert resolve_adapter("auto", "qwen2.5-1.5b") is None  # shipped, measured on one report run only
+    assert resolve_adapter("default", "qwen2.5-1.5b") is not None
     assert resolve_adapter("auto", "gemma3") is None and resolve_adapter("auto", str(tmp_path / "m.gguf")) is None
     assert resolve_adapter("auto") is None  # the default model (SmolLM2)
     # the card alone decides: turn SmolLM2's on in a copy of the shipped directory
@@ -248,7 +250,7 @@ def test_shipped_adapters_name_their_model_and_how_they_were_made():
     from kvstitch.models.loader import _GGUF_SHA256
     from kvstitch.models.stitch_adapter import SHIPPED_DIR, shipped_adapters
 
-    assert {"smollm2", "qwen2.5-0.5b"} <= set(shipped_adapters())
+    assert {"smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b"} <= set(shipped_adapters())
     for name in shipped_adapters():
         ad = resolve_adapter("default", name)
         ad.check_model(f"gguf:{_GGUF_SHA256[name]}", name)  # trained for this embedded model's weights
