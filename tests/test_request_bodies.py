@@ -10,11 +10,8 @@ import os
 import httpx
 import pytest
 
-from . import test_server
 from .conftest import SAMPLE_CHUNKS
 from .test_server import LONG_DOC, chat_body
-
-engine, collections_dir, server = test_server.engine, test_server.collections_dir, test_server.server  # fixtures
 
 USER = [{"role": "user", "content": "q?"}]
 NAN_BODY = json.dumps({"messages": USER, "documents": ["d"]})[:-1].encode() + b', "temperature": NaN}'
