@@ -13,6 +13,7 @@ from kvstitch.adapt import AdaptConfig, Context, Trainer, squad_contexts
 from kvstitch.adapt.distill import sparse_kl
 from kvstitch.adapt.train import STATE_FILE
 from kvstitch.cli import app
+from kvstitch.core.errors import InputError
 from kvstitch.eval.config import EvalConfig
 from kvstitch.eval.runner import heldout_samples
 from kvstitch.models.stitch_adapter import StitchAdapter
@@ -158,7 +159,6 @@ def test_the_answer_cross_entropy_adds_to_the_kl_in_training_only(tmp_path, smol
     """--answer-ce: the loss is the KL plus the weight x the cross-entropy of the teacher's answer tokens (computed
     here from the student's logits); validation (no gradients) stays the KL; the setting is recorded only when set."""
     from kvstitch.adapt.distill import cached_targets, questions_loss, student_logits
-    from kvstitch.core.errors import InputError
 
     tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(answer_ce=2.0), CONTEXTS, [], tmp_path)
     tr.setup()
@@ -193,7 +193,6 @@ def test_a_writer_adapter_trains_through_its_passages(tmp_path, smollm_tokenizer
 
 
 def test_a_run_directory_with_other_settings_is_refused(tmp_path, smollm_tokenizer):
-    from kvstitch.core.errors import InputError
 
     Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=1), CONTEXTS, [], tmp_path).run(progress=False)
     with pytest.raises(InputError, match="other settings"):
@@ -201,7 +200,8 @@ def test_a_run_directory_with_other_settings_is_refused(tmp_path, smollm_tokeniz
 
 
 def test_training_data_is_disjoint_from_every_report_split_and_evaluation_set():
-    train = squad_contexts(10, 1000) + squad_contexts(10, 1000, validation=True)
+    train = squad_contexts(10, 1000, groupings=2) + squad_contexts(40, 1000, groupings=3)
+    train += squad_contexts(10, 1000, validation=True)
     passages = {p for c in train for p in c.passages}
     questions = {q.split("\n")[0] for c in train for q in c.questions}
     assert len(passages) > 300 and len(questions) > 1500
@@ -246,6 +246,21 @@ def test_training_and_validation_contexts_do_not_share_an_article():
     assert not {c.key.split(":")[1] for c in train} & {c.key.split(":")[1] for c in val}
 
 
+def test_more_groupings_add_new_contexts_of_the_same_training_articles():
+    one, three = squad_contexts(40, 16), squad_contexts(40, 16, groupings=3)
+    assert len(three) == 3 * len(one) > 0 and three[:len(one)] == one
+    groups = [frozenset(c.passages) for c in three]
+    assert len(set(groups)) == len(groups)  # each shuffle cuts other groups
+    articles = {c.key.split(":")[1] for c in one}
+    assert {c.key.split(":")[1] for c in three} == articles
+    assert squad_contexts(40, 16, validation=True, groupings=3) == squad_contexts(40, 16, validation=True)
+    assert "groupings" not in AdaptConfig().identity() and AdaptConfig(groupings=2).identity()["groupings"] == 2
+    with pytest.raises(InputError, match="groupings"):
+        squad_contexts(40, 16, groupings=0)
+    with pytest.raises(InputError, match="groupings"):
+        AdaptConfig(groupings=0)
+
+
 def test_cli_errors_are_one_line(tmp_path):
     runner = CliRunner()
     res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--corpus", str(tmp_path / "nowhere")])
@@ -258,6 +273,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert res.exit_code == 2 and "--tune-on takes validation or tuning" in res.output
     res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--tune-ratios", "x"])
     assert res.exit_code == 2 and "--tune-ratios takes comma-separated numbers" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--corpus", str(tmp_path), "--groupings", "2"])
+    assert res.exit_code == 2 and "--groupings needs --corpus squad" in res.output
     bad = tmp_path / "bad.safetensors"
     bad.write_text("nope")
     res = runner.invoke(app, ["ask", "Who?", "--chunk", str(bad), "--stitch-adapter", str(bad)])
@@ -280,7 +297,6 @@ def test_an_adapter_run_has_its_own_protocol_and_old_logs_stay_valid():
 def test_a_run_can_start_from_another_adapter_of_the_same_form(tmp_path, smollm_tokenizer):
     """``--init``: the run starts from the given weights (not a fresh adapter), records their digest, and refuses
     an adapter of another form."""
-    from kvstitch.core.errors import InputError
 
     Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2), CONTEXTS, [], tmp_path / "a").run(progress=False)
     start = StitchAdapter.load(tmp_path / "a" / "adapter.safetensors")

@@ -40,11 +40,20 @@ def prompt_question(text: str) -> str:
     return f"{text.strip()}\n{INSTRUCTION}"
 
 
-def squad_contexts(passages: int, per_context: int, seed: int = 0, validation: bool = False) -> list[Context]:
+def squad_contexts(passages: int, per_context: int, seed: int = 0, validation: bool = False,
+                   groupings: int = 1) -> list[Context]:
     """Contexts over the training articles (or the validation article): each article's paragraphs shuffled and
-    cut into groups of ``passages``; each group keeps up to ``per_context`` questions of its paragraphs."""
+    cut into groups of ``passages``; each group keeps up to ``per_context`` questions of its paragraphs.
+
+    ``groupings`` > 1 adds the contexts of further shuffles (seeds ``seed + 1`` ...): an article of 40-odd
+    paragraphs gives one context of 40 per shuffle, so this is how long contexts multiply. Validation keeps the
+    one grouping of ``seed``, so runs with more groupings validate on the same questions."""
     if passages < 1 or per_context < 1:
         raise InputError("passages and questions per context must be >= 1")
+    if isinstance(groupings, bool) or not isinstance(groupings, int) or groupings < 1:
+        raise InputError(f"groupings must be a positive integer, got {groupings!r}")
+    if groupings > 1 and not validation:
+        return [c for k in range(groupings) for c in squad_contexts(passages, per_context, seed + k)]
     squad: SquadSet = read_squad("squad")
     titles = squad.titles
     rng = random.Random(f"adapt:{seed}")

@@ -57,6 +57,7 @@ class AdaptConfig:
     warmup: int = 10
     passages: int = 10  # passages per context
     per_context: int = 16  # questions per context
+    groupings: int = 1  # shuffles of the built-in corpus's articles into contexts (`squad_contexts`)
     ratios: tuple[float, ...] = (0.0,)  # recompute ratios the student is trained at (cycled)
     method: str = "deltaprop(base=infoflow)"  # picks the recomputed tokens at a ratio > 0
     top_k: int = 64
@@ -71,7 +72,8 @@ class AdaptConfig:
     init: str = ""  # digest of the adapter training starts from ("": fresh)
 
     def __post_init__(self):
-        for name in ("steps", "batch", "passages", "per_context", "top_k", "max_answer", "save_every", "eval_every"):
+        for name in ("steps", "batch", "passages", "per_context", "groupings", "top_k", "max_answer", "save_every",
+                     "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"adapt {name} must be a positive integer, got {v!r}")
@@ -95,11 +97,11 @@ class AdaptConfig:
         return StitchAdapterConfig(self.links, self.rank, self.alpha, writer=self.writer)
 
     def identity(self) -> dict:
-        """The settings a run directory records (an option left at its default of 0 or "" is not recorded, so runs
-        written before it existed still resume)."""
+        """The settings a run directory records (an option left at its default is not recorded, so runs written
+        before it existed still resume)."""
         d = json.loads(json.dumps(asdict(self)))
-        for name in ("writer", "init", "answer_ce"):
-            if not d[name]:
+        for name, default in (("writer", 0), ("init", ""), ("answer_ce", 0.0), ("groupings", 1)):
+            if d[name] == default:
                 d.pop(name)
         return d
 

@@ -30,6 +30,8 @@ def adapt_command(
         lr: float = typer.Option(5e-4, help="peak learning rate (AdamW; warm-up, then linear decay to a tenth)"),
         passages: int = typer.Option(10, help="passages per training context"),
         questions: int = typer.Option(16, "--questions-per-context", help="questions asked over each context"),
+        groupings: int = typer.Option(1, help="with --corpus squad: shuffles of each article into contexts (seeds "
+                                              "SEED, SEED+1, ...); more long contexts from the same articles"),
         ratios: str = typer.Option("0", help="recompute ratios the student trains at, comma-separated, cycled"),
         method: str = typer.Option("deltaprop(base=infoflow)", help="picks the recomputed tokens at a ratio > 0"),
         question_weight: float = typer.Option(0.5, help="weight of question positions in the loss (answers: 1)"),
@@ -64,6 +66,9 @@ def adapt_command(
                                              (tune_ratios, "--tune-ratios")))
     if tune_on not in ("validation", "tuning"):
         raise InputError(f"--tune-on takes validation or tuning, got {tune_on!r}")
+    if groupings != 1 and corpus != "squad":
+        raise InputError("--groupings needs --corpus squad (a folder's validation contexts would share passages "
+                         "with a regrouped training set)")
     if tune_on == "tuning" and corpus != "squad":
         raise InputError("--tune-on tuning needs --corpus squad (it tunes on SQuAD's tuning split)")
     if strength_list:
@@ -72,8 +77,8 @@ def adapt_command(
         check_sweep(tune_list, strength_list)  # before hours of training, not after
     start = _start_from(init, model)
     cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, steps=steps, batch=batch, lr=lr,
-                      passages=passages, per_context=questions, ratios=ratio_list or (0.0,), method=method,
-                      question_weight=question_weight, answer_ce=answer_ce, seed=seed, corpus=corpus,
+                      passages=passages, per_context=questions, groupings=groupings, ratios=ratio_list or (0.0,),
+                      method=method, question_weight=question_weight, answer_ce=answer_ce, seed=seed, corpus=corpus,
                       init=start.digest() if start is not None else "")
     docs = None
     if corpus != "squad":
@@ -86,8 +91,8 @@ def adapt_command(
         check_method(method)
     eng = load_engine(model, store or str(out / "store"), dtype)
     if docs is None:
-        train, val = squad_contexts(passages, questions, seed), squad_contexts(passages, questions, seed,
-                                                                                validation=True)
+        train = squad_contexts(passages, questions, seed, groupings=groupings)
+        val = squad_contexts(passages, questions, seed, validation=True)
         note = "SQuAD dev v1.1, the adapter articles (kvstitch.tasks.squad.ADAPTER_ARTICLES), their questions"
     else:
         from kvstitch.engine.precompute import directory_chunks
