@@ -67,8 +67,7 @@ def adapt_command(
     if tune_on not in ("validation", "tuning"):
         raise InputError(f"--tune-on takes validation or tuning, got {tune_on!r}")
     if groupings != 1 and corpus != "squad":
-        raise InputError("--groupings needs --corpus squad (a folder's validation contexts would share passages "
-                         "with a regrouped training set)")
+        raise InputError("--groupings needs --corpus squad: a folder's validation passages would be trained on")
     if tune_on == "tuning" and corpus != "squad":
         raise InputError("--tune-on tuning needs --corpus squad (it tunes on SQuAD's tuning split)")
     if strength_list:
