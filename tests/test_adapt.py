@@ -275,6 +275,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert res.exit_code == 2 and "--tune-ratios takes comma-separated numbers" in res.output
     res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--corpus", str(tmp_path), "--groupings", "2"])
     assert res.exit_code == 2 and "--groupings needs --corpus squad" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--targets", "q_proj,lm_head"])
+    assert res.exit_code == 2 and "--targets takes attention, all or projections among" in res.output
     bad = tmp_path / "bad.safetensors"
     bad.write_text("nope")
     res = runner.invoke(app, ["ask", "Who?", "--chunk", str(bad), "--stitch-adapter", str(bad)])
@@ -313,6 +315,38 @@ def test_a_run_can_start_from_another_adapter_of_the_same_form(tmp_path, smollm_
     with pytest.raises(InputError, match="same form"):
         Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2, rank=3, init=start.digest()), CONTEXTS, [],
                 tmp_path / "d", init=start).setup()
+
+
+def test_a_run_on_more_projections_starts_from_an_adapter_on_fewer(tmp_path, smollm_tokenizer):
+    """``--targets all --init`` of an attention-only writer: its weights carried over and the MLP's LoRA at the
+    identity, so the start reads as the given adapter does; a start on projections the run lacks is refused."""
+    from kvstitch.models.stitch_adapter import LORA_TARGETS
+
+    Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=1, links=0, rank=0, writer=2), CONTEXTS, [],
+            tmp_path / "a").run(progress=False)
+    start = StitchAdapter.load(tmp_path / "a" / "adapter.safetensors")
+    items = [(0, 0), (1, 1)]
+    same = Trainer(fresh_engine(smollm_tokenizer), _cfg(links=0, rank=0, writer=2, init=start.digest()), CONTEXTS,
+                   [], tmp_path / "b", init=start)
+    same.setup()
+    wide = Trainer(fresh_engine(smollm_tokenizer), _cfg(links=0, rank=0, writer=2, targets=LORA_TARGETS,
+                                                        init=start.digest()), CONTEXTS, [], tmp_path / "c", init=start)
+    wide.setup()
+    assert len(wide.adapter.writer_b) > len(start.writer_b)
+    for k, v in wide.adapter.state_dict().items():
+        if k in start.state_dict():
+            assert torch.equal(v, start.state_dict()[k].float()), k
+        elif k.startswith("writer_b"):
+            assert not v.any(), k
+    assert json.loads((tmp_path / "c" / "run.json").read_text())["config"]["targets"] == list(LORA_TARGETS)
+    assert "targets" not in json.loads((tmp_path / "b" / "run.json").read_text())["config"]
+    assert wide.loss_of(items, CONTEXTS, 0.0, grad=False) == pytest.approx(same.loss_of(items, CONTEXTS, 0.0,
+                                                                                        grad=False), abs=1e-6)
+    wide.save()
+    back = StitchAdapter.load(tmp_path / "c" / "adapter.safetensors")
+    with pytest.raises(InputError, match="same projections or more"):
+        Trainer(fresh_engine(smollm_tokenizer), _cfg(links=0, rank=0, writer=2, init=back.digest()), CONTEXTS, [],
+                tmp_path / "d", init=back).setup()
 
 
 def test_a_checkpointed_writer_pass_gives_one_passs_values_and_gradients(tmp_path, smollm_tokenizer):

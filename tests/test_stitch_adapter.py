@@ -11,8 +11,8 @@ import torch
 from kvstitch import Engine
 from kvstitch.engine.batch import DecodeStep
 from kvstitch.engine.budget import AutoBudget
-from kvstitch.models.stitch_adapter import (StitchAdapter, StitchAdapterConfig, StitchAdapterError, gated,
-                                            resolve_adapter)
+from kvstitch.models.stitch_adapter import (ATTENTION_TARGETS, LORA_TARGETS, MLP_TARGETS, GatedLoRA, StitchAdapter,
+                                            StitchAdapterConfig, StitchAdapterError, gated, resolve_adapter)
 
 from .conftest import SAMPLE_CHUNKS, SAMPLE_QUESTION, new_tiny_engine
 
@@ -240,7 +240,9 @@ def test_config_checks():
     with pytest.raises(ValueError, match="needs link tokens"):
         StitchAdapterConfig(links=0, rank=0)
     with pytest.raises(ValueError, match="unknown LoRA target"):
-        StitchAdapterConfig(targets=("gate_proj",))
+        StitchAdapterConfig(targets=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match="adapts no projection"):
+        StitchAdapterConfig(links=0, rank=0, writer=4, targets=())
     assert StitchAdapterConfig(links=8, rank=0).form == "links=8"
 
 
@@ -378,6 +380,37 @@ def test_a_writer_adapter_survives_a_file_round_trip(eng, tmp_path):
     assert back.precompute_tag() == ad.precompute_tag() and back.digest() == ad.digest()
     plain = active_adapter(eng)
     assert plain.precompute_tag() == "" and "writer" not in plain.config.identity()
+
+
+
+def test_a_writer_on_the_mlps_too_wraps_them_and_writes_other_caches(eng, tmp_path):
+    """``targets`` with the MLP's projections: the LoRA wraps them too, starts as the identity (B = 0: the plain
+    caches, bit for bit), writes other K/V once the MLP's B moves, and loads back with the same digest and key."""
+    assert StitchAdapterConfig().targets == ATTENTION_TARGETS  # the default, so older adapters keep their digest
+    ad = StitchAdapter.for_model(eng.model, eng.weights_id, StitchAdapterConfig(links=0, rank=0, writer=4,
+                                                                               targets=LORA_TARGETS))
+    layers = eng.model.model.layers
+    assert len(ad.writer_a) == len(LORA_TARGETS) * len(layers)
+    layout = eng.layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    plain = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids)
+    eng.use_stitch_adapter(ad)
+    try:
+        assert all(isinstance(getattr(layers[0].mlp, t), GatedLoRA) for t in MLP_TARGETS)
+        same = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids)
+        assert all(torch.equal(a.values, b.values) and torch.equal(a.keys, b.keys) for a, b in zip(same, plain))
+        gen_ = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for k, b in ad.writer_b.items():
+                if k.split("_", 1)[1] in MLP_TARGETS:  # the MLP's LoRA alone
+                    b.copy_(0.05 * torch.randn(b.shape, generator=gen_))
+        written = eng.compute_chunks(layout.prefix_ids, layout.chunk_ids)
+        assert (written[0].values - plain[0].values).abs().max() > 1e-4
+    finally:
+        eng.use_stitch_adapter(None)
+    assert not isinstance(layers[0].mlp.down_proj, GatedLoRA)
+    back = StitchAdapter.load(ad.save(tmp_path / "mlp.safetensors"))
+    assert back.config.targets == LORA_TARGETS and list(back.state_dict()) == list(ad.state_dict())
+    assert back.digest() == ad.digest() and back.precompute_tag() == ad.precompute_tag()
 
 
 # cacheclip needs its auxiliary model; full never reads through the adapter (tested above)

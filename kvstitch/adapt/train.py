@@ -18,14 +18,14 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from kvstitch.core.figures import save_png
 from kvstitch.core.errors import InputError
-from kvstitch.models.stitch_adapter import StitchAdapter, StitchAdapterConfig
+from kvstitch.models.stitch_adapter import ATTENTION_TARGETS, StitchAdapter, StitchAdapterConfig
 from .data import Context
 from .distill import cached_targets, questions_loss, written_chunks
 
@@ -51,6 +51,7 @@ class AdaptConfig:
     rank: int = 8
     alpha: float = 16.0
     writer: int = 0  # writer LoRA rank (changes precompute; trains at ratio 0)
+    targets: tuple[str, ...] = ATTENTION_TARGETS  # the projections the LoRAs adapt
     steps: int = 200
     batch: int = 8  # questions per optimizer step
     lr: float = 5e-4
@@ -94,13 +95,14 @@ class AdaptConfig:
 
     @property
     def adapter(self) -> StitchAdapterConfig:
-        return StitchAdapterConfig(self.links, self.rank, self.alpha, writer=self.writer)
+        return StitchAdapterConfig(self.links, self.rank, self.alpha, tuple(self.targets), writer=self.writer)
 
     def identity(self) -> dict:
         """The settings a run directory records (an option left at its default is not recorded, so runs written
         before it existed still resume)."""
         d = json.loads(json.dumps(asdict(self)))
-        for name, default in (("writer", 0), ("init", ""), ("answer_ce", 0.0), ("groupings", 1)):
+        for name, default in (("writer", 0), ("init", ""), ("answer_ce", 0.0), ("groupings", 1),
+                              ("targets", list(ATTENTION_TARGETS))):
             if d[name] == default:
                 d.pop(name)
         return d
@@ -180,12 +182,16 @@ class Trainer:
             init.check_model(self.engine.weights_id, self.engine.model_name)
         except StitchAdapterError as e:
             raise InputError(f"--init: {e}") from None
-        if init.config.identity() != self.cfg.adapter.identity():
-            raise InputError(f"--init holds a {init.config.form} adapter (alpha {init.config.alpha:g}); this run "
-                             f"trains {self.cfg.adapter.form} (alpha {self.cfg.alpha:g}): pass the same form")
-        ad = StitchAdapter.for_model(self.engine.model, self.engine.weights_id, self.cfg.adapter,
-                                     self.engine.model_name)
-        ad.load_state_dict({k: v.float() for k, v in init.state_dict().items()}, strict=True)
+        want = self.cfg.adapter
+        # the same form, on the same projections or a subset (the new ones start as LoRA's identity, B = 0)
+        if replace(init.config, targets=want.targets).identity() != want.identity() \
+                or not set(init.config.targets) <= set(want.targets):
+            raise InputError(f"--init holds a {init.config.form} adapter (alpha {init.config.alpha:g}) on "
+                             f"{','.join(init.config.targets)}; this run trains {want.form} (alpha {want.alpha:g}) "
+                             f"on {','.join(want.targets)}: pass the same form, on the same projections or more")
+        ad = StitchAdapter.for_model(self.engine.model, self.engine.weights_id, want, self.engine.model_name)
+        missing, unexpected = ad.load_state_dict({k: v.float() for k, v in init.state_dict().items()}, strict=False)
+        assert not unexpected and all(k.split(".")[1].split("_", 1)[1] not in init.config.targets for k in missing)
         return ad
 
     def lr_at(self, step: int) -> float:

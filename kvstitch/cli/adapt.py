@@ -21,10 +21,12 @@ def adapt_command(
                                                  "by article) or a folder of your documents (.txt/.md; the model "
                                                  "writes a question about each sampled passage)"),
         links: int = typer.Option(8, help="link tokens between the passages and the question (0: none)"),
-        rank: int = typer.Option(8, help="reader LoRA rank on the attention projections (0: none)"),
+        rank: int = typer.Option(8, help="reader LoRA rank (0: none)"),
         alpha: float = typer.Option(16.0, help="LoRA alpha (scale = alpha / rank)"),
         writer: int = typer.Option(0, help="writer LoRA rank, applied when passages are precomputed (0: none; its "
                                            "caches get their own store key; trains at ratio 0)"),
+        targets: str = typer.Option("attention", help="the projections the LoRAs adapt: attention (q, k, v, o), "
+                                    "all (those and the MLP's gate, up, down) or a comma-separated list of them"),
         steps: int = typer.Option(200, help="optimizer steps"),
         batch: int = typer.Option(8, help="questions per step"),
         lr: float = typer.Option(5e-4, help="peak learning rate (AdamW; warm-up, then linear decay to a tenth)"),
@@ -75,10 +77,10 @@ def adapt_command(
 
         check_sweep(tune_list, strength_list)  # before hours of training, not after
     start = _start_from(init, model)
-    cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, steps=steps, batch=batch, lr=lr,
-                      passages=passages, per_context=questions, groupings=groupings, ratios=ratio_list or (0.0,),
-                      method=method, question_weight=question_weight, answer_ce=answer_ce, seed=seed, corpus=corpus,
-                      init=start.digest() if start is not None else "")
+    cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, targets=_lora_targets(targets), steps=steps,
+                      batch=batch, lr=lr, passages=passages, per_context=questions, groupings=groupings,
+                      ratios=ratio_list or (0.0,), method=method, question_weight=question_weight, answer_ce=answer_ce,
+                      seed=seed, corpus=corpus, init=start.digest() if start is not None else "")
     docs = None
     if corpus != "squad":
         docs = Path(corpus).expanduser()
@@ -118,6 +120,18 @@ def adapt_command(
                   f"{info['steps']} steps, {info['cpu_hours']:.2f} CPU-hours; loss {info['final_loss']:.4f}; "
                   f"{out / 'adapter.safetensors'} (use it: --stitch-adapter {out / 'adapter.safetensors'})",
                   highlight=False)
+
+
+def _lora_targets(spec: str) -> tuple[str, ...]:
+    """``--targets``: a name for a group, or projections (in the order adapters keep them)."""
+    from kvstitch.models.stitch_adapter import ATTENTION_TARGETS, LORA_TARGETS
+
+    names = {"attention": ATTENTION_TARGETS, "all": LORA_TARGETS}.get(spec.strip()) or csv_list(spec)
+    bad = [t for t in names if t not in LORA_TARGETS]
+    if bad or not names:
+        raise InputError(f"--targets takes attention, all or projections among {', '.join(LORA_TARGETS)}; "
+                         f"got {spec!r}")
+    return tuple(t for t in LORA_TARGETS if t in names)
 
 
 def _start_from(init: str | None, model: str | None):

@@ -20,7 +20,8 @@ With the gate off and no link tokens in the prompt, the model computes exactly w
 
 A third part changes precompute instead (SemPIC's idea): a **writer LoRA** (``writer`` > 0) applied only while
 passages are precomputed (`writing`): free at query time, but its digest enters the store key
-(`StitchAdapter.precompute_tag`), so caches written with and without it never mix.
+(`StitchAdapter.precompute_tag`), so caches written with and without it never mix. Both LoRAs adapt the attention
+projections, or with ``targets`` the MLPs' too.
 
 Files are safetensors with a JSON header naming the model (`weights_id`) they were trained for.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -41,7 +43,9 @@ from kvstitch.core.errors import KVStitchError
 
 FORMAT = "kvstitch-stitch-adapter"
 VERSION = 1
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # more capacity: what the MLPs write moves every later layer
+LORA_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
 # None: no token reads through the reader LoRA; True: every token; a tensor broadcastable to the hidden
 # states ([B, T, 1]): per token (a batch of requests with and without the adapter)
@@ -59,7 +63,7 @@ class StitchAdapterConfig:
     links: int = 8  # link tokens between the passages and the question (0: none)
     rank: int = 8  # reader LoRA rank (0: no LoRA)
     alpha: float = 16.0  # LoRA scale = alpha / rank
-    targets: tuple[str, ...] = LORA_TARGETS
+    targets: tuple[str, ...] = ATTENTION_TARGETS  # the projections the LoRAs adapt (`LORA_TARGETS`)
     writer: int = 0  # writer LoRA rank, applied at precompute (0: none; its caches get their own store key)
 
     def __post_init__(self):
@@ -73,6 +77,8 @@ class StitchAdapterConfig:
         bad = sorted(set(self.targets) - set(LORA_TARGETS))
         if bad:
             raise ValueError(f"unknown LoRA target {bad[0]!r}; known: {', '.join(LORA_TARGETS)}")
+        if (self.rank or self.writer) and not self.targets:
+            raise ValueError("a stitch adapter with a LoRA adapts no projection: give it targets")
 
     @property
     def form(self) -> str:
@@ -271,8 +277,6 @@ class StitchAdapter(nn.Module):
 
     def digest(self) -> str:
         """sha256 of the parameters (what an evaluation run records: two adapters' rows never mix)."""
-        import hashlib
-
         h = hashlib.sha256(json.dumps(self.config.identity(), sort_keys=True).encode())
         if self.info.get("strength"):  # the schedule changes what it computes, too
             h.update(json.dumps(self.schedule).encode())
@@ -291,8 +295,6 @@ class StitchAdapter(nn.Module):
         reader or the link tokens keeps the caches valid. Empty when it writes nothing."""
         if not self.writes:
             return ""
-        import hashlib
-
         params = [v for k, v in sorted(self.state_dict().items()) if k.startswith("writer_")]
         version = tuple(p._version for p in params)  # an optimizer step changes them in place
         if getattr(self, "_tag", (None, ""))[0] == version:
@@ -359,7 +361,7 @@ class StitchAdapter(nn.Module):
                         layer, target = k.removeprefix(f"{part}_a.").split("_", 1)
                         shapes[f"{layer}.{target}"] = (a.shape[1], b.shape[0])
             # the order `for_model` creates them in (layer, then target): an optimizer's state follows it
-            order = sorted(shapes, key=lambda n: (int(n.split(".")[0]), LORA_TARGETS.index(n.split(".")[1])))
+            order = sorted(shapes, key=lambda n: (int(n.split(".")[0]), config.targets.index(n.split(".")[1])))
             shapes = {n: shapes[n] for n in order}
             ad = cls(config, int(meta["hidden"]), shapes, str(meta["weights_id"]), meta.get("model"),
                      meta.get("info"))
@@ -376,13 +378,11 @@ class StitchAdapter(nn.Module):
 
 
 def _targets(model, targets: tuple[str, ...]):
-    """``("<layer>.<target>", module)`` of every adapted projection, from the decoder layers' attention."""
-    layers = _decoder_layers(model)
+    """``("<layer>.<target>", module)`` of every adapted projection, from the decoder layers' attention and MLP."""
     out = []
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
+    for i, layer in enumerate(_decoder_layers(model)):
         for t in targets:
-            m = getattr(attn, t)
+            m = getattr(layer.mlp if t in MLP_TARGETS else layer.self_attn, t)
             if isinstance(m, GatedLoRA):
                 m = m.base
             out.append((f"{i}.{t}", m))
