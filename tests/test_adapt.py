@@ -180,6 +180,47 @@ def test_the_answer_cross_entropy_adds_to_the_kl_in_training_only(tmp_path, smol
         _cfg(answer_ce=-1.0)
 
 
+def test_the_margin_hinge_asks_the_teachers_margin_up_to_its_cap():
+    """`margin_hinge`: 0 where the student prefers the teacher's token by the teacher's margin (or by the cap, when
+    the teacher's is larger); else the shortfall, measured against the student's best other token."""
+    from kvstitch.adapt.distill import MARGIN_CAP, margin_hinge
+
+    answer = torch.tensor([2, 2, 0])
+    teacher = torch.log_softmax(torch.tensor([[0.0, 0.0, 0.5, -1.0], [0.0, 0.0, 9.0, 0.0], [3.0, 2.9, 0.0, 0.0]]), -1)
+    student = torch.tensor([[0.0, 0.0, 2.0, 0.0],  # teacher's token ahead by 2 > its margin 0.5: nothing to pay
+                            [0.0, 1.5, 2.0, 0.0],  # ahead by 0.5 < the cap (the teacher's 9 is capped)
+                            [1.0, 3.0, 0.0, 0.0]])  # wrong argmax: behind by 2, and the teacher wanted 0.1
+    top = teacher.topk(2, dim=-1).values
+    got = margin_hinge(student, answer, top)
+    assert got[0] == 0
+    assert abs(float(got[1]) - (MARGIN_CAP - 0.5)) < 1e-5 and abs(float(got[2]) - (0.1 + 2.0)) < 1e-5
+
+
+def test_the_answer_margin_adds_to_the_kl_in_training_only(tmp_path, smollm_tokenizer):
+    """--answer-margin: the loss is the KL plus the weight x the mean hinge over the answer tokens; validation stays
+    the KL; the setting is recorded only when set."""
+    from kvstitch.adapt.distill import cached_targets, margin_hinge, questions_loss, student_logits
+
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(answer_margin=3.0), CONTEXTS, [], tmp_path)
+    tr.setup()
+    ctx = CONTEXTS[1]
+    t = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)[1]
+    layout = tr.engine.layout(ctx.questions[1], list(ctx.passages))
+    cache, linked = tr._stitched(ctx, layout), tr._linked(layout, 1.0)
+    with torch.no_grad():
+        kl = float(questions_loss(tr.engine, cache, linked, [t], 0.5))
+        both = float(questions_loss(tr.engine, cache, linked, [t], 0.5, answer_margin=3.0))
+        logits = student_logits(tr.engine, cache, linked, [torch.cat([t.suffix, t.answer[:-1]])])[0]
+    n_s = t.suffix.numel() - 1
+    hinge = float(margin_hinge(logits[n_s:], t.answer, t.top_logp[n_s:]).mean())
+    assert hinge > 0.01 and abs(both - (kl + 3.0 * hinge)) < 1e-4 * max(1.0, both)
+    assert abs(tr.loss_of([(1, 1)], CONTEXTS, 0.0, grad=False) - kl) < 1e-4 * max(1.0, kl)
+    assert abs(tr.loss_of([(1, 1)], CONTEXTS, 0.0, grad=True) - both) < 1e-4 * max(1.0, both)
+    assert "answer_margin" not in _cfg().identity() and _cfg(answer_margin=3.0).identity()["answer_margin"] == 3.0
+    with pytest.raises(InputError, match="answer_margin must be >= 0"):
+        _cfg(answer_margin=-1.0)
+
+
 def test_a_writer_adapter_trains_through_its_passages(tmp_path, smollm_tokenizer):
     """The writer's gradient comes through the passages' K/V (nothing else reads it), and a step lowers the loss."""
     tr, items, before = _backward_first_batch(smollm_tokenizer, tmp_path, links=0, rank=0, writer=2)

@@ -10,7 +10,9 @@ and the loss between them.
 - **loss** (`sparse_kl`, `questions_loss`): KL(teacher || student) over the top-k tokens plus the tail's mass,
   per position; answer positions weigh 1, question positions ``question_weight``. Optionally plus ``answer_ce``
   times the cross-entropy of the teacher's answer tokens: the KL moves the whole distribution, while what is scored
-  is the argmax, which a near tie flips.
+  is the argmax, which a near tie flips. Or plus ``answer_margin`` times a hinge on each answer token's margin
+  (`margin_hinge`): zero once the student prefers the teacher's token by the teacher's own margin (up to
+  `MARGIN_CAP`), so it spends the adapter only on the answers whose argmax is wrong or nearly so.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from kvstitch.core.chunk import ChunkKV
 from kvstitch.models import cache_kwargs
 from kvstitch.models.stitch_adapter import gate_of, gated, writing
 from .data import Context
+
+MARGIN_CAP = 1.0  # nats: a margin the teacher itself exceeds is not asked of the student beyond this
 
 
 @dataclass
@@ -137,11 +141,22 @@ def student_logits(engine, cache: StitchCache, layout, tails: list[torch.Tensor]
     return [out.logits[i, :r.numel() - layout.links] for i, r in enumerate(rows)]
 
 
+def margin_hinge(logits: torch.Tensor, answer: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
+    """Per answer position: how far the student's log-probability margin of the teacher's token over its best other
+    token falls short of the teacher's own margin (its top two), capped at `MARGIN_CAP`; 0 when it does not."""
+    logq = torch.log_softmax(logits.float(), -1)
+    mine = logq.gather(-1, answer.view(-1, 1)).squeeze(-1)
+    other = logq.scatter(-1, answer.view(-1, 1), float("-inf")).max(-1).values
+    want = (top_logp[:, 0] - top_logp[:, 1]).clamp(max=MARGIN_CAP)
+    return (want - (mine - other)).clamp_min(0)
+
+
 def questions_loss(engine, cache: StitchCache, layout, targets: list[Targets], question_weight: float,
                    recompute: torch.Tensor | None = None, strength: float = 1.0,
-                   answer_ce: float = 0.0) -> torch.Tensor:
+                   answer_ce: float = 0.0, answer_margin: float = 0.0) -> torch.Tensor:
     """The mean over ``targets`` (questions over one context) of each one's weighted KL, plus ``answer_ce`` x the
-    mean cross-entropy of the teacher's answer tokens, in one pass."""
+    mean cross-entropy of the teacher's answer tokens and ``answer_margin`` x their mean `margin_hinge`, in one
+    pass."""
     tails = [torch.cat([t.suffix, t.answer[:-1]]) for t in targets]
     losses = []
     for logits, t in zip(student_logits(engine, cache, layout, tails, recompute, strength), targets):
@@ -149,9 +164,12 @@ def questions_loss(engine, cache: StitchCache, layout, targets: list[Targets], q
         w = torch.ones_like(kl)
         w[:t.suffix.numel() - 1] = question_weight  # positions that predict the question's own next token
         loss = (kl * w).sum() / w.sum()
+        answer_logits, answer = logits[t.suffix.numel() - 1:].float(), t.answer.to(logits.device)
         if answer_ce:
-            answer_logits = logits[t.suffix.numel() - 1:].float()
-            loss = loss + answer_ce * torch.nn.functional.cross_entropy(answer_logits, t.answer.to(logits.device))
+            loss = loss + answer_ce * torch.nn.functional.cross_entropy(answer_logits, answer)
+        if answer_margin:
+            top = t.top_logp[t.suffix.numel() - 1:].to(logits.device)
+            loss = loss + answer_margin * margin_hinge(answer_logits, answer, top).mean()
         losses.append(loss)
     return torch.stack(losses).mean()
 

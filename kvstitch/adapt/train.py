@@ -64,6 +64,7 @@ class AdaptConfig:
     top_k: int = 64
     question_weight: float = 0.5
     answer_ce: float = 0.0  # weight of the teacher's answer tokens' cross-entropy, beside the KL (training only)
+    answer_margin: float = 0.0  # weight of the hinge on those tokens' margins (`distill.margin_hinge`; training only)
     max_answer: int = 16
     seed: int = 0
     corpus: str = "squad"  # "squad" (built-in) or a folder of the user's documents
@@ -80,8 +81,9 @@ class AdaptConfig:
                 raise InputError(f"adapt {name} must be a positive integer, got {v!r}")
         if not self.lr > 0:
             raise InputError(f"adapt lr must be > 0, got {self.lr}")
-        if not self.answer_ce >= 0:
-            raise InputError(f"adapt answer_ce must be >= 0, got {self.answer_ce}")
+        for name in ("answer_ce", "answer_margin"):
+            if not getattr(self, name) >= 0:
+                raise InputError(f"adapt {name} must be >= 0, got {getattr(self, name)}")
         for r in self.ratios:
             if not 0 <= r < 1:
                 raise InputError(f"adapt ratios must be in [0, 1), got {r}")
@@ -101,8 +103,8 @@ class AdaptConfig:
         """The settings a run directory records (an option left at its default is not recorded, so runs written
         before it existed still resume)."""
         d = json.loads(json.dumps(asdict(self)))
-        for name, default in (("writer", 0), ("init", ""), ("answer_ce", 0.0), ("groupings", 1),
-                              ("targets", list(ATTENTION_TARGETS))):
+        for name, default in (("writer", 0), ("init", ""), ("answer_ce", 0.0), ("answer_margin", 0.0),
+                              ("groupings", 1), ("targets", list(ATTENTION_TARGETS))):
             if d[name] == default:
                 d.pop(name)
         return d
@@ -250,6 +252,7 @@ class Trainer:
         writer's graph runs through its context's passages: one backward of that context's questions together."""
         eng, cfg = self.engine, self.cfg
         total, current, pending = 0.0, None, []
+        extra = {"answer_ce": cfg.answer_ce, "answer_margin": cfg.answer_margin} if grad else {}  # validation: KL
         for c, q in items:
             ctx = contexts[c]
             targets = cached_targets(eng, self.teacher_dir, ctx, cfg)
@@ -261,7 +264,7 @@ class Trainer:
                     current = ((c, tuple(used.order)), self._stitched(ctx, used, strength))
             with torch.set_grad_enabled(grad):
                 loss = questions_loss(eng, current[1], self._linked(used, strength), [targets[q]],
-                                      cfg.question_weight, recompute, strength, cfg.answer_ce if grad else 0.0)
+                                      cfg.question_weight, recompute, strength, **extra)
                 if grad:
                     pending.append(loss / len(items))
                     if not self.adapter.writes:

@@ -39,6 +39,8 @@ def adapt_command(
         question_weight: float = typer.Option(0.5, help="weight of question positions in the loss (answers: 1)"),
         answer_ce: float = typer.Option(0.0, "--answer-ce", help="weight of the cross-entropy of full prefill's "
                                         "answer tokens, added to the KL (validation stays the KL)"),
+        answer_margin: float = typer.Option(0.0, "--answer-margin", help="weight of a hinge on those tokens' "
+                                            "margins over the next best (up to full prefill's own), added likewise"),
         seed: int = typer.Option(0, help="data order and passage grouping"),
         init: Optional[str] = typer.Option(None, "--init", help="start from this adapter's weights: a file, or "
                                            "'default' (the one kvstitch ships for the model); same form"),
@@ -60,7 +62,7 @@ def adapt_command(
     """Learn a stitch adapter for MODEL by distillation from full prefill: the model's own full-prefill answers
     are the teacher, the stitched cache read through the adapter the student. Runs on a CPU, checkpoints as it
     goes and resumes when rerun with the same command."""
-    from kvstitch.adapt import AdaptConfig, Trainer, document_contexts, squad_contexts, tuning_contexts
+    from kvstitch.adapt import AdaptConfig, Trainer, tuning_contexts
 
     set_threads(threads)
     ratio_list, strength_list, tune_list = (_numbers(v, flag) for v, flag in
@@ -80,7 +82,8 @@ def adapt_command(
     cfg = AdaptConfig(links=links, rank=rank, alpha=alpha, writer=writer, targets=_lora_targets(targets), steps=steps,
                       batch=batch, lr=lr, passages=passages, per_context=questions, groupings=groupings,
                       ratios=ratio_list or (0.0,), method=method, question_weight=question_weight, answer_ce=answer_ce,
-                      seed=seed, corpus=corpus, init=start.digest() if start is not None else "")
+                      answer_margin=answer_margin, seed=seed, corpus=corpus,
+                      init=start.digest() if start is not None else "")
     docs = None
     if corpus != "squad":
         docs = Path(corpus).expanduser()
@@ -91,19 +94,7 @@ def adapt_command(
 
         check_method(method)
     eng = load_engine(model, store or str(out / "store"), dtype)
-    if docs is None:
-        train = squad_contexts(passages, questions, seed, groupings=groupings)
-        val = squad_contexts(passages, questions, seed, validation=True)
-        note = "SQuAD dev v1.1, the adapter articles (kvstitch.tasks.squad.ADAPTER_ARTICLES), their questions"
-    else:
-        from kvstitch.engine.precompute import directory_chunks
-
-        chunks, _ = directory_chunks(eng, docs)
-        texts = [t for _, t in chunks]
-        contexts = document_contexts(eng, texts, passages, questions, seed)
-        n_val = max(1, len(contexts) // 10) if len(contexts) > 1 else 0
-        train, val = contexts[n_val:], contexts[:n_val]
-        note = f"{docs}: {len(texts)} passages, questions written by the model"
+    train, val, note = _contexts(eng, docs, cfg)
     command = " ".join(["kvstitch"] + [shlex.quote(a) for a in sys.argv[1:]])
     trainer = Trainer(eng, cfg, train, val, out, command=command, corpus_note=note, teacher_dir=teacher_dir, init=start)
     info = trainer.run()
@@ -120,6 +111,24 @@ def adapt_command(
                   f"{info['steps']} steps, {info['cpu_hours']:.2f} CPU-hours; loss {info['final_loss']:.4f}; "
                   f"{out / 'adapter.safetensors'} (use it: --stitch-adapter {out / 'adapter.safetensors'})",
                   highlight=False)
+
+
+def _contexts(eng, docs: Path | None, cfg) -> tuple[list, list, str]:
+    """Training and validation contexts, from the built-in corpus (``docs`` None) or a folder, and a note of which."""
+    from kvstitch.adapt import document_contexts, squad_contexts
+
+    if docs is None:
+        train = squad_contexts(cfg.passages, cfg.per_context, cfg.seed, groupings=cfg.groupings)
+        val = squad_contexts(cfg.passages, cfg.per_context, cfg.seed, validation=True)
+        return train, val, ("SQuAD dev v1.1, the adapter articles (kvstitch.tasks.squad.ADAPTER_ARTICLES), their "
+                            "questions")
+    from kvstitch.engine.precompute import directory_chunks
+
+    chunks, _ = directory_chunks(eng, docs)
+    texts = [t for _, t in chunks]
+    contexts = document_contexts(eng, texts, cfg.passages, cfg.per_context, cfg.seed)
+    n_val = max(1, len(contexts) // 10) if len(contexts) > 1 else 0
+    return contexts[n_val:], contexts[:n_val], f"{docs}: {len(texts)} passages, questions written by the model"
 
 
 def _lora_targets(spec: str) -> tuple[str, ...]:
