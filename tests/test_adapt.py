@@ -358,9 +358,10 @@ def test_a_run_can_start_from_another_adapter_of_the_same_form(tmp_path, smollm_
                 tmp_path / "d", init=start).setup()
 
 
-def test_a_run_on_more_projections_starts_from_an_adapter_on_fewer(tmp_path, smollm_tokenizer):
+def test_a_run_with_more_parts_or_projections_starts_from_an_adapter_with_fewer(tmp_path, smollm_tokenizer):
     """``--targets all --init`` of an attention-only writer: its weights carried over and the MLP's LoRA at the
-    identity, so the start reads as the given adapter does; a start on projections the run lacks is refused."""
+    identity, so the start reads as the given adapter does. Link tokens and a reader added beside the writer start
+    fresh (the reader at the identity). A start with parts or projections the run lacks is refused."""
     from kvstitch.models.stitch_adapter import LORA_TARGETS
 
     Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=1, links=0, rank=0, writer=2), CONTEXTS, [],
@@ -383,11 +384,20 @@ def test_a_run_on_more_projections_starts_from_an_adapter_on_fewer(tmp_path, smo
     assert "targets" not in json.loads((tmp_path / "b" / "run.json").read_text())["config"]
     assert wide.loss_of(items, CONTEXTS, 0.0, grad=False) == pytest.approx(same.loss_of(items, CONTEXTS, 0.0,
                                                                                         grad=False), abs=1e-6)
+    beside = Trainer(fresh_engine(smollm_tokenizer), _cfg(links=2, rank=2, writer=2, init=start.digest()), CONTEXTS,
+                     [], tmp_path / "e", init=start)
+    beside.setup()
+    got = beside.adapter.state_dict()
+    assert all(torch.equal(got[k], v.float()) for k, v in start.state_dict().items() if k.startswith("writer_"))
+    assert not any(v.any() for k, v in got.items() if k.startswith("lora_b")) and got["links"].abs().sum() > 0
     wide.save()
-    back = StitchAdapter.load(tmp_path / "c" / "adapter.safetensors")
-    with pytest.raises(InputError, match="same projections or more"):
-        Trainer(fresh_engine(smollm_tokenizer), _cfg(links=0, rank=0, writer=2, init=back.digest()), CONTEXTS, [],
-                tmp_path / "d", init=back).setup()
+    beside.save()
+    for path in (tmp_path / "c" / "adapter.safetensors", tmp_path / "e" / "adapter.safetensors"):
+        back = StitchAdapter.load(path)
+        with pytest.raises(InputError, match="same form or one with more parts, on the same projections or more"):
+            Trainer(fresh_engine(smollm_tokenizer), _cfg(links=0, rank=0, writer=2, init=back.digest()), CONTEXTS,
+                    [], tmp_path / "d", init=back).setup()
+    assert not (tmp_path / "d").exists()  # refused before the run directory is written
 
 
 def test_a_checkpointed_writer_pass_gives_one_passs_values_and_gradients(tmp_path, smollm_tokenizer):

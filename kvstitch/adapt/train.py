@@ -18,7 +18,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -155,6 +155,8 @@ class Trainer:
             path.write_text(json.dumps({**desc, "command": self.command, "corpus": self.corpus_note}, indent=1))
 
     def setup(self) -> None:
+        if self.init is not None:
+            self._check_init(self.init)  # before the run directory is written
         self._check_run()
         eng, cfg = self.engine, self.cfg
         for p in eng.model.parameters():
@@ -164,7 +166,7 @@ class Trainer:
             self.adapter = StitchAdapter.load(self.run_dir / ADAPTER_FILE)
         elif self.init is not None:
             eng.use_stitch_adapter(None)
-            self.adapter = self._check_init(self.init)
+            self.adapter = self._from_init(self.init)
         else:
             eng.use_stitch_adapter(None)
             self.adapter = StitchAdapter.for_model(eng.model, eng.weights_id, cfg.adapter, eng.model_name)
@@ -176,24 +178,31 @@ class Trainer:
             self.opt.load_state_dict(st["optimizer"])
             self.state = TrainState(**st["state"])
 
-    def _check_init(self, init: StitchAdapter) -> StitchAdapter:
-        """A copy of the adapter training starts from, once it is known to fit this model and these settings."""
+    def _check_init(self, init: StitchAdapter) -> None:
+        """Refuse an adapter to start from that does not fit this model and these settings."""
         from kvstitch.models.stitch_adapter import StitchAdapterError
 
         try:
             init.check_model(self.engine.weights_id, self.engine.model_name)
         except StitchAdapterError as e:
             raise InputError(f"--init: {e}") from None
+        want, have = self.cfg.adapter, init.config
+        # the run's form holds the given one's (each part absent or equal, the projections the same or more): the
+        # parts it adds start fresh, a new LoRA as the identity (B = 0), so training starts from what it computes
+        if have.alpha != want.alpha or not set(have.targets) <= set(want.targets) \
+                or any(getattr(have, n) not in (0, getattr(want, n)) for n in ("links", "rank", "writer")):
+            raise InputError(f"--init holds a {have.form} adapter (alpha {have.alpha:g}) on {','.join(have.targets)}; "
+                             f"this run trains {want.form} (alpha {want.alpha:g}) on {','.join(want.targets)}: pass "
+                             f"the same form or one with more parts, on the same projections or more")
+
+    def _from_init(self, init: StitchAdapter) -> StitchAdapter:
+        """This run's adapter, starting from ``init``'s weights (`_check_init`)."""
         want = self.cfg.adapter
-        # the same form, on the same projections or a subset (the new ones start as LoRA's identity, B = 0)
-        if replace(init.config, targets=want.targets).identity() != want.identity() \
-                or not set(init.config.targets) <= set(want.targets):
-            raise InputError(f"--init holds a {init.config.form} adapter (alpha {init.config.alpha:g}) on "
-                             f"{','.join(init.config.targets)}; this run trains {want.form} (alpha {want.alpha:g}) "
-                             f"on {','.join(want.targets)}: pass the same form, on the same projections or more")
         ad = StitchAdapter.for_model(self.engine.model, self.engine.weights_id, want, self.engine.model_name)
-        missing, unexpected = ad.load_state_dict({k: v.float() for k, v in init.state_dict().items()}, strict=False)
-        assert not unexpected and all(k.split(".")[1].split("_", 1)[1] not in init.config.targets for k in missing)
+        own = ad.state_dict()
+        given = {k: v.float() for k, v in init.state_dict().items() if v.numel() and k in own}
+        assert all(own[k].shape == v.shape for k, v in given.items())
+        ad.load_state_dict({**own, **given})
         return ad
 
     def lr_at(self, step: int) -> float:
