@@ -43,7 +43,8 @@ def adapt_command(
                                             "margins over the next best (up to full prefill's own), added likewise"),
         seed: int = typer.Option(0, help="data order and passage grouping"),
         init: Optional[str] = typer.Option(None, "--init", help="start from this adapter's weights: a file, or "
-                                           "'default' (the one kvstitch ships for the model); its parts and projections, or fewer"),
+                                           "'default' (the one kvstitch ships for the model); its parts and "
+                                           "projections or fewer (the rest start fresh)"),
         model: Model = None, dtype: Dtype = None, threads: Threads = None,
         store: Optional[str] = typer.Option(None, "--store", help="passage cache store (default: OUT/store)"),
         teacher_dir: Optional[Path] = typer.Option(None, "--teacher-dir", help="the teacher's targets (default: "
