@@ -155,29 +155,42 @@ def test_the_strength_sweep_keeps_the_lowest_validation_kl_and_resumes(tmp_path,
     assert len(calls) == 4 and other["on"] == "tuning" and other["questions"] == len(CONTEXTS[0].questions)
 
 
-def test_the_answer_cross_entropy_adds_to_the_kl_in_training_only(tmp_path, smollm_tokenizer):
-    """--answer-ce: the loss is the KL plus the weight x the cross-entropy of the teacher's answer tokens (computed
-    here from the student's logits); validation (no gradients) stays the KL; the setting is recorded only when set."""
+def _answer_ce(logits, t, n_s):
+    logq = torch.log_softmax(logits.float(), -1)[n_s:]
+    return float(-logq.gather(-1, t.answer.view(-1, 1)).mean())
+
+
+def _answer_margin(logits, t, n_s):
+    from kvstitch.adapt.distill import margin_hinge
+
+    return float(margin_hinge(logits[n_s:], t.answer, t.top_logp[n_s:]).mean())
+
+
+@pytest.mark.parametrize("name,weight,item,term", [("answer_ce", 2.0, (0, 0), _answer_ce),
+                                                   ("answer_margin", 3.0, (1, 1), _answer_margin)])
+def test_an_answer_term_adds_to_the_kl_in_training_only(tmp_path, smollm_tokenizer, name, weight, item, term):
+    """--answer-ce / --answer-margin: the loss is the KL plus the weight x the term over the teacher's answer tokens
+    (the cross-entropy, or the mean `margin_hinge`; computed here from the student's logits); validation (no
+    gradients) stays the KL; the setting is recorded only when set."""
     from kvstitch.adapt.distill import cached_targets, questions_loss, student_logits
 
-    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(answer_ce=2.0), CONTEXTS, [], tmp_path)
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(**{name: weight}), CONTEXTS, [], tmp_path)
     tr.setup()
-    ctx = CONTEXTS[0]
-    t = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)[0]
-    layout = tr.engine.layout(ctx.questions[0], list(ctx.passages))
+    ctx = CONTEXTS[item[0]]
+    t = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)[item[1]]
+    layout = tr.engine.layout(ctx.questions[item[1]], list(ctx.passages))
     cache, linked = tr._stitched(ctx, layout), tr._linked(layout, 1.0)
     with torch.no_grad():
         kl = float(questions_loss(tr.engine, cache, linked, [t], 0.5))
-        both = float(questions_loss(tr.engine, cache, linked, [t], 0.5, answer_ce=2.0))
+        both = float(questions_loss(tr.engine, cache, linked, [t], 0.5, **{name: weight}))
         logits = student_logits(tr.engine, cache, linked, [torch.cat([t.suffix, t.answer[:-1]])])[0]
-    logq = torch.log_softmax(logits.float(), -1)[t.suffix.numel() - 1:]
-    ce = float(-logq.gather(-1, t.answer.view(-1, 1)).mean())
-    assert ce > 0.01 and abs(both - (kl + 2.0 * ce)) < 1e-4 * max(1.0, both)
-    assert abs(tr.loss_of([(0, 0)], CONTEXTS, 0.0, grad=False) - kl) < 1e-4 * max(1.0, kl)
-    assert abs(tr.loss_of([(0, 0)], CONTEXTS, 0.0, grad=True) - both) < 1e-4 * max(1.0, both)
-    assert "answer_ce" not in _cfg().identity() and _cfg(answer_ce=2.0).identity()["answer_ce"] == 2.0
-    with pytest.raises(InputError, match="answer_ce must be >= 0"):
-        _cfg(answer_ce=-1.0)
+    extra = term(logits, t, t.suffix.numel() - 1)
+    assert extra > 0.01 and abs(both - (kl + weight * extra)) < 1e-4 * max(1.0, both)
+    assert abs(tr.loss_of([item], CONTEXTS, 0.0, grad=False) - kl) < 1e-4 * max(1.0, kl)
+    assert abs(tr.loss_of([item], CONTEXTS, 0.0, grad=True) - both) < 1e-4 * max(1.0, both)
+    assert name not in _cfg().identity() and _cfg(**{name: weight}).identity()[name] == weight
+    with pytest.raises(InputError, match=f"{name} must be >= 0"):
+        _cfg(**{name: -1.0})
 
 
 def test_the_margin_hinge_asks_the_teachers_margin_up_to_its_cap():
@@ -194,31 +207,6 @@ def test_the_margin_hinge_asks_the_teachers_margin_up_to_its_cap():
     got = margin_hinge(student, answer, top)
     assert got[0] == 0
     assert abs(float(got[1]) - (MARGIN_CAP - 0.5)) < 1e-5 and abs(float(got[2]) - (0.1 + 2.0)) < 1e-5
-
-
-def test_the_answer_margin_adds_to_the_kl_in_training_only(tmp_path, smollm_tokenizer):
-    """--answer-margin: the loss is the KL plus the weight x the mean hinge over the answer tokens; validation stays
-    the KL; the setting is recorded only when set."""
-    from kvstitch.adapt.distill import cached_targets, margin_hinge, questions_loss, student_logits
-
-    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(answer_margin=3.0), CONTEXTS, [], tmp_path)
-    tr.setup()
-    ctx = CONTEXTS[1]
-    t = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)[1]
-    layout = tr.engine.layout(ctx.questions[1], list(ctx.passages))
-    cache, linked = tr._stitched(ctx, layout), tr._linked(layout, 1.0)
-    with torch.no_grad():
-        kl = float(questions_loss(tr.engine, cache, linked, [t], 0.5))
-        both = float(questions_loss(tr.engine, cache, linked, [t], 0.5, answer_margin=3.0))
-        logits = student_logits(tr.engine, cache, linked, [torch.cat([t.suffix, t.answer[:-1]])])[0]
-    n_s = t.suffix.numel() - 1
-    hinge = float(margin_hinge(logits[n_s:], t.answer, t.top_logp[n_s:]).mean())
-    assert hinge > 0.01 and abs(both - (kl + 3.0 * hinge)) < 1e-4 * max(1.0, both)
-    assert abs(tr.loss_of([(1, 1)], CONTEXTS, 0.0, grad=False) - kl) < 1e-4 * max(1.0, kl)
-    assert abs(tr.loss_of([(1, 1)], CONTEXTS, 0.0, grad=True) - both) < 1e-4 * max(1.0, both)
-    assert "answer_margin" not in _cfg().identity() and _cfg(answer_margin=3.0).identity()["answer_margin"] == 3.0
-    with pytest.raises(InputError, match="answer_margin must be >= 0"):
-        _cfg(answer_margin=-1.0)
 
 
 def test_a_writer_adapter_trains_through_its_passages(tmp_path, smollm_tokenizer):
