@@ -193,6 +193,31 @@ def test_an_answer_term_adds_to_the_kl_in_training_only(tmp_path, smollm_tokeniz
         _cfg(**{name: -1.0})
 
 
+def test_validation_counts_the_answer_tokens_the_student_gets_as_full_prefill_does(tmp_path, smollm_tokenizer):
+    """Beside the KL, validation reports how often the stitched student's argmax is full prefill's answer token
+    (teacher forced), over all answer tokens and over each answer's first, as recounted here from its logits."""
+    from kvstitch.adapt.distill import cached_targets, student_logits
+
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(max_answer=4), CONTEXTS, CONTEXTS, tmp_path)
+    tr.setup()
+    got = tr.validate()
+    hits = []
+    for c, q in tr.val_items():
+        ctx = CONTEXTS[c]
+        t = cached_targets(tr.engine, tr.teacher_dir, ctx, tr.cfg)[q]
+        layout = tr.engine.layout(ctx.questions[q], list(ctx.passages))
+        with torch.no_grad():
+            logits = student_logits(tr.engine, tr._stitched(ctx, layout), tr._linked(layout, 1.0),
+                                    [torch.cat([t.suffix, t.answer[:-1]])])[0]
+        hits.append((logits[t.suffix.numel() - 1:].argmax(-1) == t.answer).tolist())
+    tokens = [h for row in hits for h in row]
+    assert len(tokens) > len(hits)  # answers of more than one token: the two counts differ in what they weigh
+    assert got["val_agree"] == round(sum(tokens) / len(tokens), 4)
+    assert got["val_first"] == round(sum(row[0] for row in hits) / len(hits), 4)
+    assert got["val"] == pytest.approx(tr.loss_of(tr.val_items(), CONTEXTS, 0.0, grad=False), rel=1e-5)
+    assert Trainer(tr.engine, _cfg(), CONTEXTS, [], tmp_path / "none").validate() == {"val": None}
+
+
 def test_the_margin_hinge_asks_the_teachers_margin_up_to_its_cap():
     """`margin_hinge`: 0 where the student prefers the teacher's token by the teacher's margin (or by the cap, when
     the teacher's is larger); else the shortfall, measured against the student's best other token."""
@@ -344,6 +369,22 @@ def test_a_run_can_start_from_another_adapter_of_the_same_form(tmp_path, smollm_
     with pytest.raises(InputError, match="same form"):
         Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2, rank=3, init=start.digest()), CONTEXTS, [],
                 tmp_path / "d", init=start).setup()
+
+
+def test_a_run_of_zero_steps_validates_its_starting_adapter_and_keeps_it(tmp_path, smollm_tokenizer):
+    """``--steps 0 --init A``: one validation row for A (what a trained run's step-0 row would be), and A written back
+    unchanged, so adapters trained elsewhere are measured on the same validation questions."""
+    Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=2), CONTEXTS, [], tmp_path / "a").run(progress=False)
+    start = StitchAdapter.load(tmp_path / "a" / "adapter.safetensors")
+    tr = Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=0, init=start.digest()), CONTEXTS, CONTEXTS[:1],
+                 tmp_path / "v", init=start)
+    info = tr.run(progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "v" / "loss.jsonl").read_text().splitlines()]
+    assert info["steps"] == 0 and [r["step"] for r in rows] == [0] and rows[0]["val"] > 0
+    assert {"val_agree", "val_first"} <= set(rows[0])
+    assert StitchAdapter.load(tmp_path / "v" / "adapter.safetensors").digest() == start.digest()
+    with pytest.raises(InputError, match="steps must be an integer >= 0"):
+        _cfg(steps=-1)
 
 
 def test_a_run_with_more_parts_or_projections_starts_from_an_adapter_with_fewer(tmp_path, smollm_tokenizer):

@@ -153,10 +153,12 @@ def margin_hinge(logits: torch.Tensor, answer: torch.Tensor, top_logp: torch.Ten
 
 def questions_loss(engine, cache: StitchCache, layout, targets: list[Targets], question_weight: float,
                    recompute: torch.Tensor | None = None, strength: float = 1.0,
-                   answer_ce: float = 0.0, answer_margin: float = 0.0) -> torch.Tensor:
+                   answer_ce: float = 0.0, answer_margin: float = 0.0,
+                   agree: list | None = None) -> torch.Tensor:
     """The mean over ``targets`` (questions over one context) of each one's weighted KL, plus ``answer_ce`` x the
     mean cross-entropy of the teacher's answer tokens and ``answer_margin`` x their mean `margin_hinge`, in one
-    pass."""
+    pass. ``agree``, if given, gets per question whether the student's argmax is the teacher's answer token at each
+    answer position (teacher forced)."""
     tails = [torch.cat([t.suffix, t.answer[:-1]]) for t in targets]
     losses = []
     for logits, t in zip(student_logits(engine, cache, layout, tails, recompute, strength), targets):
@@ -165,6 +167,8 @@ def questions_loss(engine, cache: StitchCache, layout, targets: list[Targets], q
         w[:t.suffix.numel() - 1] = question_weight  # positions that predict the question's own next token
         loss = (kl * w).sum() / w.sum()
         answer_logits, answer = logits[t.suffix.numel() - 1:].float(), t.answer.to(logits.device)
+        if agree is not None:
+            agree.append((answer_logits.argmax(-1) == answer).tolist())
         if answer_ce:
             loss = loss + answer_ce * torch.nn.functional.cross_entropy(answer_logits, answer)
         if answer_margin:

@@ -27,7 +27,7 @@ def adapt_command(
                                            "caches get their own store key; trains at ratio 0)"),
         targets: str = typer.Option("attention", help="the projections the LoRAs adapt: attention (q, k, v, o), "
                                     "all (those and the MLP's gate, up, down) or a comma-separated list of them"),
-        steps: int = typer.Option(200, help="optimizer steps"),
+        steps: int = typer.Option(200, help="optimizer steps (0: only validate the starting adapter)"),
         batch: int = typer.Option(8, help="questions per step"),
         lr: float = typer.Option(5e-4, help="peak learning rate (AdamW; warm-up, then linear decay to a tenth)"),
         passages: int = typer.Option(10, help="passages per training context"),
