@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
+import sys
 
 import pytest
 import torch
@@ -362,9 +364,28 @@ def test_a_run_logged_to_a_file_prints_a_line_per_sample(engine, tmp_path):
     run_eval(engine, cfg, tmp_path, console=Console(file=buf, force_terminal=False, width=200))
     lines = [l for l in buf.getvalue().splitlines() if l.startswith("eval: sample")]
     assert [l.split(" (")[0] for l in lines] == ["eval: sample 1/2", "eval: sample 2/2"]
-    assert "niah_single_essay#0" in lines[0] and lines[1].endswith("~0m00s left")
+    assert "niah_single_essay#0" in lines[0] and "~0m00s left" in lines[1]
+    if sys.platform == "linux":  # the process's memory, and the store's share, on every line
+        assert all(re.search(r"left; \d+\.\d GiB resident, \d+\.\d GiB of it in the chunk store$", l) for l in lines)
     assert sample_log_line(1, 4, "t#0", 75, 75) == "eval: sample 1/4 (t#0) done in 1m15s; elapsed 1m15s, ~3m45s left"
     assert sample_log_line(2, 4, "t#1", 10, 3700).endswith("elapsed 1h01m40s, ~1h01m40s left")
+    assert sample_log_line(2, 4, "t#1", 10, 3700, 5 << 30, 3 << 29).endswith(
+        "~1h01m40s left; 5.0 GiB resident, 1.5 GiB of it in the chunk store")
+    assert sample_log_line(2, 4, "t#1", 10, 3700, 5 << 30).endswith("left; 5.0 GiB resident")
+
+
+def test_resident_bytes_reads_the_process_memory_now():
+    """The figure is current memory (it falls when memory is released), not the peak."""
+    from kvstitch.core.memory import resident_bytes
+
+    if sys.platform != "linux":
+        assert resident_bytes() is None or resident_bytes() > 0
+        return
+    before = resident_bytes()
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    during = resident_bytes()
+    del block
+    assert during - before > 48 << 20 and resident_bytes() < during - (48 << 20)
 
 
 def test_fidelity_table_has_bootstrap_intervals():

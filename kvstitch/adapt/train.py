@@ -25,6 +25,7 @@ import torch
 
 from kvstitch.core.figures import save_png
 from kvstitch.core.errors import InputError
+from kvstitch.core.memory import resident_gib
 from kvstitch.models.stitch_adapter import ATTENTION_TARGETS, StitchAdapter, StitchAdapterConfig
 from .data import Context
 from .distill import cached_targets, questions_loss, written_chunks
@@ -390,6 +391,7 @@ class Trainer:
                     bar.update(task, val=f"{row['val']:.4f}" if row["val"] is not None else "-")
                 self._account(time.perf_counter() - t0, threads)
                 row["s"] = round(st.seconds, 1)
+                row["rss_gib"] = resident_gib()  # training memory grows with passages per context: watch it here
                 self.log(row)
                 bar.update(task, advance=1, loss=f"{loss:.4f}")
                 if st.step % cfg.save_every == 0 or st.step == cfg.steps:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvstitch.core.errors import EvalError, InputError
+from kvstitch.core.memory import resident_bytes
 from kvstitch.engine.budget import AUTO
 from kvstitch.tasks.haystack import resolve_haystack
 from kvstitch.tasks.tasks import TASKS, Sample, generate
@@ -262,7 +263,8 @@ def _run_planned(engine, cfg: EvalConfig, plan: list[tuple[Sample, list]], rows:
                 bar.advance(pid, max(0, len(todo) - done_now))
             if log_lines:
                 console.print(sample_log_line(done, len(plan), f"{sample.task}#{sample.meta['index']}",
-                                              time.monotonic() - sample_started, time.monotonic() - started),
+                                              time.monotonic() - sample_started, time.monotonic() - started,
+                                              resident_bytes(), _store_bytes(engine.store)),
                               highlight=False)
     return errors
 
@@ -298,11 +300,27 @@ def run_eval(engine, cfg: EvalConfig, out: str | os.PathLike, progress: bool = T
     return rows
 
 
-def sample_log_line(done: int, total: int, name: str, took_s: float, elapsed_s: float) -> str:
-    """One line of a run logged to a file: where it is, what the sample took, the time left at the mean pace."""
+def sample_log_line(done: int, total: int, name: str, took_s: float, elapsed_s: float,
+                    resident: int | None = None, store: int | None = None) -> str:
+    """One line of a run logged to a file: where it is, what the sample took, the time left at the mean pace, and
+    the process's resident memory with the chunk store's share of it (a long run's memory is watched from here)."""
     left = elapsed_s / done * (total - done)
-    return (f"eval: sample {done}/{total} ({name}) done in {_hms(took_s)}; "
+    line = (f"eval: sample {done}/{total} ({name}) done in {_hms(took_s)}; "
             f"elapsed {_hms(elapsed_s)}, ~{_hms(left)} left")
+    if resident is not None:
+        line += f"; {resident / 2**30:.1f} GiB resident"
+        if store is not None:
+            line += f", {store / 2**30:.1f} GiB of it in the chunk store"
+    return line
+
+
+def _store_bytes(store) -> int | None:
+    """Bytes the engine's in-process store tiers hold (disk and Redis tiers hold none of the process's memory)."""
+    from kvstitch.store import MemoryStore, TieredStore
+
+    tiers = store.tiers if isinstance(store, TieredStore) else [store]
+    held = [t.stats()["bytes"] for t in tiers if isinstance(t, MemoryStore)]
+    return sum(held) if held else None
 
 
 def _hms(seconds: float) -> str:
