@@ -181,6 +181,7 @@ NEEDLE_CHUNKS = [
 ]
 
 
+@pytest.mark.long  # ~25 s on 2 cores: run by .ci/run after the quick set
 def test_prophet_recovers_multikey_needle_where_naive_fails(smollm):
     def ask(method, ratio=0.0):
         return smollm.generate(NEEDLE_QUESTION, NEEDLE_CHUNKS, method=method, recompute_ratio=ratio,

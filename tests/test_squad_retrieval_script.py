@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "squad_retrieval.py"
 
 
@@ -24,6 +26,7 @@ def test_an_answer_counts_as_whole_normalised_words():
     assert not answer_in("anything", ["", "the"])  # an answer that normalises to nothing never matches
 
 
+@pytest.mark.long  # ~25 s on 2 cores: run by .ci/run after the quick set
 def test_recall_per_chunk_size_and_budget(tmp_path):
     """Two articles as the collection: recall in [0, 1], never lower with a larger budget (the retrieved chunks at a
     larger budget include those at a smaller one), and a budget holding the whole collection finds almost every
