@@ -334,6 +334,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert res.exit_code == 2 and "--groupings needs --corpus squad" in res.output
     res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--targets", "q_proj,lm_head"])
     assert res.exit_code == 2 and "--targets takes attention, all or projections among" in res.output
+    res = runner.invoke(app, ["adapt", "--out", str(tmp_path / "r"), "--writer", "8", "--freeze", "writer"])
+    assert res.exit_code == 2 and "adapt freeze keeps parts of the adapter training starts from: pass --init" in res.output
     bad = tmp_path / "bad.safetensors"
     bad.write_text("nope")
     res = runner.invoke(app, ["ask", "Who?", "--chunk", str(bad), "--stitch-adapter", str(bad)])
@@ -430,6 +432,62 @@ def test_a_run_with_more_parts_or_projections_starts_from_an_adapter_with_fewer(
             Trainer(fresh_engine(smollm_tokenizer), _cfg(links=0, rank=0, writer=2, init=back.digest()), CONTEXTS,
                     [], tmp_path / "d", init=back).setup()
     assert not (tmp_path / "d").exists()  # refused before the run directory is written
+
+
+def test_a_frozen_writer_keeps_its_weights_and_the_parts_beside_it_train_over_its_stored_passages(
+        tmp_path, smollm_tokenizer, monkeypatch):
+    """``--freeze writer --init W``: W's writer stays bit for bit, its passages come from the store (written through
+    it, as precompute writes them: never in the student's graph), and link tokens and a reader LoRA beside it train,
+    at ratios > 0 too. A resumed run reaches the same adapter."""
+    from kvstitch.adapt import distill, train
+
+    Trainer(fresh_engine(smollm_tokenizer), _cfg(steps=1, links=0, rank=0, writer=2), CONTEXTS, [],
+            tmp_path / "w").run(progress=False)
+    start = StitchAdapter.load(tmp_path / "w" / "adapter.safetensors")
+    assert any(v.any() for k, v in start.state_dict().items() if k.startswith("writer_b"))
+
+    def no_graph(*a, **k):
+        raise AssertionError("a frozen writer's passages are read from the store")
+
+    monkeypatch.setattr(train, "written_chunks", no_graph)
+    cfg = _cfg(steps=2, links=2, rank=2, writer=2, init=start.digest(), freeze=("writer",), ratios=(0.0, 0.1))
+    tr = Trainer(fresh_engine(smollm_tokenizer), cfg, CONTEXTS, CONTEXTS[:1], tmp_path / "r", init=start)
+    tr.run(progress=False)
+    got = tr.adapter.state_dict()
+    writer = [k for k in start.state_dict() if k.startswith("writer_")]
+    assert writer and all(torch.equal(got[k], start.state_dict()[k].float()) for k in writer)
+    assert any(v.any() for k, v in got.items() if k.startswith("lora_b"))  # the reader left the identity
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["config"]["freeze"] == ["writer"]
+    # the store's passages are the writer's: what the student's graph would have written
+    monkeypatch.undo()
+    layout = tr.engine.layout(CONTEXTS[0].questions[0], list(CONTEXTS[0].passages))
+    with torch.no_grad():
+        written = distill.written_chunks(tr.engine, layout)
+    for a, b in zip(tr.engine.chunk_kvs(layout), written):
+        n = a.n_tokens
+        assert torch.allclose(a.keys, b.keys[..., :n, :], atol=1e-4) and torch.allclose(a.values, b.values[..., :n, :], atol=1e-4)
+    tr.engine.use_stitch_adapter(None)
+    plain = tr.engine.chunk_kvs(layout)[0]
+    assert not torch.allclose(plain.values, written[0].values[..., :plain.n_tokens, :], atol=1e-4)
+
+    resumed = Trainer(fresh_engine(smollm_tokenizer), cfg, CONTEXTS, CONTEXTS[:1], tmp_path / "r", init=start)
+    resumed.setup()
+    assert resumed.adapter.digest() == tr.adapter.digest()
+    assert not any(p.requires_grad for n, p in resumed.adapter.named_parameters() if n.startswith("writer_"))
+
+    for kw, match in ((dict(freeze=("writer",), writer=2), "pass --init"),
+                      (dict(freeze=("lora",), init="x"), "takes parts among"),
+                      (dict(freeze=("writer",), init="x"), "has no writer"),
+                      (dict(freeze=("writer", "links", "reader"), writer=2, init="x"), "nothing to train"),
+                      (dict(writer=2, ratios=(0.0, 0.1)), "--freeze writer trains the parts beside it")):
+        with pytest.raises(InputError, match=match):
+            _cfg(**kw)
+    reader_only = StitchAdapter.load(tmp_path / "r" / "adapter.safetensors")
+    with pytest.raises(InputError, match="lacks it"):
+        Trainer(fresh_engine(smollm_tokenizer), _cfg(links=2, rank=2, writer=2, init=start.digest(),
+                                                     freeze=("reader",)), CONTEXTS, [], tmp_path / "x",
+                init=start).setup()
+    assert reader_only.config.writer == 2
 
 
 def test_a_checkpointed_writer_pass_gives_one_passs_values_and_gradients(tmp_path, smollm_tokenizer):

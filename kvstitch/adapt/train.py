@@ -4,7 +4,9 @@ student and the loss: `kvstitch.adapt.distill`).
 The passages' caches come from the store (each passage's forward runs once, ever), stitched as a request stitches
 them; at a ratio > 0 the engine's method picks context tokens first, and they join the student's pass. Gradients
 reach only the adapter: the cached K/V are constants and the base weights are frozen. An adapter with a writer
-LoRA instead writes its passages' K/V in the student's graph (`written_chunks`), so it trains at ratio 0.
+LoRA instead writes its passages' K/V in the student's graph (`written_chunks`), so it trains at ratio 0; kept
+frozen (``freeze=("writer",)``, from ``--init``), its passages come from the store written through it, and the parts
+beside it (link tokens, a reader LoRA) train over them at any ratio.
 
 The run directory holds the adapter (``adapter.safetensors``), the checkpoint (``state.pt``: optimizer, step,
 losses), the loss log and curve (``loss.jsonl``, ``loss.png``), the teacher's targets (``teacher/``) and the
@@ -32,6 +34,13 @@ from .distill import cached_targets, questions_loss, written_chunks
 
 ADAPTER_FILE, STATE_FILE, RUN_FILE, LOSS_FILE = "adapter.safetensors", "state.pt", "run.json", "loss.jsonl"
 CARD_FILE = "adapter.json"  # what made the adapter, readable without torch (beside it, and in shipped adapters)
+# an adapter's parts and the prefixes of their parameters' names
+PARTS = {"links": ("links",), "reader": ("lora_a.", "lora_b."), "writer": ("writer_a.", "writer_b.")}
+
+
+def part_size(config, part: str) -> int:
+    """How many link tokens, or the LoRA's rank, of ``part`` in an `AdaptConfig` or `StitchAdapterConfig` (0: none)."""
+    return getattr(config, "rank" if part == "reader" else part)
 
 
 def adapter_card(path: Path) -> dict:
@@ -73,6 +82,7 @@ class AdaptConfig:
     eval_every: int = 25
     save_every: int = 10
     init: str = ""  # digest of the adapter training starts from ("": fresh)
+    freeze: tuple[str, ...] = ()  # parts (`PARTS`) kept as ``init`` holds them
 
     def __post_init__(self):
         for name in ("steps", "batch", "passages", "per_context", "groupings", "top_k", "max_answer", "save_every",
@@ -88,13 +98,29 @@ class AdaptConfig:
         for r in self.ratios:
             if not 0 <= r < 1:
                 raise InputError(f"adapt ratios must be in [0, 1), got {r}")
-        if self.writer and any(r > 0 for r in self.ratios):
+        unknown = [p for p in self.freeze if p not in PARTS]
+        if unknown:
+            raise InputError(f"adapt freeze takes parts among {', '.join(PARTS)}; got {', '.join(unknown)}")
+        absent = [p for p in self.freeze if not part_size(self, p)]
+        if absent:
+            raise InputError(f"adapt freeze: this adapter has no {', '.join(absent)} to keep")
+        if self.freeze and not self.init:
+            raise InputError("adapt freeze keeps parts of the adapter training starts from: pass --init")
+        if self.steps and set(self.freeze) >= {p for p in PARTS if part_size(self, p)}:
+            raise InputError("adapt freeze leaves nothing to train")
+        if self.trains_writer and any(r > 0 for r in self.ratios):
             raise InputError("an adapter with a writer LoRA trains at ratio 0 (its passages are written in the "
-                             "student's pass; a method's selection would read stale caches)")
+                             "student's pass; a method's selection would read stale caches); --freeze writer "
+                             "trains the parts beside it at any ratio")
         try:
             self.adapter
         except ValueError as e:
             raise InputError(str(e)) from None
+
+    @property
+    def trains_writer(self) -> bool:
+        """Its writer LoRA learns, so passages are written in the student's graph (not read from the store)."""
+        return bool(self.writer) and "writer" not in self.freeze
 
     @property
     def adapter(self) -> StitchAdapterConfig:
@@ -105,7 +131,7 @@ class AdaptConfig:
         before it existed still resume)."""
         d = json.loads(json.dumps(asdict(self)))
         for name, default in (("writer", 0), ("init", ""), ("answer_ce", 0.0), ("answer_margin", 0.0),
-                              ("groupings", 1), ("targets", list(ATTENTION_TARGETS))):
+                              ("groupings", 1), ("targets", list(ATTENTION_TARGETS)), ("freeze", [])):
             if d[name] == default:
                 d.pop(name)
         return d
@@ -173,11 +199,21 @@ class Trainer:
             self.adapter = StitchAdapter.for_model(eng.model, eng.weights_id, cfg.adapter, eng.model_name)
         self.adapter.info.pop("strength", None)  # training reads through it at full strength
         eng.use_stitch_adapter(self.adapter)
-        self.opt = torch.optim.AdamW(self.adapter.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.trained_parameters(), lr=cfg.lr, weight_decay=0.0)
         if ckpt.exists():
             st = torch.load(ckpt, weights_only=False)
             self.opt.load_state_dict(st["optimizer"])
             self.state = TrainState(**st["state"])
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """The adapter's parameters this run trains (the frozen parts' stop taking gradients)."""
+        frozen = tuple(pre for part in self.cfg.freeze for pre in PARTS[part])
+        out = []
+        for name, p in self.adapter.named_parameters():
+            p.requires_grad_(not name.startswith(frozen))
+            if p.requires_grad:
+                out.append(p)
+        return out
 
     def _check_init(self, init: StitchAdapter) -> None:
         """Refuse an adapter to start from that does not fit this model and these settings."""
@@ -195,6 +231,11 @@ class Trainer:
             raise InputError(f"--init holds a {have.form} adapter (alpha {have.alpha:g}) on {','.join(have.targets)}; "
                              f"this run trains {want.form} (alpha {want.alpha:g}) on {','.join(want.targets)}: pass "
                              f"the same form or one with more parts, on the same projections or more")
+        missing = [p for p in self.cfg.freeze if not part_size(have, p)
+                   or (p != "links" and set(have.targets) != set(want.targets))]
+        if missing:
+            raise InputError(f"--freeze {','.join(missing)} keeps --init's {' and '.join(missing)} as trained, but "
+                             f"the {have.form} adapter given lacks it (or adapts other projections)")
 
     def _from_init(self, init: StitchAdapter) -> StitchAdapter:
         """This run's adapter, starting from ``init``'s weights (`_check_init`)."""
@@ -243,7 +284,7 @@ class Trainer:
         from kvstitch.engine.stitch import stitch
 
         eng = self.engine
-        kvs = written_chunks(eng, layout) if self.adapter.writes else eng.chunk_kvs(layout)
+        kvs = written_chunks(eng, layout) if self.cfg.trains_writer else eng.chunk_kvs(layout)  # store: its writer's
         return stitch(eng, self._linked(layout, strength), kvs, extra=self.cfg.max_answer, adapted=strength)
 
     def _recompute(self, layout, ratio: float) -> tuple[torch.Tensor | None, object]:
@@ -270,14 +311,14 @@ class Trainer:
             recompute, used = self._recompute(layout, ratio)
             if current is None or current[0] != (c, tuple(used.order)):
                 _backward(pending)
-                with torch.set_grad_enabled(grad and self.adapter.writes):
+                with torch.set_grad_enabled(grad and self.cfg.trains_writer):
                     current = ((c, tuple(used.order)), self._stitched(ctx, used, strength))
             with torch.set_grad_enabled(grad):
                 loss = questions_loss(eng, current[1], self._linked(used, strength), [targets[q]],
                                       cfg.question_weight, recompute, strength, agree=agree, **extra)
                 if grad:
                     pending.append(loss / len(items))
-                    if not self.adapter.writes:
+                    if not self.cfg.trains_writer:
                         _backward(pending)
             total += float(loss.detach()) / len(items)
         _backward(pending)
@@ -306,7 +347,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         ratio = cfg.ratios[st.step % len(cfg.ratios)]
         loss = self.loss_of(self.batch_items(st.step), self.contexts, ratio, grad=True)
-        torch.nn.utils.clip_grad_norm_(self.adapter.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in self.adapter.parameters() if p.requires_grad], 1.0)
         self.opt.step()
         st.step += 1
         return loss

@@ -45,6 +45,9 @@ def adapt_command(
         init: Optional[str] = typer.Option(None, "--init", help="start from this adapter's weights: a file, or "
                                            "'default' (the one kvstitch ships for the model); its parts and "
                                            "projections or fewer (the rest start fresh)"),
+        freeze: str = typer.Option("", "--freeze", help="parts of the --init adapter kept as they are, comma-"
+                                   "separated: writer, links, reader (--freeze writer: its passages come from the "
+                                   "store, and the link tokens and reader LoRA beside it train at any --ratios)"),
         model: Model = None, dtype: Dtype = None, threads: Threads = None,
         store: Optional[str] = typer.Option(None, "--store", help="passage cache store (default: OUT/store)"),
         teacher_dir: Optional[Path] = typer.Option(None, "--teacher-dir", help="the teacher's targets (default: "
@@ -84,7 +87,7 @@ def adapt_command(
                       batch=batch, lr=lr, passages=passages, per_context=questions, groupings=groupings,
                       ratios=ratio_list or (0.0,), method=method, question_weight=question_weight, answer_ce=answer_ce,
                       answer_margin=answer_margin, seed=seed, corpus=corpus,
-                      init=start.digest() if start is not None else "")
+                      init=start.digest() if start is not None else "", freeze=tuple(csv_list(freeze)))
     docs = None
     if corpus != "squad":
         docs = Path(corpus).expanduser()
