@@ -61,3 +61,33 @@ def test_split_handles_groups_whose_tail_is_empty_or_fully_masked():
         out, _ = kvstitch_attention(SimpleNamespace(layer_idx=0), q, k, v, scaling=0.3,
                                     kvstitch_plan=ForwardPlan(q_slots=slots, group_queries=group))
         assert (out.double() - ref).abs().max().item() < 1e-5, group
+
+
+def test_half_precision_attention_with_gradients_runs_in_float32_on_a_cpu(monkeypatch):
+    """Training through bfloat16 attention on a CPU: the kernels see float32 (torch's half flash-attention backward
+    is a scalar kernel there), the output is the half path's up to its rounding and stays in bfloat16, and the
+    gradient reaches the queries. Without gradients (inference) the half path runs as before."""
+    seen = []
+    real = attention._CPU_FLASH
+
+    def recording(q, k, v, *a, **kw):
+        seen.append(q.dtype)
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(attention, "_CPU_FLASH", recording)
+    torch.manual_seed(2)
+    Hq, Hkv, d, n = 4, 2, 16, 200
+    slots = _slots(n, 40, seed=3)
+    q = torch.randn(1, Hq, slots.numel(), d).bfloat16()
+    k, v = torch.randn(1, Hkv, n, d).bfloat16(), torch.randn(1, Hkv, n, d).bfloat16()
+    plan = ForwardPlan(q_slots=slots)
+    half, _ = kvstitch_attention(SimpleNamespace(layer_idx=0), q, k, v, scaling=d ** -0.5, kvstitch_plan=plan)
+    assert seen and set(seen) == {torch.bfloat16}
+    seen.clear()
+    qg = q.clone().requires_grad_(True)
+    out, _ = kvstitch_attention(SimpleNamespace(layer_idx=0), qg, k, v, scaling=d ** -0.5, kvstitch_plan=plan)
+    assert seen and set(seen) == {torch.float32} and out.dtype == torch.bfloat16
+    ref = _reference(q.float(), k.float(), v.float(), slots, d ** -0.5)
+    assert (out.double() - ref).abs().max().item() < 2e-2 and (half.double() - ref).abs().max().item() < 2e-2
+    out.float().sum().backward()
+    assert qg.grad is not None and qg.grad.dtype == torch.bfloat16 and qg.grad.abs().sum() > 0
