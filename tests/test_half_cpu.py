@@ -120,3 +120,18 @@ def test_an_upcast_model_predicts_as_the_native_half_model(smollm_tokenizer, mon
     monkeypatch.setattr(half_cpu, "UPCAST_MIN_ROWS", 10**9)  # every input below the threshold: torch's kernel
     with torch.no_grad():
         assert torch.equal(upcast(input_ids=ids).logits, native(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_the_cpu_name_eval_rows_carry_tells_native_half_from_emulated(monkeypatch, forced):
+    # one model name ("AMD EPYC") covers AVX2 parts and AVX512-BF16 ones whose half prefill is ~4x faster
+    from kvstitch.engine.device import cpu_name
+
+    monkeypatch.setenv("KVSTITCH_NATIVE_HALF", forced)
+    cpu_name.cache_clear()
+    try:
+        name = cpu_name()
+    finally:
+        cpu_name.cache_clear()
+    assert name.endswith(")") and torch.backends.cpu.get_cpu_capability() in name
+    assert ("native bf16" in name) is (forced == "1")

@@ -27,11 +27,15 @@ def fast_dtype(device: torch.device | None = None) -> str:
 
 @functools.cache  # one machine per process
 def cpu_name() -> str:
-    """This machine's CPU model ("AMD EPYC", "Intel(R) Xeon(R) ..."): eval rows carry it, since a run resumed on
-    another machine times its samples there (TTFT ratios pool them)."""
+    """This machine's CPU model and the kernels torch runs on it ("AMD EPYC (AVX2)", "AMD EPYC (AVX512, native
+    bf16)"): eval rows carry it, since a run resumed on another machine times its samples there (TTFT ratios pool
+    them), and one model name covers CPUs whose half-precision prefill differs 4x in speed."""
+    name = ""
     with contextlib.suppress(OSError):  # no /proc (macOS, Windows): platform's name
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    name = name or platform.processor() or platform.machine() or "unknown"
+    kernels = [torch.backends.cpu.get_cpu_capability()]
+    if multiplies_natively(torch.bfloat16, torch.device("cpu")):
+        kernels.append("native bf16")
+    return f"{name} ({', '.join(kernels)})"
