@@ -3,18 +3,14 @@ training cost (a run started from another adapter adds that adapter's cost)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "adapter_table.py"
+from tests.scripts_loader import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("adapter_table", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("adapter_table")
 
 
 def _eval_dir(path: Path, digest: str | None, kept: dict, methods=(("naive", None), ("x", 0.1))) -> Path:

@@ -4,20 +4,16 @@ from (the gold passage, another one, none)."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "answer_sources.py"
+from tests.scripts_loader import load_script
+
 PASSAGES = ["The castle was built in 1066 by the Normans.", "The bridge opened in 1932 after six years of work.",
             "The river floods every spring."]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("answer_sources", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("answer_sources")
 
 
 def test_an_answer_comes_from_the_passage_holding_most_of_its_opening_words():

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "calibration_answers.py"
+from tests.scripts_loader import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("calibration_answers", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("calibration_answers")
 
 
 def _row(sample, config, pred, agree=False, ratio=0.1, used=0.1):

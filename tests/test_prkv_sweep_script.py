@@ -3,18 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prkv_static_sweep.py"
+from tests.scripts_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("prkv_static_sweep", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("prkv_static_sweep")
 
 
 def test_outputs_are_named_by_page_size_and_record_the_command(tmp_path):

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "squad_retrieval.py"
+from tests.scripts_loader import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("squad_retrieval", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("squad_retrieval")
 
 
 def test_an_answer_counts_as_whole_normalised_words():

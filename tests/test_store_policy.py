@@ -3,10 +3,8 @@ available, pins are never evicted and the byte budget holds. No model: small fak
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +14,11 @@ from kvstitch.core.errors import StoreError
 from kvstitch.store import MemoryStore, TieredStore, chunk_key, open_store
 from kvstitch.store.policy import LRUPolicy, S3FIFOPolicy
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "scan_trace.py"
+from tests.scripts_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("scan_trace", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scan_trace")
 
 
 def kv(n: int = 4, fp: str = "m") -> ChunkKV:
